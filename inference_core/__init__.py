@@ -1,0 +1,16 @@
+"""inference_core: a small LLM inference engine for the Llama family, with every optimization behind a switch.
+
+Typical use:
+
+    from inference_core import Engine, EngineConfig, SamplingParams, load_model
+    engine = Engine(load_model("bundled"), EngineConfig(kv_mode="paged"))
+    for event in engine.generate("Why is the sky blue?", SamplingParams(max_new_tokens=64)):
+        ...  # TokenEvent per token, then one FinishEvent with stats
+"""
+
+from inference_core.config import ConfigError, EngineConfig, ModelConfig
+from inference_core.engine import Engine, FinishEvent, GenerationStats, LoadedModel, TokenEvent, load_model
+from inference_core.sampling import SamplingParams
+
+__all__ = ["ConfigError", "Engine", "EngineConfig", "FinishEvent", "GenerationStats", "LoadedModel", "ModelConfig",
+           "SamplingParams", "TokenEvent", "load_model"]

@@ -1,0 +1,163 @@
+"""Model and engine settings: `ModelConfig` (what a checkpoint's config.json says, normalized across the Llama family)
+and `EngineConfig` (the switches a user flips: KV mode, block size, prefix cache, context length, device, dtype).
+
+Both are checked when built, so a bad value fails here with a message that says what to change, never deep inside a
+forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Hugging Face `architectures` entry -> our family member. Each differs from Llama only where noted.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",  # also SmolLM2
+    "MistralForCausalLM": "mistral",  # Llama + an optional sliding window
+    "Qwen2ForCausalLM": "qwen2",  # Llama + bias on q/k/v
+    "Qwen3ForCausalLM": "qwen3",  # Llama + RMSNorm on q and k (per head) before RoPE
+}
+KV_MODES = ("none", "contiguous", "paged")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A setting or a checkpoint that we cannot run; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple | None  # ("linear", factor) | ("llama3", factor, low, high, original_max)
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (transformers 4 or 5 layout), refusing what we do not run."""
+        if "auto_map" in hf:
+            raise ConfigError(f"{source} needs trust_remote_code (it has an auto_map); this engine runs only its own "
+                              f"code for {sorted(SUPPORTED_ARCHITECTURES)}. Choose a model of one of those types.")
+        architectures = hf.get("architectures") or []
+        names = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+        if not names:
+            raise ConfigError(f"unsupported architecture {architectures or hf.get('model_type')!r} in {source}; "
+                              f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}.")
+        architecture = SUPPORTED_ARCHITECTURES[names[0]]
+        if hf.get("mlp_bias"):
+            raise ConfigError(f"{source}: mlp_bias=true is not supported.")
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        max_positions = hf.get("max_position_embeddings", 2048)
+        # Mistral-style sliding window: we cap the context at the window, where full attention is exactly the same.
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", architecture == "mistral") else None
+        if window:
+            max_positions = min(max_positions, window)
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "default":
+            rope_scaling = None
+        elif rope_type == "linear":
+            rope_scaling = ("linear", float(rope["factor"]))
+        elif rope_type == "llama3":
+            rope_scaling = ("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                            float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+        else:
+            raise ConfigError(f"{source}: RoPE scaling type {rope_type!r} is not supported "
+                              "(supported: default, linear, llama3).")
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        config = cls(
+            architecture=architecture, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"], num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=architecture == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=architecture == "qwen3", eos_token_ids=eos_ids, bos_token_id=hf.get("bos_token_id"))
+        if config.num_heads % config.num_kv_heads:
+            raise ConfigError(f"{source}: {config.num_heads} attention heads do not divide into "
+                              f"{config.num_kv_heads} KV heads.")
+        return config
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V that one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name in DTYPES.values():
+            return name
+        name = str(name)
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; use one of: float32, bfloat16, float16.")
+    return DTYPES[name]
+
+
+def parse_device(name: str | torch.device | None) -> torch.device:
+    """'auto' (or None) picks CUDA when present, else the CPU."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as error:
+        raise ConfigError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto.") from error
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r} is not supported; use cpu, cuda, cuda:N or auto.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} was asked for but CUDA is not available here; use --device cpu.")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {name!r} does not exist; this machine has {torch.cuda.device_count()} GPU(s).")
+    return device
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The switches of one engine. Two engines (two race lanes) may share one loaded model with different configs."""
+
+    kv_mode: str = "paged"
+    block_size: int = 16
+    prefix_cache: bool = True
+    max_seq_len: int | None = None  # None: the model's context, capped at 8192 tokens
+    kv_cache_tokens: int | None = None  # paged pool size in tokens; None: room for one max_seq_len sequence
+
+    def __post_init__(self) -> None:
+        if self.kv_mode not in KV_MODES:
+            raise ConfigError(f"unknown KV mode {self.kv_mode!r}; use one of: {', '.join(KV_MODES)}.")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ConfigError(f"block size must be a positive integer, got {self.block_size!r}.")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ConfigError(f"max_seq_len must be at least 2, got {self.max_seq_len}.")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ConfigError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "
+                              f"of {self.block_size} tokens.")
+
+    def context_length(self, model: ModelConfig) -> int:
+        if self.max_seq_len is None:
+            return min(model.max_position_embeddings, 8192)
+        if self.max_seq_len > model.max_position_embeddings:
+            raise ConfigError(f"max_seq_len {self.max_seq_len} exceeds the model's context of "
+                              f"{model.max_position_embeddings} tokens.")
+        return self.max_seq_len
+
+    def num_kv_blocks(self, model: ModelConfig) -> int:
+        tokens = self.kv_cache_tokens or self.context_length(model)
+        return math.ceil(tokens / self.block_size)

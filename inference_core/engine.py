@@ -1,0 +1,244 @@
+"""The engine: turns a prompt into a stream of plain events, one per generated token and a final stats record.
+
+`load_model` reads a checkpoint once (weights, config, tokenizer) onto a device and dtype; an `Engine` pairs a loaded
+model with one `EngineConfig` (KV mode, block size, prefix cache) and owns that configuration's KV cache, so two
+engines can race on one set of weights. `Engine.generate` validates the request and returns a generator; the
+generator advances one model step per `next()`, which lets a caller interleave several requests fairly, and it
+releases the request's KV memory however it ends: finished, failed, or closed early (cancelled).
+
+Times are the request's own: the clock runs only while the generator is working, not while the caller holds it
+suspended, so a request's numbers do not include time spent on someone else's work.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from inference_core.checkpoint import read_config, read_weights, resolve_model_dir
+from inference_core.config import ConfigError, EngineConfig, ModelConfig, parse_device, parse_dtype
+from inference_core.kv_cache import ContiguousKVCache, PagedKVCache
+from inference_core.model import CausalLM, rope_inverse_frequencies
+from inference_core.runner import ModelRunner
+from inference_core.sampling import SamplingParams, make_generator, sample
+from inference_core.sequence import Sequence
+from inference_core.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token_id: int
+    text: str  # text delta; "" while an incomplete character or a possible stop string is held back
+    index: int  # 0 for the first generated token
+    time_s: float  # the request's own busy time when this token was ready
+    step_ms: float  # the forward pass + sampling that produced this token
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationStats:
+    kv_mode: str
+    prompt_tokens: int
+    cached_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
+    generated_tokens: int
+    finish_reason: str  # "eos" | "stop" | "length"
+    ttft_ms: float  # tokenization + prefill + first sampling
+    prefill_tokens_per_s: float  # computed prompt tokens / prefill step time
+    decode_tokens_per_s: float  # tokens after the first / busy time from the first token to the last
+    total_ms: float
+    kv_bytes_in_use: int  # KV of this request's tokens at its end
+    kv_bytes_reserved: int  # KV memory set aside for this request (contiguous: its whole slot; paged: its blocks)
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEvent:
+    text: str
+    token_ids: list[int]  # generated ids (an end-of-sequence token included)
+    stats: GenerationStats
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """Weights on a device plus the tokenizer: load once, share among engines."""
+
+    name: str
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+
+
+def load_model(model: str = "bundled", device: str | None = "auto", dtype: str = "float32") -> LoadedModel:
+    torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
+    model_dir = resolve_model_dir(model)
+    config = read_config(model_dir)
+    tokenizer = Tokenizer(model_dir)
+    weights = read_weights(model_dir, config)
+    with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint below
+        network = CausalLM(config)
+    tensors = {name: w.to(device=torch_device, dtype=torch_dtype) for name, w in weights.items()}
+    missing, unexpected = network.load_state_dict(tensors, strict=False, assign=True)
+    missing = [name for name in missing if not (name == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ConfigError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}.")
+    if config.tie_word_embeddings:
+        network.lm_head.weight = network.embed_tokens.weight
+    network.rope_inv_freq = rope_inverse_frequencies(config).to(torch_device)
+    return LoadedModel(model, config, network.eval(), tokenizer, torch_device, torch_dtype)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        model_config = loaded.config
+        self.max_seq_len = self.config.context_length(model_config)
+        if self.config.kv_mode == "contiguous":
+            self.kv_cache = ContiguousKVCache(model_config, self.max_seq_len, 1, loaded.dtype, loaded.device)
+        elif self.config.kv_mode == "paged":
+            self.kv_cache = PagedKVCache(model_config, self.config.num_kv_blocks(model_config),
+                                         self.config.block_size, self.config.prefix_cache, loaded.dtype,
+                                         loaded.device)
+        else:
+            self.kv_cache = None
+        self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device)
+        self.active: dict[int, Sequence] = {}
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    def prompt_ids(self, prompt: str | list[dict], system: str | None = None, chat: bool = True) -> list[int]:
+        """Text (or chat messages) -> prompt token ids, through the chat template unless chat=False."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ConfigError("the prompt is empty; type some text.")
+            if not chat:
+                return self.tokenizer.encode(prompt)
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}]
+        else:
+            messages = prompt
+            if not messages or not any(str(m.get("content", "")).strip() for m in messages):
+                raise ConfigError("the conversation is empty; type a message.")
+        return self.tokenizer.encode_chat(messages)
+
+    def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
+                 system: str | None = None, chat: bool = True) -> Iterator[TokenEvent | FinishEvent]:
+        """Validate now; return a generator of events that runs one model step per next()."""
+        params = params or SamplingParams()
+        started = time.perf_counter()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            prompt_ids = list(prompt)
+        else:
+            prompt_ids = self.prompt_ids(prompt, system, chat)
+        if not prompt_ids:
+            raise ConfigError("the prompt encodes to no tokens; type some text.")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ConfigError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_seq_len}; "
+                              "shorten the prompt (or raise --max-seq-len, up to the model's context).")
+        room = self.max_seq_len - len(prompt_ids)
+        if params.max_new_tokens > room:
+            raise ConfigError(f"max_new_tokens={params.max_new_tokens} does not fit: the prompt has "
+                              f"{len(prompt_ids)} tokens and the context holds {self.max_seq_len}; "
+                              f"use --max-new-tokens {room} or less.")
+        return self._run(prompt_ids, params, time.perf_counter() - started)
+
+    def _run(self, prompt_ids: list[int], params: SamplingParams, busy: float):
+        seq = Sequence(list(prompt_ids))
+        eos_ids = () if params.ignore_eos else self.loaded.eos_token_ids
+        generator = make_generator(params, self.loaded.device)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        longest_stop = max((len(s) for s in params.stop), default=0)
+        text, emitted, finish_reason = "", 0, None
+        resumed = time.perf_counter()
+        try:
+            # 1. Place the prompt's KV (paged: reuse cached prefix blocks), then prefill and sample the first token.
+            if self.kv_cache is not None:
+                self.kv_cache.allocate(seq)
+            self.active[seq.seq_id] = seq
+            cached_tokens = seq.num_cached_tokens
+            step_start = time.perf_counter()
+            token = sample(self.runner.run([seq])[0], params, generator)
+            prefill_s = time.perf_counter() - step_start
+            step_s = prefill_s
+            first_token_busy = None
+            while True:
+                # 2. Record the token, extend the text, check the stop conditions.
+                seq.append(token)
+                delta = "" if token in eos_ids else detokenizer.add(token)
+                text += delta
+                if token in eos_ids:
+                    finish_reason = "eos"
+                elif params.stop and (hit := _find_stop(text, params.stop, max(0, emitted - longest_stop))) >= 0:
+                    text, finish_reason = text[:hit], "stop"
+                elif seq.num_generated_tokens >= params.max_new_tokens:
+                    finish_reason = "length"
+                # Hold back a tail that could still become a stop string.
+                safe = len(text) if finish_reason else len(text) - _stop_prefix_len(text, params.stop)
+                delta, emitted = text[emitted:safe], max(emitted, safe)
+                busy += time.perf_counter() - resumed
+                first_token_busy = busy if first_token_busy is None else first_token_busy
+                yield TokenEvent(token, delta, seq.num_generated_tokens - 1, busy, step_s * 1e3)
+                resumed = time.perf_counter()
+                if finish_reason:
+                    break
+                # 3. One decode step: forward the new token through the cache, sample the next one.
+                step_start = time.perf_counter()
+                token = sample(self.runner.run([seq])[0], params, generator)
+                step_s = time.perf_counter() - step_start
+            in_use, reserved = self.kv_cache.usage(seq) if self.kv_cache is not None else (0, 0)
+            busy += time.perf_counter() - resumed
+            decode_tokens = seq.num_generated_tokens - 1
+            decode_s = busy - first_token_busy
+            computed_prompt = len(prompt_ids) - cached_tokens
+            stats = GenerationStats(
+                kv_mode=self.config.kv_mode, prompt_tokens=len(prompt_ids), cached_prompt_tokens=cached_tokens,
+                generated_tokens=seq.num_generated_tokens, finish_reason=finish_reason,
+                ttft_ms=first_token_busy * 1e3, prefill_tokens_per_s=computed_prompt / prefill_s,
+                decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
+                total_ms=busy * 1e3, kv_bytes_in_use=in_use, kv_bytes_reserved=reserved)
+            yield FinishEvent(text, seq.generated_token_ids, stats)
+        finally:
+            # Finished, failed or closed by the caller: the request's KV memory goes back either way.
+            self.active.pop(seq.seq_id, None)
+            if self.kv_cache is not None:
+                self.kv_cache.free(seq)
+
+    def complete(self, prompt, params: SamplingParams | None = None, **kwargs) -> FinishEvent:
+        """Run a request to the end and return its final event."""
+        for event in self.generate(prompt, params, **kwargs):
+            pass
+        return event
+
+    def kv_snapshot(self) -> dict | None:
+        """The paged pool as plain values for drawing (None for the other KV modes)."""
+        if not isinstance(self.kv_cache, PagedKVCache):
+            return None
+        return self.kv_cache.manager.snapshot(list(self.active.values()))
+
+
+def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:
+    hits = [i for s in stops if (i := text.find(s, search_from)) >= 0]
+    return min(hits) if hits else -1
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is the start of a stop string."""
+    best = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:size]):
+                best = size
+                break
+    return best

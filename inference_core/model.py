@@ -1,0 +1,169 @@
+"""Our own decoder-only forward for the Llama family: Llama/SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head
+RMSNorm on q and k before RoPE), all with grouped-query attention.
+
+The model owns the weights and the arithmetic, nothing else. It takes a flat batch of tokens from one or more
+sequences (`input_ids` and `positions`, both [num_tokens]) plus a `ForwardBatch` that says which tokens belong to
+which sequence and where each sequence's KV lives; the KV cache object (or None: recompute everything) is passed in.
+Numerics follow Hugging Face transformers step for step (fp32 RMSNorm, fp32 RoPE tables cast to the model dtype,
+SDPA), because transformers is our correctness oracle. q/k/v and gate/up projections are fused into one matrix each
+(fewer, larger matmuls: on a CPU the per-op overhead, not the arithmetic, decides small-model decode speed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_core.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers' LlamaRMSNorm: normalize in fp32, cast, then scale.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, with linear or Llama-3 scaling when the checkpoint asks for it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling and scaling[0] == "linear":
+        inv_freq = inv_freq / scaling[1]
+    elif scaling and scaling[0] == "llama3":
+        _, factor, low_freq_factor, high_freq_factor, original_max = scaling
+        low_freq_wavelen = original_max / low_freq_factor
+        high_freq_wavelen = original_max / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended smoothly.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, blended, scaled)
+    return inv_freq
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, batch, kv_cache) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # q: [tokens, heads, head_dim], k and v: [tokens, kv_heads, head_dim]; cos, sin: [tokens, 1, head_dim]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            kv_cache.store(self.layer_index, k, v, batch)
+        outputs = []
+        for i, (start, end) in enumerate(batch.query_ranges):
+            q_i = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, new_tokens, head_dim]
+            if kv_cache is None:
+                k_i, v_i = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+            else:
+                k_i, v_i = kv_cache.load(self.layer_index, i, batch)  # [kv_heads, context, head_dim]
+            out = F.scaled_dot_product_attention(
+                q_i, k_i.unsqueeze(0), v_i.unsqueeze(0), attn_mask=batch.attention_masks[i],
+                is_causal=batch.is_causal[i], scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+            outputs.append(out[0].transpose(0, 1).reshape(end - start, self.q_size))
+        attended = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return self.o_proj(attended)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of each head (the Hugging Face layout): [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]), -1)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[:, :self.intermediate_size], gate_up[:, self.intermediate_size:]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, batch, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head. `forward` returns logits for the tokens that need them."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.requires_grad_(False)
+        # RoPE angles for every position, computed once in fp32 like transformers does per step.
+        self.register_buffer("rope_inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables [max_positions, head_dim] in the model dtype (built once per device and dtype)."""
+        cached = self._rope_cache
+        if cached is None or cached[0].dtype != dtype or cached[0].device != self.rope_inv_freq.device:
+            positions = torch.arange(self.config.max_position_embeddings, device=self.rope_inv_freq.device)
+            freqs = positions.float()[:, None] * self.rope_inv_freq.float()[None, :]
+            angles = torch.cat((freqs, freqs), dim=-1)
+            self._rope_cache = cached = (angles.cos().to(dtype), angles.sin().to(dtype))
+        return cached
+
+    def forward(self, batch, kv_cache=None) -> torch.Tensor:
+        """batch.input_ids, batch.positions: [tokens]. Returns fp32 logits [len(batch.logits_indices), vocab]."""
+        x = self.embed_tokens(batch.input_ids)
+        cos_table, sin_table = self.rope_tables(x.dtype)
+        cos, sin = cos_table[batch.positions].unsqueeze(1), sin_table[batch.positions].unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, kv_cache)
+        # Only the last token of each sequence needs logits: the LM head is the largest matmul of a decode step.
+        x = self.norm(x[batch.logits_indices])
+        return self.lm_head(x).float()

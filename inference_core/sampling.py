@@ -1,0 +1,73 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, with a per-request seeded generator.
+
+`SamplingParams` holds one request's settings and validates them; `sample` turns a [vocab] fp32 logits row into a
+token id. Greedy is `temperature == 0` and is an argmax, so it is exactly what Hugging Face `generate` picks with
+`do_sample=False`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from inference_core.config import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int | None = None  # None: a fresh random seed per request
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (not included in the output)
+    ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks want a fixed token count)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens!r}.")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}.")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p}.")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must not be empty.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits: [vocab] fp32. Returns the chosen token id."""
+    if params.greedy:
+        return int(logits.argmax())
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the top token always stays).
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -21,7 +21,7 @@ import torch
 from inference_core.checkpoint import read_config, read_weights, resolve_model_dir
 from inference_core.config import ConfigError, EngineConfig, ModelConfig, parse_device, parse_dtype
 from inference_core.kv_cache import ContiguousKVCache, PagedKVCache
-from inference_core.model import CausalLM, rope_inverse_frequencies
+from inference_core.model import CausalLM, rope_inverse_frequencies, weight_layout
 from inference_core.runner import ModelRunner
 from inference_core.sampling import SamplingParams, make_generator, sample
 from inference_core.sequence import Sequence
@@ -78,7 +78,10 @@ class LoadedModel:
         return frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
 
 
-def load_model(model: str = "bundled", device: str | None = "auto", dtype: str = "float32") -> LoadedModel:
+def load_model(model: str = "bundled", device: str | None = "auto", dtype: str = "float32",
+               layout: str = "auto") -> LoadedModel:
+    """Read a checkpoint onto `device` in `dtype`. `layout` picks how projection weights are stored (see
+    `model.Linear`): 'auto' takes the measured-faster one for this device and dtype."""
     torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
     model_dir = resolve_model_dir(model)
     config = read_config(model_dir)
@@ -91,8 +94,9 @@ def load_model(model: str = "bundled", device: str | None = "auto", dtype: str =
     missing = [name for name in missing if not (name == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise ConfigError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}.")
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings:  # the LM head reads the embedding matrix (a copy only if it gets transposed)
         network.lm_head.weight = network.embed_tokens.weight
+    network.use_weight_layout(weight_layout(torch_device, torch_dtype) if layout == "auto" else layout)
     network.rope_inv_freq = rope_inverse_frequencies(config).to(torch_device)
     return LoadedModel(model, config, network.eval(), tokenizer, torch_device, torch_dtype)
 

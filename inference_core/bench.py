@@ -1,0 +1,187 @@
+"""`python -m inference_core bench`: our KV modes against Hugging Face transformers `generate`, same model, prompts,
+device and dtype, in one process.
+
+Method: one warm-up request per configuration (never timed); then for each repeat, each prompt runs under every
+configuration in turn (interleaved, so slow drift of a shared machine hits all rows alike); each row reports the
+median over its runs. Decode tokens/s counts the tokens after the first over the time from the first token to the
+last; TTFT is the prompt's prefill plus the first sampling (the paged prefix cache is emptied before each run so TTFT
+is a cold prompt). transformers is timed from inside `generate` by a stopping criterion that reads the clock after
+every token. `roofline_pct` is decode tokens/s as a percentage of the memory-bandwidth limit: the read bandwidth this
+script measures (summing a 1 GiB buffer) over the bytes one decode step must read (weights plus the KV of the
+average context).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from inference_core.config import ConfigError, EngineConfig, ModelConfig
+from inference_core.engine import Engine, LoadedModel, load_model
+from inference_core.prompts import DEFAULT_PROMPTS, load_prompts
+from inference_core.sampling import SamplingParams
+
+DEFAULT_PROMPT_IDS = ("chat-short-1", "code-2", "grounded-1", "long-2")
+HF_ROW = "hf-transformers"
+
+
+def measure_read_bandwidth(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second that a full read of a large fp32 buffer achieves (best of `repeats`)."""
+    buffer = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        _synchronize(device)
+        start = time.perf_counter()
+        buffer.sum()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return size_bytes / best
+
+
+def decode_bytes_per_step(loaded: LoadedModel, context_len: float) -> float:
+    """Bytes one decode step reads: every weight matrix once (the embedding table only as the LM head, when tied;
+    an untied table is read one row at a time) plus K and V of the context in every layer."""
+    model = loaded.model
+    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "lm_head.weight")
+    lm_head = model.lm_head.weight
+    embedding = model.embed_tokens.weight
+    if lm_head.data_ptr() != embedding.data_ptr():
+        # Untied, or tied but stored transposed for speed: the LM head matrix is read, the table only by rows.
+        total += lm_head.numel() * lm_head.element_size() - embedding.numel() * embedding.element_size()
+    return total + context_len * loaded.config.kv_bytes_per_token(loaded.dtype)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _HFRunner:
+    """transformers `generate` on the same weights, greedy, end-of-sequence ignored, clock read after each token."""
+
+    def __init__(self, loaded: LoadedModel, model_dir: Path):
+        from transformers import AutoModelForCausalLM, StoppingCriteria
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=loaded.dtype).to(loaded.device)
+        self.device = loaded.device
+        times = self.token_times = []
+
+        class Clock(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                _synchronize(input_ids.device)
+                times.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        self.clock = Clock()
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
+        ids = torch.tensor([prompt_ids], device=self.device)
+        self.token_times.clear()
+        _synchronize(self.device)
+        start = time.perf_counter()
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=None, pad_token_id=0, stopping_criteria=[self.clock])
+        first, last = self.token_times[0], self.token_times[-1]
+        return {"ttft_ms": (first - start) * 1e3, "prefill_tokens_per_s": len(prompt_ids) / (first - start),
+                "decode_tokens_per_s": (len(self.token_times) - 1) / (last - first)}
+
+
+def _run_ours(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> dict:
+    if engine.config.kv_mode == "paged":
+        engine.kv_cache.manager.reset_prefix_cache()
+    stats = engine.complete(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)).stats
+    return {"ttft_ms": stats.ttft_ms, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+            "decode_tokens_per_s": stats.decode_tokens_per_s}
+
+
+def run_bench(args) -> int:
+    from inference_core.checkpoint import resolve_model_dir
+
+    if args.repeats < 1 or args.max_new_tokens < 2:
+        raise ConfigError("bench needs --repeats >= 1 and --max-new-tokens >= 2.")
+    kv_modes = [mode.strip() for mode in args.configs.split(",") if mode.strip()]
+    loaded = load_model(args.model, args.device, args.dtype)
+    engines = {mode: Engine(loaded, EngineConfig(kv_mode=mode)) for mode in kv_modes}
+    rows = load_prompts(args.prompts or DEFAULT_PROMPTS)
+    wanted = args.prompt_ids.split(",") if args.prompt_ids else DEFAULT_PROMPT_IDS
+    by_id = {row["id"]: row for row in rows}
+    chosen = [by_id[i] for i in wanted if i in by_id] or rows[:4]  # a custom file: its first prompts
+    tokenize = next(iter(engines.values())) if engines else Engine(loaded, EngineConfig(kv_mode="none"))
+    prompts = [(row["id"], tokenize.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion"))
+               for row in chosen]
+    runners = {mode: (lambda ids, n, e=engine: _run_ours(e, ids, n)) for mode, engine in engines.items()}
+    if not args.no_hf:
+        runners[HF_ROW] = _HFRunner(loaded, resolve_model_dir(args.model)).run
+    print(f"bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, "
+          f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens", flush=True)
+    bandwidth = measure_read_bandwidth(loaded.device)
+    # 1. Warm-up: one short request per configuration, never timed.
+    for run in runners.values():
+        run(prompts[0][1], 8)
+    # 2. Timed runs, interleaved: repeat -> prompt -> configuration.
+    results: dict[str, list[dict]] = {name: [] for name in runners}
+    for repeat in range(args.repeats):
+        for prompt_id, ids in prompts:
+            for name, run in runners.items():
+                results[name].append(run(ids, args.max_new_tokens))
+            print(f"  repeat {repeat + 1}/{args.repeats}, {prompt_id}: " + ", ".join(
+                f"{name} {results[name][-1]['decode_tokens_per_s']:.1f}" for name in runners) + " tok/s", flush=True)
+    # 3. Medians, roofline and speed-up over transformers.
+    mean_context = statistics.mean(len(ids) for _, ids in prompts) + args.max_new_tokens / 2
+    limit = bandwidth / decode_bytes_per_step(loaded, mean_context)
+    table = []
+    for name, runs in results.items():
+        decode = statistics.median(r["decode_tokens_per_s"] for r in runs)
+        table.append({"name": name, "kv": "dynamic (transformers)" if name == HF_ROW else name,
+                      "decode_tokens_per_s": round(decode, 2),
+                      "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 1),
+                      "prefill_tokens_per_s": round(statistics.median(r["prefill_tokens_per_s"] for r in runs), 1),
+                      "roofline_pct": round(100 * decode / limit, 1), "runs": len(runs)})
+    hf = next((row for row in table if row["name"] == HF_ROW), None)
+    for row in table:
+        row["speedup_vs_hf"] = round(row["decode_tokens_per_s"] / hf["decode_tokens_per_s"], 2) if hf else None
+    report = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "prompts": [prompt_id for prompt_id, _ in prompts], "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+              "roofline_tokens_per_s": round(limit, 1), "machine": _machine(loaded.device), "rows": table}
+    print(format_table(report))
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json_path}")
+    return 0
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{report['model']} | {report['device']} | {report['dtype']} | read bandwidth "
+             f"{report['read_bandwidth_gb_s']} GB/s -> decode limit {report['roofline_tokens_per_s']} tok/s",
+             "| config | decode tok/s | vs transformers | TTFT ms | prefill tok/s | roofline % |",
+             "|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        speedup = f"{row['speedup_vs_hf']:.2f}x" if row["speedup_vs_hf"] else "-"
+        lines.append(f"| {row['name']} | {row['decode_tokens_per_s']:.1f} | {speedup} | {row['ttft_ms']:.0f} | "
+                     f"{row['prefill_tokens_per_s']:.0f} | {row['roofline_pct']:.0f} |")
+    return "\n".join(lines)
+
+
+def _machine(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "processor": _cpu_name(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

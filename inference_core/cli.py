@@ -1,0 +1,100 @@
+"""The command line, a stable contract other tools rely on:
+
+    python -m inference_core generate --prompt TEXT [--prompt TEXT ...] [--json] ...
+    python -m inference_core bench [--prompts FILE] [--max-new-tokens N] [--repeats R] [--json PATH] ...
+
+`generate` runs its prompts one after another on one engine (so a later prompt can hit the prefix cache) and streams
+text to stdout, or with `--json` prints one JSON list with an object per prompt: `token_ids`, `text`, `stats`.
+Bad settings exit with status 2 and a one-line message that says what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from inference_core.config import KV_MODES, ConfigError, EngineConfig
+from inference_core.engine import Engine, FinishEvent, load_model
+from inference_core.sampling import SamplingParams
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="bundled",
+                        help="'bundled' (SmolLM2-135M-Instruct), a local directory, a .gguf file or a Hub id")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m inference_core", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text for one or more prompts")
+    generate.add_argument("--prompt", action="append", required=True, help="repeat to run several prompts in turn")
+    generate.add_argument("--system", help="system message for the chat template")
+    generate.add_argument("--no-chat", action="store_true", help="plain completion: no chat template")
+    _add_model_args(generate)
+    generate.add_argument("--kv", choices=KV_MODES, default="paged", help="KV cache mode (default: paged)")
+    generate.add_argument("--block-size", type=int, default=16, help="paged KV block size in tokens")
+    generate.add_argument("--no-prefix-cache", action="store_true", help="paged: do not reuse cached prefixes")
+    generate.add_argument("--max-seq-len", type=int, help="context length (default: the model's, at most 8192)")
+    generate.add_argument("--max-new-tokens", type=int, default=256)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    generate.add_argument("--top-k", type=int, default=0, help="0 is off")
+    generate.add_argument("--top-p", type=float, default=1.0, help="1 is off")
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    generate.add_argument("--json", action="store_true", help="print one JSON list instead of streaming text")
+
+    bench = commands.add_parser("bench", help="our KV modes vs Hugging Face transformers on the same prompts")
+    bench.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
+    bench.add_argument("--prompt-ids", help="comma-separated prompt ids to run (default: one per kind)")
+    _add_model_args(bench)
+    bench.add_argument("--configs", default="contiguous,paged",
+                       help="our KV modes to run, comma-separated, from: none, contiguous, paged")
+    bench.add_argument("--no-hf", action="store_true", help="skip the transformers row")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--json", dest="json_path", help="write the results here")
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    config = EngineConfig(kv_mode=args.kv, block_size=args.block_size, prefix_cache=not args.no_prefix_cache,
+                          max_seq_len=args.max_seq_len)
+    engine = Engine(load_model(args.model, args.device, args.dtype), config)
+    results = []
+    for prompt in args.prompt:
+        for event in engine.generate(prompt, params, system=args.system, chat=not args.no_chat):
+            if isinstance(event, FinishEvent):
+                results.append({"prompt": prompt, "token_ids": event.token_ids, "text": event.text,
+                                "stats": event.stats.as_dict()})
+                if not args.json:
+                    s = event.stats
+                    print(f"\n[{s.generated_tokens} tokens, {s.finish_reason}; TTFT {s.ttft_ms:.0f} ms, "
+                          f"decode {s.decode_tokens_per_s:.1f} tok/s; prompt {s.prompt_tokens} tokens, "
+                          f"{s.cached_prompt_tokens} from the prefix cache]", file=sys.stderr)
+            elif not args.json:
+                print(event.text, end="", flush=True)
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+        from inference_core.bench import run_bench
+
+        return run_bench(args)
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,68 @@
+"""Greedy token ids from our engine equal Hugging Face transformers `generate` on the same weights (the bundled
+SmolLM2-135M, fp32, CPU), 128 new tokens for each of five prompts from 12 to 277 tokens, in every KV mode, paged
+with the prefix cache on and off. Long outputs give any wrong KV placement time to show."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_core import SamplingParams
+from inference_core.checkpoint import resolve_model_dir
+
+from conftest import make_engine
+
+PROMPT_IDS = ("plain-1", "chat-short-3", "code-2", "grounded-1", "long-2")  # 12, 36, 106, 145, 277 tokens
+NEW_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def prompts(bundled, bench_prompts) -> list[list[int]]:
+    engine = make_engine(bundled, "none")
+    rows = [bench_prompts[i] for i in PROMPT_IDS]
+    return [engine.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion") for row in rows]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts) -> list[list[int]]:
+    """transformers greedy ids, end-of-sequence ignored so every prompt yields the full 128 tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir("bundled")), dtype=torch.float32)
+    outputs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        # An explicit mask: otherwise transformers masks every prompt token equal to pad_token_id (<|im_end|> here).
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+def test_prompts_span_many_blocks(prompts):
+    assert [len(p) for p in prompts] == [12, 36, 106, 145, 277]  # the longest fills 17 blocks of 16
+
+
+@pytest.mark.parametrize("kv_mode,prefix_cache", [("contiguous", False), ("paged", True), ("paged", False),
+                                                  ("none", False)])
+def test_greedy_ids_equal_transformers(bundled, prompts, reference, kv_mode, prefix_cache):
+    # One engine for all prompts, as in serving: with the prefix cache on, chat prompts reuse the shared system block.
+    engine = make_engine(bundled, kv_mode, prefix_cache=prefix_cache)
+    cached = []
+    for ids, expected in zip(prompts, reference):
+        event = engine.complete(ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+        assert event.token_ids == expected
+        cached.append(event.stats.cached_prompt_tokens)
+    assert cached == ([0, 0, 16, 16, 16] if prefix_cache else [0] * 5)
+    if kv_mode == "paged":
+        assert engine.kv_cache.manager.num_used_blocks == 0
+
+
+def test_fully_cached_long_prompt_equals_transformers(bundled, prompts, reference):
+    """The second run of the long prompt takes 272 of its 277 tokens from the cache and still matches."""
+    engine = make_engine(bundled, "paged")
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    first = engine.complete(prompts[-1], params)
+    second = engine.complete(prompts[-1], params)
+    assert (first.stats.cached_prompt_tokens, second.stats.cached_prompt_tokens) == (0, 272)
+    assert first.token_ids == second.token_ids == reference[-1]

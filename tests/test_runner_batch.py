@@ -1,0 +1,68 @@
+"""The runner takes a batch of sequences, each with its own positions and block table or cache slot; batch 1 is just
+a batch of one. Greedy decoding of three sequences of different lengths in one batch must give the same tokens as
+running each alone (the roadmap's continuous batching stands on this)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_core import SamplingParams
+from inference_core.kv_cache import ContiguousKVCache
+from inference_core.runner import ModelRunner
+from inference_core.sequence import Sequence
+
+from conftest import make_engine
+
+STEPS = 24
+
+
+def _decode_batch(engine, prompts: list[list[int]]) -> list[list[int]]:
+    seqs = [Sequence(list(p)) for p in prompts]
+    for seq in seqs:
+        if engine.kv_cache is not None:
+            engine.kv_cache.allocate(seq)
+    try:
+        for _ in range(STEPS):
+            logits = engine.runner.run(seqs)  # [len(seqs), vocab]: one row per sequence
+            assert logits.shape == (len(seqs), engine.loaded.config.vocab_size)
+            for seq, row in zip(seqs, logits):
+                seq.append(int(row.argmax()))
+        return [seq.generated_token_ids for seq in seqs]
+    finally:
+        for seq in seqs:
+            if engine.kv_cache is not None:
+                engine.kv_cache.free(seq)
+
+
+@pytest.mark.parametrize("kv_mode", ["paged", "contiguous", "none"])
+def test_batch_equals_one_at_a_time(bundled, kv_mode):
+    engine = make_engine(bundled, kv_mode, block_size=8)
+    if kv_mode == "contiguous":  # one slot per sequence of the batch
+        engine.kv_cache = ContiguousKVCache(bundled.config, engine.max_seq_len, 3, bundled.dtype, bundled.device)
+        engine.runner = ModelRunner(bundled.model, engine.kv_cache, bundled.device)
+    prompts = [engine.prompt_ids(text) for text in ("Why is the sky blue?", "Write a haiku about autumn rain.",
+                                                     "Name three prime numbers and explain why each is prime.")]
+    assert len({len(p) for p in prompts}) == 3  # different lengths, so positions and tables differ per sequence
+    alone = [engine.complete(p, SamplingParams(max_new_tokens=STEPS, ignore_eos=True)).token_ids for p in prompts]
+    assert _decode_batch(engine, prompts) == alone
+    if kv_mode == "paged":
+        assert engine.kv_cache.manager.num_used_blocks == 0
+
+
+def test_prefix_hit_inside_a_batch(bundled):
+    """Two sequences sharing a cached prefix attend through the same physical blocks in one forward."""
+    engine = make_engine(bundled, "paged", block_size=8)
+    prompt = engine.prompt_ids("Why is the sky blue?")
+    engine.complete(prompt, SamplingParams(max_new_tokens=2))  # leaves the prompt's full blocks in the cache
+    first, second = Sequence(list(prompt)), Sequence(list(prompt))
+    engine.kv_cache.allocate(first)
+    engine.kv_cache.allocate(second)
+    shared = (len(prompt) - 1) // 8
+    assert first.block_table[:shared] == second.block_table[:shared]
+    assert first.num_cached_tokens == second.num_cached_tokens == shared * 8
+    logits = engine.runner.run([first, second])
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
+    engine.kv_cache.free(first)
+    engine.kv_cache.free(second)
+    assert engine.kv_cache.manager.num_used_blocks == 0

@@ -83,6 +83,8 @@ def load_model(model: str = "bundled", device: str | None = "auto", dtype: str =
     """Read a checkpoint onto `device` in `dtype`. `layout` picks how projection weights are stored (see
     `model.Linear`): 'auto' takes the measured-faster one for this device and dtype."""
     torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
+    if layout not in ("auto", "out_in", "in_out"):
+        raise ConfigError(f"unknown weight layout {layout!r}; use auto, out_in or in_out.")
     model_dir = resolve_model_dir(model)
     config = read_config(model_dir)
     tokenizer = Tokenizer(model_dir)
@@ -148,6 +150,10 @@ class Engine:
             prompt_ids = self.prompt_ids(prompt, system, chat)
         if not prompt_ids:
             raise ConfigError("the prompt encodes to no tokens; type some text.")
+        vocab_size = self.loaded.config.vocab_size
+        if not all(0 <= token < vocab_size for token in prompt_ids):
+            bad = next(token for token in prompt_ids if not 0 <= token < vocab_size)
+            raise ConfigError(f"prompt token id {bad} is outside the model's vocabulary (0..{vocab_size - 1}).")
         if len(prompt_ids) >= self.max_seq_len:
             raise ConfigError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_seq_len}; "
                               "shorten the prompt (or raise --max-seq-len, up to the model's context).")
@@ -156,6 +162,13 @@ class Engine:
             raise ConfigError(f"max_new_tokens={params.max_new_tokens} does not fit: the prompt has "
                               f"{len(prompt_ids)} tokens and the context holds {self.max_seq_len}; "
                               f"use --max-new-tokens {room} or less.")
+        if isinstance(self.kv_cache, PagedKVCache):
+            # KV is written for every token but the last generated one: prompt + max_new_tokens - 1 slots.
+            pool_tokens = self.kv_cache.manager.num_blocks * self.config.block_size
+            if len(prompt_ids) + params.max_new_tokens - 1 > pool_tokens:
+                raise ConfigError(f"the KV pool holds {pool_tokens} tokens but this request needs up to "
+                                  f"{len(prompt_ids) + params.max_new_tokens - 1} ({len(prompt_ids)} prompt + "
+                                  f"{params.max_new_tokens} new - 1); raise kv_cache_tokens or lower max_new_tokens.")
         return self._run(prompt_ids, params, time.perf_counter() - started)
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, busy: float):

@@ -25,16 +25,17 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks want a fixed token count)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens!r}.")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be an integer of at least 1 (--max-new-tokens), "
+                              f"got {self.max_new_tokens!r}.")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}.")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p}.")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty.")
 

@@ -1,0 +1,197 @@
+"""Our forward against Hugging Face transformers (the oracle) on tiny random models of every supported family.
+
+Each case builds a small random transformers model (2 layers, 4 query heads over 2 KV heads, head_dim 16), saves it as
+safetensors next to a word-level tokenizer covering its vocabulary, and loads that directory with our own loader. We
+then compare prefill logits, greedy token ids over 64 new tokens in every KV mode (paged with 4-token blocks, so a
+sequence spans many blocks, with the prefix cache on and off), the two weight layouts, and bf16 against fp32.
+The tiny models keep the whole file to a few seconds on the CPU while still exercising GQA, q/k/v bias (Qwen2),
+q/k norm (Qwen3), tied embeddings and Llama-3 RoPE scaling.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer as FastTokenizer
+from tokenizers import models, pre_tokenizers
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+import inference_core
+from inference_core import Engine, EngineConfig, SamplingParams
+from inference_core.sequence import Sequence
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: stable run times on a busy CPU
+
+VOCAB_SIZE = 256
+NEW_TOKENS = 64
+BLOCK_SIZE = 4
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=VOCAB_SIZE, max_position_embeddings=512, rms_norm_eps=1e-6,
+            # Wider than the default 0.02 so logits are spread out and greedy choices are not near-ties.
+            initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# Family name -> (transformers config class, model class, extra config fields, our ModelConfig.architecture).
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}, "llama"),
+    "llama-tied": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": True}, "llama"),
+    "llama-rope-llama3": (LlamaConfig, LlamaForCausalLM,
+                          {"tie_word_embeddings": False, "rope_parameters": LLAMA3_ROPE}, "llama"),
+    "mistral": (MistralConfig, MistralForCausalLM, {"tie_word_embeddings": False, "sliding_window": None}, "mistral"),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}, "qwen2"),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": False}, "qwen3"),
+}
+PROMPTS = {
+    "one-token": [1],
+    "short": [5, 17, 200, 3, 99, 42, 7],
+    # 37 tokens: 9 full 4-token blocks and one partial block.
+    "long": [(31 * i + 7) % VOCAB_SIZE for i in range(37)],
+}
+KV_CONFIGS = {
+    "none": dict(kv_mode="none"),
+    "contiguous": dict(kv_mode="contiguous"),
+    "paged-prefix-cache": dict(kv_mode="paged", block_size=BLOCK_SIZE, prefix_cache=True),
+    "paged-no-prefix-cache": dict(kv_mode="paged", block_size=BLOCK_SIZE, prefix_cache=False),
+}
+
+
+def write_word_level_tokenizer(directory) -> None:
+    """tokenizer.json mapping token 'tN' <-> id N for the whole vocabulary, plus a tokenizer_config naming the EOS."""
+    vocab = {f"t{i}": i for i in range(VOCAB_SIZE)}
+    tokenizer = FastTokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1"}))
+
+
+class TinyFamily:
+    """A saved tiny checkpoint of one family, its transformers model, and our fp32 load of it."""
+
+    def __init__(self, name: str, directory):
+        config_class, model_class, extra, self.architecture = FAMILIES[name]
+        self.name, self.directory = name, directory
+        torch.manual_seed(0)
+        self.hf_model = model_class(config_class(**TINY, **extra)).eval()
+        self.hf_model.generation_config.eos_token_id = None
+        self.hf_model.save_pretrained(str(directory))
+        write_word_level_tokenizer(directory)
+        self.loaded = inference_core.load_model(str(directory), device="cpu", dtype="float32")
+        self._greedy: dict[tuple[int, ...], list[int]] = {}
+
+    @torch.no_grad()
+    def hf_last_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        return self.hf_model(torch.tensor([prompt_ids])).logits[0, -1].float()
+
+    @torch.no_grad()
+    def hf_greedy(self, prompt_ids: list[int]) -> list[int]:
+        """transformers' greedy continuation (memoized per prompt)."""
+        key = tuple(prompt_ids)
+        if key not in self._greedy:
+            input_ids = torch.tensor([prompt_ids])
+            # An explicit all-ones mask: otherwise transformers masks every token equal to pad_token_id.
+            output = self.hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                            pad_token_id=0)
+            self._greedy[key] = output[0, len(prompt_ids):].tolist()
+            assert len(self._greedy[key]) == NEW_TOKENS, "transformers stopped early; the comparison would be short"
+        return self._greedy[key]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> TinyFamily:
+    return TinyFamily(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def our_last_logits(loaded, prompt_ids: list[int]) -> torch.Tensor:
+    """Prefill `prompt_ids` with no KV cache and return our fp32 logits for the last position."""
+    engine = Engine(loaded, EngineConfig(kv_mode="none"))
+    return engine.runner.run([Sequence(list(prompt_ids))])[0]
+
+
+def greedy(engine: Engine, prompt_ids: list[int]):
+    return engine.complete(list(prompt_ids), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+
+
+def test_loader_reads_the_family(family):
+    config, hf_config = family.loaded.config, family.hf_model.config
+    assert config.architecture == family.architecture
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
+    assert config.tie_word_embeddings == hf_config.tie_word_embeddings
+    assert config.qkv_bias == (family.architecture == "qwen2")
+    assert config.qk_norm == (family.architecture == "qwen3")
+    expected_scaling = ("llama3", 8.0, 1.0, 4.0, 64) if family.name == "llama-rope-llama3" else None
+    assert config.rope_scaling == expected_scaling
+
+
+@pytest.mark.parametrize("prompt_name", sorted(PROMPTS))
+def test_prefill_logits_match_transformers(family, prompt_name):
+    prompt_ids = PROMPTS[prompt_name]
+    ours = our_last_logits(family.loaded, prompt_ids)
+    reference = family.hf_last_logits(prompt_ids)
+    assert ours.shape == (VOCAB_SIZE,)
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kv_name", sorted(KV_CONFIGS))
+def test_greedy_ids_match_transformers(family, kv_name):
+    engine = Engine(family.loaded, EngineConfig(**KV_CONFIGS[kv_name]))
+    for prompt_name in ("short", "long"):
+        prompt_ids = PROMPTS[prompt_name]
+        result = greedy(engine, prompt_ids)
+        assert result.token_ids == family.hf_greedy(prompt_ids), f"{prompt_name} prompt diverges from transformers"
+        assert result.stats.finish_reason == "length"
+        assert result.stats.cached_prompt_tokens == 0  # no earlier request shared this prompt
+    assert engine.active == {}
+    if kv_name.startswith("paged"):
+        assert engine.kv_cache.manager.num_used_blocks == 0
+
+
+def test_prefix_cache_hits_give_transformers_ids(family):
+    """Repeat a prompt, then extend it by part of its own answer: both reuse cached 4-token blocks (the second also
+    blocks written while decoding) and must still continue exactly as transformers does."""
+    engine = Engine(family.loaded, EngineConfig(kv_mode="paged", block_size=BLOCK_SIZE, prefix_cache=True))
+    prompt_ids = PROMPTS["long"]
+    first = greedy(engine, prompt_ids)
+    assert first.stats.cached_prompt_tokens == 0
+
+    repeat = greedy(engine, prompt_ids)
+    # Only full blocks within the first len - 1 tokens are reused: (37 - 1) // 4 = 9 blocks.
+    assert repeat.stats.cached_prompt_tokens == 36
+    assert repeat.token_ids == family.hf_greedy(prompt_ids)
+
+    extended_ids = prompt_ids + first.token_ids[:10]  # 47 tokens; blocks 9 and 10 were filled by decoding
+    extended = greedy(engine, extended_ids)
+    assert extended.stats.cached_prompt_tokens == 44
+    assert extended.token_ids == family.hf_greedy(extended_ids)
+    assert extended.token_ids[:NEW_TOKENS - 10] == first.token_ids[10:]
+    assert engine.kv_cache.manager.num_used_blocks == 0
+
+
+def test_weight_layouts_agree(family):
+    out_in = inference_core.load_model(str(family.directory), device="cpu", dtype="float32", layout="out_in")
+    in_out = inference_core.load_model(str(family.directory), device="cpu", dtype="float32", layout="in_out")
+    # The switch really changed the stored layout: [out, in] versus [in, out].
+    assert not out_in.model.lm_head.in_out and in_out.model.lm_head.in_out
+    qkv_out_in = out_in.model.layers[0].self_attn.qkv_proj.weight
+    qkv_in_out = in_out.model.layers[0].self_attn.qkv_proj.weight
+    assert qkv_out_in.shape == (4 * 16 + 2 * 2 * 16, 64) and qkv_in_out.shape == (64, 4 * 16 + 2 * 2 * 16)
+    for prompt_ids in PROMPTS.values():
+        torch.testing.assert_close(our_last_logits(in_out, prompt_ids), our_last_logits(out_in, prompt_ids),
+                                   atol=1e-5, rtol=0)
+
+
+def test_bfloat16_close_to_float32(family):
+    loaded = inference_core.load_model(str(family.directory), device="cpu", dtype="bfloat16")
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert loaded.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    prompt_ids = PROMPTS["long"]
+    ours = our_last_logits(loaded, prompt_ids)
+    assert ours.dtype == torch.float32  # logits come back in fp32 whatever the model dtype
+    # bf16 keeps ~3 significant digits; logits here are of order 1, a wrong cast or RoPE table would be off by ~1.
+    torch.testing.assert_close(ours, family.hf_last_logits(prompt_ids), atol=0.1, rtol=0)
+    result = Engine(loaded, EngineConfig(kv_mode="paged", block_size=BLOCK_SIZE)).complete(
+        list(prompt_ids), SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert len(result.token_ids) == 16 and all(0 <= t < VOCAB_SIZE for t in result.token_ids)

@@ -21,7 +21,7 @@ import torch
 from inference_core.checkpoint import read_config, read_weights, resolve_model_dir
 from inference_core.config import ConfigError, EngineConfig, ModelConfig, parse_device, parse_dtype
 from inference_core.kv_cache import ContiguousKVCache, PagedKVCache
-from inference_core.model import CausalLM, rope_inverse_frequencies, weight_layout
+from inference_core.model import CausalLM, rope_inverse_frequencies
 from inference_core.runner import ModelRunner
 from inference_core.sampling import SamplingParams, make_generator, sample
 from inference_core.sequence import Sequence
@@ -98,7 +98,7 @@ def load_model(model: str = "bundled", device: str | None = "auto", dtype: str =
         raise ConfigError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}.")
     if config.tie_word_embeddings:  # the LM head reads the embedding matrix (a copy only if it gets transposed)
         network.lm_head.weight = network.embed_tokens.weight
-    network.use_weight_layout(weight_layout(torch_device, torch_dtype) if layout == "auto" else layout)
+    network.configure_kernels(torch_device, torch_dtype, layout)
     network.rope_inv_freq = rope_inverse_frequencies(config).to(torch_device)
     return LoadedModel(model, config, network.eval(), tokenizer, torch_device, torch_dtype)
 

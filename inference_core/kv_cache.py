@@ -31,6 +31,7 @@ class ContiguousKVCache:
         # k, v: [layers, slots, kv_heads, max_seq_len, head_dim]; head-major so one slot's context is a plain view.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # views, so a step indexes less
         self.free_slots = list(range(num_slots))
 
     def allocate(self, seq: Sequence) -> None:
@@ -57,12 +58,12 @@ class ContiguousKVCache:
         # k, v: [tokens, kv_heads, head_dim] for all sequences of the batch, in batch.query_ranges order.
         for slot, (start, end), (first_pos, last_pos) in zip(batch.cache_slots, batch.query_ranges,
                                                             batch.position_ranges):
-            self.k[layer, slot, :, first_pos:last_pos] = k[start:end].transpose(0, 1)
-            self.v[layer, slot, :, first_pos:last_pos] = v[start:end].transpose(0, 1)
+            self.k_layers[layer][slot, :, first_pos:last_pos] = k[start:end].transpose(0, 1)
+            self.v_layers[layer][slot, :, first_pos:last_pos] = v[start:end].transpose(0, 1)
 
     def load(self, layer: int, index: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         slot, context = batch.cache_slots[index], batch.context_lens[index]
-        return self.k[layer, slot, :, :context], self.v[layer, slot, :, :context]
+        return self.k_layers[layer][slot, :, :context], self.v_layers[layer][slot, :, :context]
 
     def usage(self, seq: Sequence) -> tuple[int, int]:
         """(bytes holding this sequence's tokens, bytes reserved for it)."""
@@ -83,6 +84,10 @@ class PagedKVCache:
         # k, v: [layers, blocks, block_size, kv_heads, head_dim]; a token's (block, offset) is one flat slot index.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        # Per-layer views made once: [blocks, block_size, kv_heads, head_dim] for reads, flat slots for writes.
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
+        self.k_slots = [layer.flatten(0, 1) for layer in self.k_layers]
+        self.v_slots = [layer.flatten(0, 1) for layer in self.v_layers]
         self.device = device
 
     def allocate(self, seq: Sequence) -> None:
@@ -115,14 +120,14 @@ class PagedKVCache:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None:
         # k, v: [tokens, kv_heads, head_dim] -> the pool seen as [blocks * block_size, kv_heads, head_dim].
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, batch.slot_mapping, k)
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, batch.slot_mapping, v)
+        self.k_slots[layer].index_copy_(0, batch.slot_mapping, k)
+        self.v_slots[layer].index_copy_(0, batch.slot_mapping, v)
 
     def load(self, layer: int, index: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather one sequence's blocks through its block table: [kv_heads, context, head_dim] each."""
         table, context = batch.block_tables[index], batch.context_lens[index]
-        k = self.k[layer].index_select(0, table).flatten(0, 1)[:context].transpose(0, 1)
-        v = self.v[layer].index_select(0, table).flatten(0, 1)[:context].transpose(0, 1)
+        k = self.k_layers[layer].index_select(0, table).flatten(0, 1)[:context].transpose(0, 1)
+        v = self.v_layers[layer].index_select(0, table).flatten(0, 1)[:context].transpose(0, 1)
         return k, v
 
     def usage(self, seq: Sequence) -> tuple[int, int]:

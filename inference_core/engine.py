@@ -21,7 +21,7 @@ import torch
 from inference_core.checkpoint import read_config, read_weights, resolve_model_dir
 from inference_core.config import ConfigError, EngineConfig, ModelConfig, parse_device, parse_dtype
 from inference_core.kv_cache import ContiguousKVCache, PagedKVCache
-from inference_core.model import CausalLM, rope_inverse_frequencies
+from inference_core.model import CausalLM
 from inference_core.runner import ModelRunner
 from inference_core.sampling import SamplingParams, make_generator, sample
 from inference_core.sequence import Sequence
@@ -99,11 +99,14 @@ def load_model(model: str = "bundled", device: str | None = "auto", dtype: str =
     if config.tie_word_embeddings:  # the LM head reads the embedding matrix (a copy only if it gets transposed)
         network.lm_head.weight = network.embed_tokens.weight
     network.configure_kernels(torch_device, torch_dtype, layout)
-    network.rope_inv_freq = rope_inverse_frequencies(config).to(torch_device)
+    network.rope_inv_freq = network.rope_inv_freq.to(torch_device)
     return LoadedModel(model, config, network.eval(), tokenizer, torch_device, torch_dtype)
 
 
 class Engine:
+    """One configuration over a loaded model: owns its KV cache (one contiguous slot, or a paged block pool) and its
+    runner. Not thread-safe: drive one engine from one thread; interleave requests by alternating `next()` calls."""
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.loaded = loaded
         self.config = config or EngineConfig()

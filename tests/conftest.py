@@ -27,6 +27,15 @@ def make_engine(loaded, kv_mode: str = "paged", **settings) -> Engine:
     return Engine(loaded, EngineConfig(kv_mode=kv_mode, **settings))
 
 
+def assert_nothing_held(engine) -> None:
+    """No request in flight and every KV block or slot back (prefix-cached blocks count as free: ref count 0)."""
+    assert engine.active == {}
+    if engine.config.kv_mode == "paged":
+        assert engine.kv_cache.manager.num_used_blocks == 0
+    elif engine.config.kv_mode == "contiguous":
+        assert engine.kv_cache.free_slots == [0]
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Run a module's forwards on one torch thread, then restore the setting. On a busy 2-core machine two OpenMP

@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import inference_core
 from inference_core import ConfigError, EngineConfig, SamplingParams, load_model
-from conftest import make_engine
+from conftest import assert_nothing_held, make_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: stable run times on a busy CPU
 
@@ -31,14 +31,6 @@ CONTEXT = 64
 @pytest.fixture(scope="module")
 def paged(bundled):
     return make_engine(bundled, "paged", max_seq_len=CONTEXT)
-
-
-def assert_nothing_held(engine) -> None:
-    assert engine.active == {}
-    if engine.config.kv_mode == "paged":
-        assert engine.kv_cache.manager.num_used_blocks == 0
-    elif engine.config.kv_mode == "contiguous":
-        assert engine.kv_cache.free_slots == [0]
 
 
 def text_ids(loaded, count: int) -> list[int]:

@@ -15,7 +15,7 @@ import pytest
 from inference_core import FinishEvent, SamplingParams, TokenEvent
 from inference_core.sequence import Sequence
 
-from conftest import make_engine
+from conftest import assert_nothing_held, make_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: stable run times on a busy CPU
 
@@ -26,14 +26,6 @@ KV_MODES = ("none", "contiguous", "paged")
 
 def new_engine(bundled, kv_mode: str, **settings):
     return make_engine(bundled, kv_mode, max_seq_len=CONTEXT, **settings)
-
-
-def assert_nothing_held(engine) -> None:
-    assert engine.active == {}
-    if engine.config.kv_mode == "paged":
-        assert engine.kv_cache.manager.num_used_blocks == 0
-    elif engine.config.kv_mode == "contiguous":
-        assert engine.kv_cache.free_slots == [0]
 
 
 def assert_holding_one_request(engine) -> None:

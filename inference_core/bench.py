@@ -111,12 +111,14 @@ def run_bench(args) -> int:
     wanted = args.prompt_ids.split(",") if args.prompt_ids else DEFAULT_PROMPT_IDS
     by_id = {row["id"]: row for row in rows}
     chosen = [by_id[i] for i in wanted if i in by_id] or rows[:4]  # a custom file: its first prompts
-    tokenize = next(iter(engines.values())) if engines else Engine(loaded, EngineConfig(kv_mode="none"))
-    prompts = [(row["id"], tokenize.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion"))
+    tokenizing = Engine(loaded, EngineConfig(kv_mode="none"))  # holds no KV memory
+    prompts = [(row["id"], tokenizing.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion"))
                for row in chosen]
     runners = {mode: (lambda ids, n, e=engine: _run_ours(e, ids, n)) for mode, engine in engines.items()}
     if not args.no_hf:
         runners[HF_ROW] = _HFRunner(loaded, resolve_model_dir(args.model)).run
+    if not runners:
+        raise ConfigError("nothing to bench: name KV modes with --configs or drop --no-hf.")
     print(f"bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, "
           f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens", flush=True)
     bandwidth = measure_read_bandwidth(loaded.device)

@@ -7,6 +7,7 @@ unsupported architecture, a model that needs trust_remote_code, a Hub id while o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def read_config(model_dir: Path) -> ModelConfig:
         eos = json.loads(generation.read_text()).get("eos_token_id")
         extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         merged = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
-        config = ModelConfig(**{**{f: getattr(config, f) for f in config.__slots__}, "eos_token_ids": merged})
+        config = dataclasses.replace(config, eos_token_ids=merged)
     return config
 
 

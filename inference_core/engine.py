@@ -154,9 +154,9 @@ class Engine:
         if not prompt_ids:
             raise ConfigError("the prompt encodes to no tokens; type some text.")
         vocab_size = self.loaded.config.vocab_size
-        if not all(0 <= token < vocab_size for token in prompt_ids):
-            bad = next(token for token in prompt_ids if not 0 <= token < vocab_size)
-            raise ConfigError(f"prompt token id {bad} is outside the model's vocabulary (0..{vocab_size - 1}).")
+        outside = [token for token in prompt_ids if not 0 <= token < vocab_size]
+        if outside:
+            raise ConfigError(f"prompt token id {outside[0]} is outside the model's vocabulary (0..{vocab_size - 1}).")
         if len(prompt_ids) >= self.max_seq_len:
             raise ConfigError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_seq_len}; "
                               "shorten the prompt (or raise --max-seq-len, up to the model's context).")

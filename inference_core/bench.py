@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from inference_core.config import ConfigError, EngineConfig, ModelConfig
+from inference_core.config import ConfigError, EngineConfig
 from inference_core.engine import Engine, LoadedModel, load_model
 from inference_core.prompts import DEFAULT_PROMPTS, load_prompts
 from inference_core.sampling import SamplingParams
@@ -105,9 +105,9 @@ def run_bench(args) -> int:
     if args.repeats < 1 or args.max_new_tokens < 2:
         raise ConfigError("bench needs --repeats >= 1 and --max-new-tokens >= 2.")
     kv_modes = [mode.strip() for mode in args.configs.split(",") if mode.strip()]
+    rows = load_prompts(args.prompts or DEFAULT_PROMPTS)  # a bad file fails before the model loads
     loaded = load_model(args.model, args.device, args.dtype)
     engines = {mode: Engine(loaded, EngineConfig(kv_mode=mode)) for mode in kv_modes}
-    rows = load_prompts(args.prompts or DEFAULT_PROMPTS)
     wanted = args.prompt_ids.split(",") if args.prompt_ids else DEFAULT_PROMPT_IDS
     by_id = {row["id"]: row for row in rows}
     chosen = [by_id[i] for i in wanted if i in by_id] or rows[:4]  # a custom file: its first prompts

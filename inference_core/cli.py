@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         from inference_core.bench import run_bench
 
         return run_bench(args)
-    except (ConfigError, FileNotFoundError) as error:
+    except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

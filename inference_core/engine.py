@@ -21,7 +21,7 @@ import torch
 from inference_core.checkpoint import read_config, read_weights, resolve_model_dir
 from inference_core.config import ConfigError, EngineConfig, ModelConfig, parse_device, parse_dtype
 from inference_core.kv_cache import ContiguousKVCache, PagedKVCache
-from inference_core.model import CausalLM
+from inference_core.model import WEIGHT_LAYOUTS, CausalLM
 from inference_core.runner import ModelRunner
 from inference_core.sampling import SamplingParams, make_generator, sample
 from inference_core.sequence import Sequence
@@ -83,7 +83,7 @@ def load_model(model: str = "bundled", device: str | None = "auto", dtype: str =
     """Read a checkpoint onto `device` in `dtype`. `layout` picks how projection weights are stored (see
     `model.Linear`): 'auto' takes the measured-faster one for this device and dtype."""
     torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
-    if layout not in ("auto", "out_in", "in_out"):
+    if layout != "auto" and layout not in WEIGHT_LAYOUTS:
         raise ConfigError(f"unknown weight layout {layout!r}; use auto, out_in or in_out.")
     model_dir = resolve_model_dir(model)
     config = read_config(model_dir)

@@ -69,8 +69,6 @@ class ContiguousKVCache:
         """(bytes holding this sequence's tokens, bytes reserved for it)."""
         return seq.num_computed_tokens * self.bytes_per_token, self.max_seq_len * self.bytes_per_token
 
-    def total_bytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
 
 
 class PagedKVCache:
@@ -133,6 +131,3 @@ class PagedKVCache:
     def usage(self, seq: Sequence) -> tuple[int, int]:
         return (seq.num_computed_tokens * self.bytes_per_token,
                 len(seq.block_table) * self.block_size * self.bytes_per_token)
-
-    def total_bytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2

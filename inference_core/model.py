@@ -44,6 +44,9 @@ class Linear(nn.Module):
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
 
+WEIGHT_LAYOUTS = ("out_in", "in_out")
+
+
 def weight_layout(device: torch.device, dtype: torch.dtype) -> str:
     """'in_out' where it measured faster (fp32 on the CPU), else 'out_in' (the reference layout)."""
     return "in_out" if device.type == "cpu" and dtype == torch.float32 else "out_in"
@@ -200,8 +203,8 @@ class CausalLM(nn.Module):
 
     def use_weight_layout(self, layout: str) -> None:
         """Switch every projection (and the LM head) to `layout`: 'out_in' (reference) or 'in_out'."""
-        if layout not in ("out_in", "in_out"):
-            raise ValueError(f"unknown weight layout {layout!r}; use 'out_in' or 'in_out'.")
+        if layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"unknown weight layout {layout!r}; use one of {WEIGHT_LAYOUTS}.")
         for module in self.modules():
             if isinstance(module, Linear) and module.in_out != (layout == "in_out"):
                 if module.in_out:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from inference_core.config import ConfigError
+
 DEFAULT_PROMPTS = Path(__file__).with_name("data") / "bench_prompts.jsonl"
 
 
 def load_prompts(path: str | Path = DEFAULT_PROMPTS) -> list[dict]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist.")
+        raise ConfigError(f"prompt file {path} does not exist; pass an existing JSONL file to --prompts.")
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -21,9 +23,9 @@ def load_prompts(path: str | Path = DEFAULT_PROMPTS) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not a JSON object ({error.msg}).") from None
+            raise ConfigError(f"{path}:{number}: not a JSON object ({error.msg}).") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"{path}:{number}: each line needs a JSON object with a string 'prompt'.")
+            raise ConfigError(f"{path}:{number}: each line needs a JSON object with a string 'prompt'.")
         row.setdefault("id", f"line-{number}")
         row.setdefault("kind", "chat")
         rows.append(row)

@@ -43,6 +43,7 @@ def test_generate_streams_text(bundled, capsys):
     (["generate", "--prompt", "hi", "--model", "./no-such-model"], "is neither 'bundled'"),
     (["generate", "--prompt", "hi", "--block-size", "0"], "block size must be a positive integer"),
     (["bench", "--repeats", "0", "--no-hf"], "--repeats >= 1"),
+    (["bench", "--prompts", "no-such-prompts.jsonl", "--no-hf"], "prompt file no-such-prompts.jsonl does not exist"),
 ])
 def test_bad_settings_exit_2_with_a_message(argv, message, capsys):
     assert main(argv + ["--device", "cpu"]) == 2

@@ -2,6 +2,7 @@
 
     python -m inference_core generate --prompt TEXT [--prompt TEXT ...] [--json] ...
     python -m inference_core bench [--prompts FILE] [--max-new-tokens N] [--repeats R] [--json PATH] ...
+    python -m inference_core race [--lanes paged,none] [--prompt-id ID] [--repeats R] [--json PATH] ...
 
 `generate` runs its prompts one after another on one engine (so a later prompt can hit the prefix cache) and streams
 text to stdout, or with `--json` prints one JSON list with an object per prompt: `token_ids`, `text`, `stats`.
@@ -58,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--json", dest="json_path", help="write the results here")
+
+    race = commands.add_parser("race", help="fairness of a race: each KV mode alone vs all of them interleaved")
+    race.add_argument("--lanes", default="paged,contiguous", help="KV modes to race, comma-separated")
+    race.add_argument("--prompt-id", default="chat-short-1", help="a benchmark prompt id")
+    _add_model_args(race)
+    race.add_argument("--max-new-tokens", type=int, default=128)
+    race.add_argument("--repeats", type=int, default=3)
+    race.add_argument("--json", dest="json_path", help="write the results here")
     return parser
 
 
@@ -90,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "race":
+            from inference_core.race import run_race_bench
+
+            return run_race_bench(args)
         from inference_core.bench import run_bench
 
         return run_bench(args)

@@ -242,10 +242,30 @@ class Engine:
         return event
 
     def kv_snapshot(self) -> dict | None:
-        """The paged pool as plain values for drawing (None for the other KV modes)."""
+        """The paged pool as plain values for drawing (None for the other KV modes): the block manager's snapshot
+        (each block's state, owners, reference count and fill; each sequence's block table; free list and eviction
+        order), each block's `token_ids` (what its filled slots hold, also for cached blocks no request owns), and
+        `requests`: per active request its prompt length, tokens whose KV is stored and prompt tokens from the cache.
+        `bytes_per_token` and `context_length` let a caller compare with what a contiguous cache would reserve."""
         if not isinstance(self.kv_cache, PagedKVCache):
             return None
-        return self.kv_cache.manager.snapshot(list(self.active.values()))
+        manager, block_size = self.kv_cache.manager, self.config.block_size
+        seqs = list(self.active.values())
+        snapshot = manager.snapshot(seqs)
+        held = {}  # block id -> tokens of its owning request (a shared block holds the same tokens for every owner)
+        for seq in seqs:
+            for index, block_id in enumerate(seq.block_table):
+                held[block_id] = seq.token_ids[index * block_size:(index + 1) * block_size]
+        for block, info in zip(manager.blocks, snapshot["blocks"]):
+            tokens = held.get(block.block_id, block.token_ids or ())
+            info["token_ids"] = list(tokens[:block.num_filled])
+        snapshot["requests"] = [
+            {"seq_id": seq.seq_id, "prompt_tokens": seq.num_prompt_tokens, "stored_tokens": seq.num_computed_tokens,
+             "cached_prompt_tokens": seq.num_cached_tokens, "block_table": list(seq.block_table)}
+            for seq in seqs]
+        snapshot["bytes_per_token"] = self.kv_cache.bytes_per_token
+        snapshot["context_length"] = self.max_seq_len
+        return snapshot
 
 
 def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:

@@ -14,7 +14,7 @@ def _readme_commands() -> list[str]:
 def test_readme_has_exactly_two_setup_commands():
     commands = _readme_commands()
     assert len(commands) == 2
-    assert commands[0].endswith("python -m inference_core generate --prompt \"Why is the sky blue?\"")
+    assert commands[0].endswith("python app.py")
     assert commands[1].endswith("python -m pytest -q")
 
 

@@ -1,0 +1,63 @@
+"""Start the playground: parse flags, load the model once, build the Gradio app, queue it and serve it.
+
+    python app.py [--model bundled] [--device auto] [--dtype auto] [--host 127.0.0.1] [--port 7860]
+                  [--max-seq-len 2048] [--max-queue 32]
+
+Each flag can also come from the environment (PLAYGROUND_MODEL, PLAYGROUND_DEVICE, PLAYGROUND_DTYPE, PLAYGROUND_HOST,
+PLAYGROUND_PORT, PLAYGROUND_MAX_SEQ_LEN); Gradio's own GRADIO_SERVER_NAME and GRADIO_SERVER_PORT are honoured too.
+dtype 'auto' is float32 on the CPU and bfloat16 on CUDA. On a Hugging Face Space (SPACE_ID is set), where the
+bundled model's package is not installed, the default model is the same SmolLM2-135M-Instruct from the Hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from inference_core import ConfigError, load_model
+from inference_core.config import parse_device
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(description="Inference Playground: race two engine configurations and chat.")
+    default_model = "HuggingFaceTB/SmolLM2-135M-Instruct" if env("SPACE_ID") else "bundled"
+    parser.add_argument("--model", default=env("PLAYGROUND_MODEL", default_model),
+                        help="'bundled', a local directory, a .gguf file or a Hub id")
+    parser.add_argument("--device", default=env("PLAYGROUND_DEVICE", "auto"), help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default=env("PLAYGROUND_DTYPE", "auto"), help="auto, float32, bfloat16, float16")
+    parser.add_argument("--host", default=env("PLAYGROUND_HOST", env("GRADIO_SERVER_NAME", "127.0.0.1")))
+    parser.add_argument("--port", type=int, default=int(env("PLAYGROUND_PORT", env("GRADIO_SERVER_PORT", "7860"))))
+    parser.add_argument("--max-seq-len", type=int, default=int(env("PLAYGROUND_MAX_SEQ_LEN", "2048")),
+                        help="context length of every engine (prompt + new tokens)")
+    parser.add_argument("--max-queue", type=int, default=32, help="requests that may wait; more are turned away")
+    return parser.parse_args(argv)
+
+
+def create_demo(args: argparse.Namespace):
+    """Load the model and build the queued app (what `main` serves; tests serve it in-process)."""
+    import ui
+    from ui.settings import EnginePool
+
+    device = parse_device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    pool = EnginePool(load_model(args.model, str(device), dtype), max_seq_len=args.max_seq_len)
+    pool.warm_up()
+    demo = ui.build_demo(pool).queue(max_size=args.max_queue, default_concurrency_limit=1)
+    return demo, pool
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        demo, _ = create_demo(args)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    demo.launch(server_name=args.host, server_port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

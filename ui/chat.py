@@ -1,0 +1,102 @@
+"""Multi-turn chat on one configuration, streaming, with each turn's measured numbers.
+
+`chat_turn` is the streaming handler behind Send: it sends the whole conversation through the model's chat template
+to the chat slot's engine, so a later turn's prompt starts with the earlier turns and (paged KV with the prefix
+cache) reuses their KV blocks; the per-turn table shows how many prompt tokens came from the cache. It yields, in
+`CHAT_OUTPUTS` order: the chat log, the conversation state, the per-turn table, the KV view, the input box and a
+status line. Stop cancels the event, which closes the request and returns its blocks; the partial answer stays.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import time
+
+import gradio as gr
+
+from inference_core import ConfigError, FinishEvent
+from ui.kv_view import render_pool
+from ui.race import PANEL_REFRESH_S, TEXT_REFRESH_S
+from ui.settings import EnginePool, LaneSettings
+
+CHAT_OUTPUTS = ("chat_log", "history", "turn_stats", "stats_table", "kv_view", "input", "status")
+log = logging.getLogger(__name__)
+
+
+def stats_table_html(turn_stats: list[dict]) -> str:
+    if not turn_stats:
+        return "<p>Each turn's numbers appear here: TTFT, decode tokens/s and prompt tokens reused from the cache.</p>"
+    rows = "".join(
+        f"<tr><td>{row['turn']}</td><td>{row['config']}</td><td>{row['prompt_tokens']}</td>"
+        f"<td>{row['cached_prompt_tokens']}</td><td>{row['ttft_ms']:.0f} ms</td>"
+        f"<td>{row['decode_tokens_per_s']:.1f}</td><td>{row['generated_tokens']} ({row['finish_reason']})</td></tr>"
+        for row in turn_stats)
+    return ('<table class="chat-stats"><tr><th>turn</th><th>configuration</th><th>prompt tokens</th>'
+            "<th>from prefix cache</th><th>TTFT</th><th>decode tok/s</th><th>tokens</th></tr>" + rows + "</table>")
+
+
+def _kv_html(engine) -> str:
+    snapshot = engine.kv_snapshot()
+    if snapshot is None:
+        return "<p>This configuration has no paged KV pool; pick the paged KV mode to watch its blocks.</p>"
+    labels = {request["seq_id"]: "this turn" for request in snapshot["requests"]}
+    return render_pool(snapshot, engine.tokenizer.decode, "Chat paged pool", labels)
+
+
+def chat_turn(pool: EnginePool, message: str, history: list[dict], turn_stats: list[dict], system: str,
+              max_new_tokens, *setting_values):
+    """Streaming handler. `setting_values`: the chat's LaneSettings fields in order."""
+    history, turn_stats = list(history or []), list(turn_stats or [])
+    try:
+        settings = LaneSettings(*setting_values)
+        engine = pool.get("chat", settings)
+        if not (message or "").strip():
+            raise ConfigError("the message is empty; type something first.")
+        conversation = ([{"role": "system", "content": system.strip()}] if (system or "").strip() else []) \
+            + history + [{"role": "user", "content": message}]
+        request = engine.generate(conversation, settings.sampling(max_new_tokens))
+    except (ValueError, TypeError) as error:  # ConfigError is a ValueError: bad settings or message
+        yield (gr.skip(),) * 6 + (f"**Cannot send:** {error}",)
+        return
+    history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
+    yield (history, history, turn_stats, gr.skip(), gr.skip(), "", "Generating...")
+    answer, last_text, last_kv = "", time.perf_counter(), 0.0
+    try:
+        for event in request:
+            if isinstance(event, FinishEvent):
+                answer, stats = event.text, event.stats
+                kv_html = _kv_html(engine)  # the turn still holds its blocks here
+                turn_stats = turn_stats + [{
+                    "turn": len(turn_stats) + 1, "config": settings.describe(), "prompt_tokens": stats.prompt_tokens,
+                    "cached_prompt_tokens": stats.cached_prompt_tokens, "ttft_ms": stats.ttft_ms,
+                    "decode_tokens_per_s": stats.decode_tokens_per_s, "generated_tokens": stats.generated_tokens,
+                    "finish_reason": stats.finish_reason}]
+                history[-1] = {"role": "assistant", "content": answer}
+                status = (f"Turn {len(turn_stats)}: {stats.cached_prompt_tokens} of {stats.prompt_tokens} prompt "
+                          f"tokens from the prefix cache, TTFT {stats.ttft_ms:.0f} ms, "
+                          f"{stats.decode_tokens_per_s:.1f} tok/s.")
+                yield (history, history, turn_stats, stats_table_html(turn_stats), kv_html, gr.skip(), status)
+                continue
+            answer += event.text
+            now = time.perf_counter()
+            if now - last_text >= TEXT_REFRESH_S:
+                last_text = now
+                history[-1] = {"role": "assistant", "content": answer}
+                kv_html = gr.skip()
+                if now - last_kv >= PANEL_REFRESH_S:
+                    kv_html, last_kv = _kv_html(engine), now
+                yield (history, history, gr.skip(), gr.skip(), kv_html, gr.skip(), gr.skip())
+    except Exception as error:  # the page gets a message, the log gets the traceback
+        log.exception("chat turn failed")
+        yield (gr.skip(),) * 6 + (f"**The model failed:** {type(error).__name__}: {html.escape(str(error))}",)
+    finally:
+        request.close()
+
+
+def stop_chat():
+    return "Stopped. The request was cancelled and its KV blocks returned."
+
+
+def clear_chat():
+    return [], [], [], stats_table_html([]), "", "New conversation."

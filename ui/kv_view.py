@@ -1,0 +1,109 @@
+"""The paged KV pool as HTML: one cell per physical block, coloured by the request that owns it, with the requests'
+block tables and the memory they hold next to what a contiguous cache would reserve. A pure function of
+`Engine.kv_snapshot()` (plain values) and a token decoder.
+
+Cell kinds: a block a request holds (its colour; the filled part darker, so a partly written last block shows its
+fill), a block reused from the prefix cache for that request (outlined) or shared by several requests (reference
+count > 1, marked xN), a cached-but-free block (no owner, still holding a reusable prefix), and a free block.
+Hovering a cell tells which tokens it holds.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Callable
+
+OWNER_COLOURS = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#db2777", "#0891b2")
+CACHED_COLOUR, FREE_COLOUR, BORDER = "#cbd5e1", "#ffffff", "#94a3b8"
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2 ** 20:.2f} MiB"
+
+
+def _legend_chip(style: str, label: str) -> str:
+    return (f'<span style="display:inline-flex;align-items:center;gap:4px;margin-right:12px">'
+            f'<span style="display:inline-block;width:14px;height:14px;border:1px solid {BORDER};{style}"></span>'
+            f"{label}</span>")
+
+
+def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title: str,
+                request_labels: dict[int, str] | None = None) -> str:
+    """HTML for one paged pool. `request_labels` names requests by seq id (default: 'request N')."""
+    if snapshot is None:
+        return f"<p><b>{html.escape(title)}</b>: this configuration has no paged KV pool.</p>"
+    labels = request_labels or {}
+    block_size = snapshot["block_size"]
+    requests = snapshot["requests"]
+    colour_of = {request["seq_id"]: OWNER_COLOURS[index % len(OWNER_COLOURS)] for index, request in enumerate(requests)}
+    # Blocks a request got from the prefix cache: the first cached_prompt_tokens / block_size of its table.
+    reused = {block_id for request in requests
+              for block_id in request["block_table"][:request["cached_prompt_tokens"] // block_size]}
+    cells = []
+    for block in snapshot["blocks"]:
+        tokens = block["token_ids"]
+        fill_pct = 100 * block["num_filled"] // block_size
+        text = decode(tokens) if tokens else ""
+        if block["state"] == "used":
+            owner = block["owners"][0]
+            colour = colour_of.get(owner, OWNER_COLOURS[-1])
+            style = f"background:linear-gradient(to top,{colour} {fill_pct}%,{colour}33 {fill_pct}%);"
+            who = ", ".join(labels.get(o, f"request {o}") for o in block["owners"])
+            state = f"held by {who}"
+            if block["ref_count"] > 1:
+                state += f"; shared by {block['ref_count']} requests through the prefix cache"
+            elif block["id"] in reused:
+                state += "; reused from the prefix cache"
+        elif block["state"] == "cached":
+            style, state = f"background:{CACHED_COLOUR};", "free, still caching a prefix (reusable until evicted)"
+        else:
+            style, state = f"background:{FREE_COLOUR};", "free"
+        outline = "outline:2px solid #111827;outline-offset:-2px;" if block["id"] in reused or block["ref_count"] > 1 \
+            else ""
+        mark = f"x{block['ref_count']}" if block["ref_count"] > 1 else ("&#8635;" if block["id"] in reused else "")
+        tip = f"block {block['id']}: {state}; {block['num_filled']}/{block_size} slots filled"
+        if tokens:
+            tip += f"\ntokens {tokens}\n{text!r}"
+        cells.append(f'<div class="kv-cell" data-state="{block["state"]}" data-block="{block["id"]}" '
+                     f'title="{html.escape(tip)}" style="width:22px;height:22px;border:1px solid {BORDER};'
+                     f'font-size:9px;line-height:22px;text-align:center;color:#111827;{style}{outline}">{mark}</div>')
+    grid = f'<div style="display:flex;flex-wrap:wrap;gap:2px;margin:6px 0">{"".join(cells)}</div>'
+
+    tables = []
+    for request in requests:
+        colour = colour_of[request["seq_id"]]
+        chips = "".join(
+            f'<span title="logical block {index} -> physical block {block_id}" style="display:inline-block;'
+            f'padding:0 4px;margin:1px;border:1px solid {colour};border-radius:3px;font-size:11px">'
+            f"{index}&rarr;{block_id}</span>" for index, block_id in enumerate(request["block_table"]))
+        name = html.escape(labels.get(request["seq_id"], f"request {request['seq_id']}"))
+        tables.append(f'<div style="margin:4px 0"><b style="color:{colour}">{name}</b> block table '
+                      f"(logical&rarr;physical): {chips}</div>")
+    if not requests:
+        tables.append("<div>No request holds blocks right now; finished requests' full blocks stay cached "
+                      "(grey) for reuse.</div>")
+
+    bytes_per_token = snapshot["bytes_per_token"]
+    stored = sum(request["stored_tokens"] for request in requests)
+    reserved = sum(len(request["block_table"]) for request in requests) * block_size
+    contiguous = len(requests) * snapshot["context_length"]
+    used_blocks = sum(1 for block in snapshot["blocks"] if block["state"] == "used")
+    cached_blocks = sum(1 for block in snapshot["blocks"] if block["state"] == "cached")
+    numbers = (
+        f'<table class="kv-numbers" style="font-size:13px;margin-top:6px"><tr><th></th><th>tokens</th><th>KV memory</th>'
+        f"</tr><tr><td>stored (KV written)</td><td>{stored}</td><td>{_mib(stored * bytes_per_token)}</td></tr>"
+        f"<tr><td>reserved by this paged pool ({used_blocks} blocks x {block_size})</td><td>{reserved}</td>"
+        f"<td>{_mib(reserved * bytes_per_token)}</td></tr>"
+        f"<tr><td>a contiguous cache would reserve (full context per request)</td><td>{contiguous}</td>"
+        f"<td>{_mib(contiguous * bytes_per_token)}</td></tr></table>")
+    legend = "".join([
+        _legend_chip(f"background:{OWNER_COLOURS[0]}", "held by a request (darker part: filled slots)"),
+        _legend_chip(f"background:{OWNER_COLOURS[0]}33;outline:2px solid #111827;outline-offset:-2px",
+                     "&#8635; reused from the prefix cache / xN shared"),
+        _legend_chip(f"background:{CACHED_COLOUR}", "free, prefix still cached"),
+        _legend_chip(f"background:{FREE_COLOUR}", "free")])
+    header = (f"<b>{html.escape(title)}</b>: {snapshot['num_blocks']} blocks of {block_size} tokens; "
+              f"{used_blocks} held, {cached_blocks} cached, {snapshot['num_blocks'] - used_blocks - cached_blocks} "
+              "free. Hover a block to see its tokens.")
+    return f'<div class="kv-pool">{header}<div style="font-size:12px;margin-top:4px">{legend}</div>{grid}' \
+           f'{"".join(tables)}{numbers}</div>'

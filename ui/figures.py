@@ -40,11 +40,11 @@ def speed_figure(lanes: dict[str, dict]) -> go.Figure:
             figure.add_trace(go.Scatter(
                 x=[times[0]], y=[ys[0] if ys else 0], mode="markers+text", name=f"{name} TTFT",
                 marker={"color": colour, "size": 11, "symbol": "diamond"}, text=[f"TTFT {times[0] * 1e3:.0f} ms"],
-                textposition="top right", showlegend=False,
+                textposition="top right", cliponaxis=False, showlegend=False,
                 hovertemplate=f"lane {name} first token at %{{x:.3f}} s<extra></extra>"))
     figure.update_layout(
-        height=300, margin={"l": 50, "r": 20, "t": 30, "b": 40}, template="plotly_white",
-        legend={"orientation": "h", "y": 1.12, "x": 0},
+        height=330, margin={"l": 50, "r": 20, "t": 40, "b": 80}, template="plotly_white",
+        legend={"orientation": "h", "y": -0.3, "x": 0},
         xaxis_title="lane's own device time (s)", yaxis_title=f"tokens/s (last {ROLLING_TOKENS} tokens)",
         yaxis={"rangemode": "tozero"}, xaxis={"rangemode": "tozero"})
     return figure

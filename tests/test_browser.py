@@ -76,6 +76,17 @@ def _open(browser, url):
     return page
 
 
+def _open_chat(browser, url):
+    page = _open(browser, url)
+    page.get_by_role("tab", name="Chat").click()
+    return page
+
+
+def _send(page, text: str) -> None:
+    page.fill("#chat-input textarea", text)
+    page.click("#chat-send")
+
+
 def _wait_for_requests(pool: EnginePool, count: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while pool.active_requests() < count and time.monotonic() < deadline:
@@ -148,11 +159,9 @@ def test_two_chat_turns_reuse_the_prefix_cache(served, browser):
     from playwright.sync_api import expect
 
     pool, url = served
-    page = _open(browser, url)
-    page.get_by_role("tab", name="Chat").click()
+    page = _open_chat(browser, url)
     for turn, text in enumerate(("Name three primary colours.", "Which of them is warmest?"), 1):
-        page.fill("#chat-input textarea", text)
-        page.click("#chat-send")
+        _send(page, text)
         expect(page.locator("#chat-stats tr")).to_have_count(turn + 1, timeout=120_000)
     rows = page.locator("#chat-stats tr")
     first, second = (rows.nth(i).locator("td") for i in (1, 2))
@@ -169,10 +178,8 @@ def test_two_chat_turns_reuse_the_prefix_cache(served, browser):
 
 def test_closing_the_tab_cancels_its_request_and_frees_its_blocks(served, browser):
     pool, url = served
-    page = _open(browser, url)
-    page.get_by_role("tab", name="Chat").click()
-    page.fill("#chat-input textarea", "Write a long story about a lighthouse keeper.")
-    page.click("#chat-send")
+    page = _open_chat(browser, url)
+    _send(page, "Write a long story about a lighthouse keeper.")
     _wait_for_requests(pool, 1)
     page.close()
     _wait_idle(pool, timeout_s=30)

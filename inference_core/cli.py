@@ -18,6 +18,7 @@ import sys
 from inference_core.config import KV_MODES, ConfigError, EngineConfig
 from inference_core.engine import Engine, FinishEvent, load_model
 from inference_core.sampling import SamplingParams
+from inference_core.speculative import SPEC_METHODS, SpecConfig
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    generate.add_argument("--spec", choices=SPEC_METHODS, default="none",
+                          help="speculative decoding draft source (greedy only): ngram = prompt lookup")
+    generate.add_argument("--spec-k", type=int, default=4, help="draft length k")
     generate.add_argument("--json", action="store_true", help="print one JSON list instead of streaming text")
 
     bench = commands.add_parser("bench", help="our KV modes vs Hugging Face transformers on the same prompts")
@@ -75,10 +79,11 @@ def run_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     config = EngineConfig(kv_mode=args.kv, block_size=args.block_size, prefix_cache=not args.no_prefix_cache,
                           max_seq_len=args.max_seq_len)
+    spec = SpecConfig(method=args.spec, k=args.spec_k)
     engine = Engine(load_model(args.model, args.device, args.dtype), config)
     results = []
     for prompt in args.prompt:
-        for event in engine.generate(prompt, params, system=args.system, chat=not args.no_chat):
+        for event in engine.generate(prompt, params, system=args.system, chat=not args.no_chat, spec=spec):
             if isinstance(event, FinishEvent):
                 results.append({"prompt": prompt, "token_ids": event.token_ids, "text": event.text,
                                 "stats": event.stats.as_dict()})
@@ -87,6 +92,10 @@ def run_generate(args: argparse.Namespace) -> int:
                     print(f"\n[{s.generated_tokens} tokens, {s.finish_reason}; TTFT {s.ttft_ms:.0f} ms, "
                           f"decode {s.decode_tokens_per_s:.1f} tok/s; prompt {s.prompt_tokens} tokens, "
                           f"{s.cached_prompt_tokens} from the prefix cache]", file=sys.stderr)
+                    if s.spec:
+                        print(f"[speculative {args.spec}, k={s.spec['k']}: {s.spec['accepted']} of "
+                              f"{s.spec['drafted']} drafts accepted ({100 * s.spec['acceptance_rate']:.0f}%), "
+                              f"{s.spec['mean_accepted_length']:.2f} tokens per verification]", file=sys.stderr)
             elif not args.json:
                 print(event.text, end="", flush=True)
     if args.json:

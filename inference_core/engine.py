@@ -13,6 +13,7 @@ suspended, so a request's numbers do not include time spent on someone else's wo
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -25,6 +26,7 @@ from inference_core.model import WEIGHT_LAYOUTS, CausalLM
 from inference_core.runner import ModelRunner
 from inference_core.sampling import SamplingParams, make_generator, sample
 from inference_core.sequence import Sequence
+from inference_core.speculative import SpecConfig, SpecStats, accept_greedy, propose_ngram
 from inference_core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -34,7 +36,11 @@ class TokenEvent:
     text: str  # text delta; "" while an incomplete character or a possible stop string is held back
     index: int  # 0 for the first generated token
     time_s: float  # the request's own busy time when this token was ready
-    step_ms: float  # the forward pass + sampling that produced this token
+    step_ms: float  # the forward pass + sampling that produced this token (0 for later tokens of a speculative step)
+    # Speculative decoding: "accepted" (a draft the target agreed with), "replaced" (the target's token where it
+    # rejected a draft), "bonus" (the target's token after a fully accepted draft), or None (a plain decode step).
+    draft: str | None = None
+    rejected_ids: tuple[int, ...] = ()  # on a "replaced" token: the drafts rejected from this position on
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +56,7 @@ class GenerationStats:
     total_ms: float
     kv_bytes_in_use: int  # KV of this request's tokens at its end
     kv_bytes_reserved: int  # KV memory set aside for this request (contiguous: its whole slot; paged: its blocks)
+    spec: dict | None = None  # speculative decoding statistics (`SpecStats.as_dict`), None without speculation
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -143,9 +150,14 @@ class Engine:
         return self.tokenizer.encode_chat(messages)
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
-                 system: str | None = None, chat: bool = True) -> Iterator[TokenEvent | FinishEvent]:
-        """Validate now; return a generator of events that runs one model step per next()."""
+                 system: str | None = None, chat: bool = True,
+                 spec: SpecConfig | None = None) -> Iterator[TokenEvent | FinishEvent]:
+        """Validate now; return a generator of events that runs one model step per next() (a speculative step
+        yields its tokens one per next() after the one forward that verified them)."""
         params = params or SamplingParams()
+        spec = spec or SpecConfig()
+        if spec.enabled and params.temperature > 0:
+            raise ConfigError("speculative decoding is greedy-only so far; set temperature to 0 or use --spec none.")
         started = time.perf_counter()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             prompt_ids = list(prompt)
@@ -172,9 +184,9 @@ class Engine:
                 raise ConfigError(f"the KV pool holds {pool_tokens} tokens but this request needs up to "
                                   f"{len(prompt_ids) + params.max_new_tokens - 1} ({len(prompt_ids)} prompt + "
                                   f"{params.max_new_tokens} new - 1); raise kv_cache_tokens or lower max_new_tokens.")
-        return self._run(prompt_ids, params, time.perf_counter() - started)
+        return self._run(prompt_ids, params, spec, time.perf_counter() - started)
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams, busy: float):
+    def _run(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig, busy: float):
         seq = Sequence(list(prompt_ids))
         eos_ids = () if params.ignore_eos else self.loaded.eos_token_ids
         generator = make_generator(params, self.loaded.device)
@@ -193,8 +205,12 @@ class Engine:
             prefill_s = time.perf_counter() - step_start
             step_s = prefill_s
             first_token_busy = None
+            spec_stats = SpecStats(spec.k) if spec.enabled else None
+            # Tokens a step produced and not yet recorded: (token, draft kind, rejected drafts).
+            pending: deque[tuple[int, str | None, tuple[int, ...]]] = deque([(token, None, ())])
             while True:
                 # 2. Record the token, extend the text, check the stop conditions.
+                token, draft_kind, rejected_ids = pending.popleft()
                 seq.append(token)
                 delta = "" if token in eos_ids else detokenizer.add(token)
                 text += delta
@@ -209,13 +225,21 @@ class Engine:
                 delta, emitted = text[emitted:safe], max(emitted, safe)
                 busy += time.perf_counter() - resumed
                 first_token_busy = busy if first_token_busy is None else first_token_busy
-                yield TokenEvent(token, delta, seq.num_generated_tokens - 1, busy, step_s * 1e3)
+                yield TokenEvent(token, delta, seq.num_generated_tokens - 1, busy, step_s * 1e3, draft_kind,
+                                 rejected_ids)
                 resumed = time.perf_counter()
+                step_s = 0.0
                 if finish_reason:
                     break
-                # 3. One decode step: forward the new token through the cache, sample the next one.
+                if pending:  # more tokens of the same speculative step: no forward needed
+                    continue
+                # 3. One step: speculative (draft, verify, roll back) or plain (forward one token, sample).
                 step_start = time.perf_counter()
-                token = sample(self.runner.run([seq])[0], params, generator)
+                room = params.max_new_tokens - seq.num_generated_tokens - 1
+                if spec_stats is not None and room > 0:
+                    pending.extend(self._speculate(seq, spec, min(spec.k, room), spec_stats))
+                else:
+                    pending.append((sample(self.runner.run([seq])[0], params, generator), None, ()))
                 step_s = time.perf_counter() - step_start
             in_use, reserved = self.kv_cache.usage(seq) if self.kv_cache is not None else (0, 0)
             busy += time.perf_counter() - resumed
@@ -227,13 +251,42 @@ class Engine:
                 generated_tokens=seq.num_generated_tokens, finish_reason=finish_reason,
                 ttft_ms=first_token_busy * 1e3, prefill_tokens_per_s=computed_prompt / prefill_s,
                 decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
-                total_ms=busy * 1e3, kv_bytes_in_use=in_use, kv_bytes_reserved=reserved)
+                total_ms=busy * 1e3, kv_bytes_in_use=in_use, kv_bytes_reserved=reserved,
+                spec=spec_stats.as_dict() if spec_stats is not None else None)
             yield FinishEvent(text, seq.generated_token_ids, stats)
         finally:
             # Finished, failed or closed by the caller: the request's KV memory goes back either way.
             self.active.pop(seq.seq_id, None)
             if self.kv_cache is not None:
                 self.kv_cache.free(seq)
+
+    def _speculate(self, seq: Sequence, spec: SpecConfig, max_drafts: int, stats: SpecStats) -> list[tuple]:
+        """One verification step (greedy): draft, score the last token + drafts in one forward, keep the agreed
+        prefix, roll the rest back. Returns the step's tokens as (token, draft kind, rejected drafts)."""
+        started = time.perf_counter()
+        drafts = propose_ngram(seq.token_ids, max_drafts, spec.ngram_max, spec.ngram_min)
+        drafted_at = time.perf_counter()
+        stats.draft_ms += (drafted_at - started) * 1e3
+        if not drafts:  # nothing to propose: a plain greedy step
+            return [(int(self.runner.run([seq])[0].argmax()), None, ())]
+        num_before = len(seq)  # the last token (KV not yet written) is at num_before - 1
+        seq.token_ids.extend(drafts)
+        # logits: [len(drafts) + 1, vocab] for the positions of the last token and of each draft
+        logits = self.runner.run([seq], num_logits=len(drafts) + 1)
+        target_ids = logits.argmax(dim=-1).tolist()
+        accepted = accept_greedy(drafts, target_ids)
+        # Keep the KV of the last token and the accepted drafts; the tokens themselves are re-appended by the caller.
+        del seq.token_ids[num_before:]
+        if self.kv_cache is not None:
+            self.kv_cache.rollback(seq, num_before + accepted)
+        stats.record(len(drafts), accepted)
+        stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
+        tokens = [(token, "accepted", ()) for token in drafts[:accepted]]
+        if accepted < len(drafts):
+            tokens.append((target_ids[accepted], "replaced", tuple(drafts[accepted:])))
+        else:
+            tokens.append((target_ids[accepted], "bonus", ()))
+        return tokens
 
     def complete(self, prompt, params: SamplingParams | None = None, **kwargs) -> FinishEvent:
         """Run a request to the end and return its final event."""

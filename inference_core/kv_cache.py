@@ -45,6 +45,10 @@ class ContiguousKVCache:
     def commit(self, seq: Sequence) -> None:
         seq.num_computed_tokens = len(seq)
 
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the KV of the first `num_tokens` tokens only (later positions are simply overwritten next time)."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+
     def free(self, seq: Sequence) -> None:
         if seq.cache_slot >= 0:
             self.free_slots.append(seq.cache_slot)
@@ -99,6 +103,11 @@ class PagedKVCache:
     def commit(self, seq: Sequence) -> None:
         seq.num_computed_tokens = len(seq)
         self.manager.commit(seq, len(seq))
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the KV of the first `num_tokens` tokens; blocks past them go back to the pool."""
+        self.manager.rollback(seq, num_tokens)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
 
     def free(self, seq: Sequence) -> None:
         self.manager.free(seq)

@@ -21,7 +21,7 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
-    logits_indices: torch.Tensor  # [sequences]: the flat index of each sequence's last token
+    logits_indices: torch.Tensor  # [sequences * num_logits]: flat indices of each sequence's last num_logits tokens
     query_ranges: list[tuple[int, int]]  # per sequence: its new tokens' [start, end) in the flat batch
     position_ranges: list[tuple[int, int]]  # per sequence: positions [first, last) being computed
     context_lens: list[int]  # per sequence: tokens it attends to after this step (cached + new)
@@ -39,7 +39,7 @@ class ModelRunner:
         self.kv_cache = kv_cache  # None in KV mode `none`
         self.device = device
 
-    def prepare(self, seqs: list[Sequence]) -> ForwardBatch:
+    def prepare(self, seqs: list[Sequence], num_logits: int = 1) -> ForwardBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         query_ranges, position_ranges, context_lens, is_causal, masks, last = [], [], [], [], [], []
@@ -53,7 +53,7 @@ class ModelRunner:
             query_ranges.append((start, start + new_tokens))
             position_ranges.append((first, context))
             context_lens.append(context)
-            last.append(start + new_tokens - 1)
+            last.extend(range(start + new_tokens - min(num_logits, new_tokens), start + new_tokens))
             if new_tokens == 1 or new_tokens == context:
                 # One query sees everything before it; or queries and keys start together (plain causal).
                 is_causal.append(new_tokens > 1)
@@ -74,12 +74,13 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Forward the uncomputed tokens of `seqs`; returns fp32 logits [len(seqs), vocab]. Commits the new KV."""
+    def run(self, seqs: list[Sequence], num_logits: int = 1) -> torch.Tensor:
+        """Forward the uncomputed tokens of `seqs`; returns fp32 logits for each sequence's last `num_logits` tokens,
+        [len(seqs) * num_logits, vocab] (more than 1 for speculative verification). Commits the new KV."""
         if self.kv_cache is not None:
             for seq in seqs:
                 self.kv_cache.ensure_capacity(seq)
-        logits = self.model(self.prepare(seqs), self.kv_cache)
+        logits = self.model(self.prepare(seqs, num_logits), self.kv_cache)
         if self.kv_cache is not None:
             for seq in seqs:
                 self.kv_cache.commit(seq)

@@ -10,7 +10,7 @@ import pytest
 from inference_core.cli import main
 
 STATS_KEYS = {"kv_mode", "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "finish_reason", "ttft_ms",
-              "prefill_tokens_per_s", "decode_tokens_per_s", "total_ms", "kv_bytes_in_use", "kv_bytes_reserved"}
+              "prefill_tokens_per_s", "decode_tokens_per_s", "total_ms", "kv_bytes_in_use", "kv_bytes_reserved", "spec"}
 
 
 def test_generate_json_runs_prompts_on_one_engine(bundled, capsys):
@@ -23,9 +23,23 @@ def test_generate_json_runs_prompts_on_one_engine(bundled, capsys):
     for result in results:
         assert set(result) == {"prompt", "token_ids", "text", "stats"}
         assert set(result["stats"]) == STATS_KEYS
+        assert result["stats"]["spec"] is None  # no speculation asked for
         assert len(result["token_ids"]) == result["stats"]["generated_tokens"] <= 6
     # The default system prompt and the chat scaffolding fill one 16-token block that the second prompt reuses.
     assert [r["stats"]["cached_prompt_tokens"] for r in results] == [0, 16]
+
+
+def test_generate_with_prompt_lookup_reports_spec_stats(bundled, capsys):
+    prompt = "Repeat exactly: the red fox, the red fox, the red fox, the red fox."
+    plain_code = main(["generate", "--prompt", prompt, "--max-new-tokens", "24", "--device", "cpu", "--json"])
+    plain = json.loads(capsys.readouterr().out)[0]
+    code = main(["generate", "--prompt", prompt, "--max-new-tokens", "24", "--device", "cpu", "--spec", "ngram",
+                 "--spec-k", "5", "--json"])
+    (result,) = json.loads(capsys.readouterr().out)
+    assert plain_code == code == 0 and result["token_ids"] == plain["token_ids"]
+    spec = result["stats"]["spec"]
+    assert spec["k"] == 5 and len(spec["accepted_by_position"]) == 5
+    assert 0 < spec["accepted"] <= spec["drafted"] and spec["acceptance_rate"] == spec["accepted"] / spec["drafted"]
 
 
 def test_generate_streams_text(bundled, capsys):

@@ -2,6 +2,7 @@
 
     python -m inference_core generate --prompt TEXT [--prompt TEXT ...] [--json] ...
     python -m inference_core bench [--prompts FILE] [--max-new-tokens N] [--repeats R] [--json PATH] ...
+    python -m inference_core spec-bench [--source ngram] [--spec-k 3,5] [--kinds chat,code,grounded] ...
     python -m inference_core race [--lanes paged,none] [--prompt-id ID] [--repeats R] [--json PATH] ...
 
 `generate` runs its prompts one after another on one engine (so a later prompt can hit the prefix cache) and streams
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     generate.add_argument("--spec", choices=SPEC_METHODS, default="none",
-                          help="speculative decoding draft source (greedy only): ngram = prompt lookup")
+                          help="speculative decoding draft source: ngram = prompt lookup")
     generate.add_argument("--spec-k", type=int, default=4, help="draft length k")
     generate.add_argument("--json", action="store_true", help="print one JSON list instead of streaming text")
 
@@ -63,6 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--json", dest="json_path", help="write the results here")
+
+    spec_bench = commands.add_parser("spec-bench", help="speculative vs plain decoding by prompt kind")
+    spec_bench.add_argument("--source", choices=[m for m in SPEC_METHODS if m != "none"], default="ngram",
+                            help="draft source")
+    spec_bench.add_argument("--spec-k", default="3,5", help="draft lengths to try, comma-separated")
+    spec_bench.add_argument("--kinds", default="chat,code,grounded", help="benchmark prompt kinds, comma-separated")
+    _add_model_args(spec_bench)
+    spec_bench.add_argument("--kv", choices=KV_MODES, default="paged")
+    spec_bench.add_argument("--max-new-tokens", type=int, default=128)
+    spec_bench.add_argument("--repeats", type=int, default=2)
+    spec_bench.add_argument("--json", dest="json_path", help="write the results here")
 
     race = commands.add_parser("race", help="fairness of a race: each KV mode alone vs all of them interleaved")
     race.add_argument("--lanes", default="paged,contiguous", help="KV modes to race, comma-separated")
@@ -108,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "spec-bench":
+            from inference_core.spec_bench import run_spec_bench
+
+            return run_spec_bench(args)
         if args.command == "race":
             from inference_core.race import run_race_bench
 

@@ -24,9 +24,9 @@ from inference_core.config import ConfigError, EngineConfig, ModelConfig, parse_
 from inference_core.kv_cache import ContiguousKVCache, PagedKVCache
 from inference_core.model import WEIGHT_LAYOUTS, CausalLM
 from inference_core.runner import ModelRunner
-from inference_core.sampling import SamplingParams, make_generator, sample
+from inference_core.sampling import SamplingParams, make_generator, probabilities, sample
 from inference_core.sequence import Sequence
-from inference_core.speculative import SpecConfig, SpecStats, accept_greedy, propose_ngram
+from inference_core.speculative import SpecConfig, SpecStats, accept_greedy, accept_sampled, propose_ngram
 from inference_core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -156,8 +156,6 @@ class Engine:
         yields its tokens one per next() after the one forward that verified them)."""
         params = params or SamplingParams()
         spec = spec or SpecConfig()
-        if spec.enabled and params.temperature > 0:
-            raise ConfigError("speculative decoding is greedy-only so far; set temperature to 0 or use --spec none.")
         started = time.perf_counter()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             prompt_ids = list(prompt)
@@ -237,7 +235,7 @@ class Engine:
                 step_start = time.perf_counter()
                 room = params.max_new_tokens - seq.num_generated_tokens - 1
                 if spec_stats is not None and room > 0:
-                    pending.extend(self._speculate(seq, spec, min(spec.k, room), spec_stats))
+                    pending.extend(self._speculate(seq, spec, min(spec.k, room), spec_stats, params, generator))
                 else:
                     pending.append((sample(self.runner.run([seq])[0], params, generator), None, ()))
                 step_s = time.perf_counter() - step_start
@@ -260,21 +258,27 @@ class Engine:
             if self.kv_cache is not None:
                 self.kv_cache.free(seq)
 
-    def _speculate(self, seq: Sequence, spec: SpecConfig, max_drafts: int, stats: SpecStats) -> list[tuple]:
-        """One verification step (greedy): draft, score the last token + drafts in one forward, keep the agreed
-        prefix, roll the rest back. Returns the step's tokens as (token, draft kind, rejected drafts)."""
+    def _speculate(self, seq: Sequence, spec: SpecConfig, max_drafts: int, stats: SpecStats, params: SamplingParams,
+                   generator) -> list[tuple]:
+        """One verification step: draft, score the last token + drafts in one forward, keep the accepted prefix
+        (greedy: the agreeing one; sampling: the standard rule), roll the rest back. Returns the step's tokens as
+        (token, draft kind, rejected drafts)."""
         started = time.perf_counter()
         drafts = propose_ngram(seq.token_ids, max_drafts, spec.ngram_max, spec.ngram_min)
         drafted_at = time.perf_counter()
         stats.draft_ms += (drafted_at - started) * 1e3
-        if not drafts:  # nothing to propose: a plain greedy step
-            return [(int(self.runner.run([seq])[0].argmax()), None, ())]
+        if not drafts:  # nothing to propose: a plain step
+            return [(sample(self.runner.run([seq])[0], params, generator), None, ())]
         num_before = len(seq)  # the last token (KV not yet written) is at num_before - 1
         seq.token_ids.extend(drafts)
         # logits: [len(drafts) + 1, vocab] for the positions of the last token and of each draft
         logits = self.runner.run([seq], num_logits=len(drafts) + 1)
-        target_ids = logits.argmax(dim=-1).tolist()
-        accepted = accept_greedy(drafts, target_ids)
+        if params.greedy:
+            target_ids = logits.argmax(dim=-1).tolist()
+            accepted = accept_greedy(drafts, target_ids)
+            final_token = target_ids[accepted]
+        else:  # prompt lookup is deterministic: all its probability on the proposed token
+            accepted, final_token = accept_sampled(drafts, None, probabilities(logits, params), generator)
         # Keep the KV of the last token and the accepted drafts; the tokens themselves are re-appended by the caller.
         del seq.token_ids[num_before:]
         if self.kv_cache is not None:
@@ -283,9 +287,9 @@ class Engine:
         stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
         tokens = [(token, "accepted", ()) for token in drafts[:accepted]]
         if accepted < len(drafts):
-            tokens.append((target_ids[accepted], "replaced", tuple(drafts[accepted:])))
+            tokens.append((final_token, "replaced", tuple(drafts[accepted:])))
         else:
-            tokens.append((target_ids[accepted], "bonus", ()))
+            tokens.append((final_token, "bonus", ()))
         return tokens
 
     def complete(self, prompt, params: SamplingParams | None = None, **kwargs) -> FinishEvent:

@@ -55,20 +55,25 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [vocab] fp32. Returns the chosen token id."""
-    if params.greedy:
-        return int(logits.argmax())
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [..., vocab] fp32 -> the distribution sampling draws from (temperature, then top-k, then top-p), per
+    row. Speculative sampling needs it for several positions at once."""
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
-        kth_largest = torch.topk(logits, params.top_k).values[-1]
+        kth_largest = torch.topk(logits, params.top_k).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token when the tokens ranked above it already reach top_p (the top token always stays).
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)  # back to vocabulary order
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return logits.softmax(-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits: [vocab] fp32. Returns the chosen token id."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))

@@ -6,9 +6,10 @@ This module owns the draft sources, the acceptance rule and the statistics; the 
 1. A draft source proposes up to k tokens after the sequence so far (`propose`).
 2. The target forwards the last accepted token plus the k drafts through its KV cache in one pass and returns logits
    for every one of those k + 1 positions (`ModelRunner.run(..., num_logits=k + 1)`).
-3. Greedy acceptance: draft i is accepted while it equals the target's argmax at its position; at the first mismatch
-   the target's own token replaces it, and if all k are accepted the target's token after them is a bonus. Every step
-   therefore yields between 1 and k + 1 tokens, exactly the tokens plain greedy decoding would have produced.
+3. Acceptance. Greedy: draft i is accepted while it equals the target's argmax at its position; at the first
+   mismatch the target's own token replaces it, and if all k are accepted the target's token after them is a bonus.
+   Every step therefore yields between 1 and k + 1 tokens, exactly the tokens plain greedy decoding would have
+   produced. Sampling (`accept_sampled`): the standard rule that keeps the target's distribution exactly.
 4. The KV of rejected drafts is rolled back (paged: their tail blocks return to the pool).
 
 Draft sources so far: `ngram` (prompt lookup: find the latest earlier occurrence of the sequence's last n tokens and
@@ -18,6 +19,8 @@ propose what followed it; no model).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from inference_core.config import ConfigError
 
@@ -65,6 +68,34 @@ def accept_greedy(drafts: list[int], target_ids: list[int]) -> int:
     while accepted < len(drafts) and drafts[accepted] == target_ids[accepted]:
         accepted += 1
     return accepted
+
+
+def accept_sampled(drafts: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling. target_probs: [len(drafts) + 1, vocab], the target's sampling distribution at each draft
+    position and after the last; draft_probs: [len(drafts), vocab] the draft's, or None for a deterministic draft
+    source (prompt lookup: all its mass on the proposed token). Returns (drafts accepted, the step's final token).
+
+    Draft x at position i is accepted with probability min(1, p(x) / q(x)). At the first rejection the token is drawn
+    from max(0, p - q) renormalized, and after k acceptances a bonus token is drawn from p at position k; together
+    these make every emitted token distributed exactly as the target alone would sample it."""
+    for index, token in enumerate(drafts):
+        p = target_probs[index]
+        if draft_probs is None:
+            q = torch.zeros_like(p)
+            q[token] = 1.0
+        else:
+            q = draft_probs[index]
+        # u < p/q, written as u * q < p so that q(x) = 0 (a draft outside its own support) can only be rejected.
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * q[token] < p[token]:
+            continue
+        residual = (p - q).clamp(min=0)
+        total = residual.sum()
+        # total = 0 only if p == q, where rejection cannot happen; guard rounding all the same.
+        residual = residual / total if total > 0 else p
+        return index, int(torch.multinomial(residual, 1, generator=generator))
+    return len(drafts), int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
 
 
 @dataclass(slots=True)

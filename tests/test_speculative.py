@@ -3,12 +3,14 @@ that greedy speculation is lossless (token ids identical to plain greedy over 12
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+import torch
 
 from inference_core import ConfigError, FinishEvent, SamplingParams, TokenEvent
-from inference_core.speculative import SpecConfig, SpecStats, accept_greedy, propose_ngram
+from inference_core.speculative import SpecConfig, SpecStats, accept_greedy, accept_sampled, propose_ngram
 from conftest import assert_nothing_held, make_engine
 
 
@@ -52,9 +54,48 @@ def test_bad_spec_settings(settings, message):
         SpecConfig(**settings)
 
 
-def test_speculation_with_sampling_is_refused_for_now(bundled):
-    with pytest.raises(ConfigError, match="greedy-only so far"):
-        make_engine(bundled).generate("Hi", SamplingParams(temperature=0.7), spec=SpecConfig("ngram"))
+TARGET = [0.4, 0.3, 0.15, 0.1, 0.05, 0.0]
+BAD_DRAFT = [0.05, 0.05, 0.1, 0.1, 0.3, 0.4]  # puts most of its mass where the target puts little or none
+
+
+def _first_token_frequencies(draft_probs, trials: int, fixed_draft: int | None = None):
+    generator = torch.Generator().manual_seed(0)
+    target = torch.tensor([TARGET, TARGET])  # [k + 1, vocab] with k = 1
+    counts, rejections = [0] * len(TARGET), 0
+    for _ in range(trials):
+        if fixed_draft is None:
+            draft = int(torch.multinomial(draft_probs[0], 1, generator=generator))
+        else:
+            draft = fixed_draft
+        accepted, final_token = accept_sampled([draft], draft_probs, target, generator)
+        counts[draft if accepted else final_token] += 1
+        rejections += accepted == 0
+    return [count / trials for count in counts], rejections / trials
+
+
+@pytest.mark.parametrize("source", ["bad draft model", "deterministic draft (prompt lookup)"])
+def test_speculative_sampling_keeps_the_target_distribution(source):
+    trials = 20_000
+    if source == "bad draft model":
+        frequencies, rejection_rate = _first_token_frequencies(torch.tensor([BAD_DRAFT]), trials)
+    else:
+        frequencies, rejection_rate = _first_token_frequencies(None, trials, fixed_draft=4)
+    total_variation = 0.5 * sum(abs(f - p) for f, p in zip(frequencies, TARGET))
+    # The sampling error of an empirical distribution over V outcomes shrinks like sqrt(V / N).
+    assert total_variation < 2 * math.sqrt(len(TARGET) / trials)
+    assert frequencies[5] == 0.0  # never emits a token the target cannot produce
+    assert rejection_rate > 0.6  # the bad draft is rejected most of the time
+
+
+def test_sampled_speculation_runs_and_leaks_nothing(bundled, bench_prompts):
+    engine = make_engine(bundled, "paged", block_size=4)
+    row = bench_prompts["grounded-2"]
+    params = SamplingParams(max_new_tokens=64, temperature=0.7, seed=3, ignore_eos=True)
+    first = engine.complete(row["prompt"], params, spec=SpecConfig("ngram", k=4))
+    again = engine.complete(row["prompt"], params, spec=SpecConfig("ngram", k=4))
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 64  # seeded: reproducible
+    assert first.stats.spec["drafted"] > 0
+    assert_nothing_held(engine)
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +141,17 @@ def test_paged_blocks_follow_the_accepted_tokens_and_return_on_cancel(bundled, b
     assert {"accepted", "replaced"} <= set(kinds)
     request.close()  # cancelled in the middle of the stream
     assert_nothing_held(engine)
+
+
+def test_spec_bench_writes_rows_per_kind(bundled, tmp_path, capsys):
+    from inference_core.cli import main
+
+    path = tmp_path / "spec.json"
+    assert main(["spec-bench", "--kinds", "grounded", "--spec-k", "2,4", "--max-new-tokens", "16", "--repeats", "1",
+                 "--device", "cpu", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(row["kind"], row["setting"]) for row in rows] == [("grounded", "ngram k=2"), ("grounded", "ngram k=4")]
+    for row in rows:
+        assert row["ratio"] == pytest.approx(row["spec_tokens_per_s"] / row["plain_tokens_per_s"], abs=0.01)
+        assert 0 <= row["acceptance_rate"] <= 1 and 1 <= row["mean_accepted_length"] <= 5
+    assert "| grounded | ngram k=2 |" in capsys.readouterr().out

@@ -1,10 +1,14 @@
 """Start the playground: parse flags, load the model once, build the Gradio app, queue it and serve it.
 
-    python app.py [--model bundled] [--device auto] [--dtype auto] [--host 127.0.0.1] [--port 7860]
-                  [--max-seq-len 2048] [--max-queue 32]
+    python app.py [--model bundled] [--draft-model none] [--device auto] [--dtype auto] [--host 127.0.0.1]
+                  [--port 7860] [--max-seq-len 2048] [--max-queue 32]
 
-Each flag can also come from the environment (PLAYGROUND_MODEL, PLAYGROUND_DEVICE, PLAYGROUND_DTYPE, PLAYGROUND_HOST,
-PLAYGROUND_PORT, PLAYGROUND_MAX_SEQ_LEN); Gradio's own GRADIO_SERVER_NAME and GRADIO_SERVER_PORT are honoured too.
+Each flag can also come from the environment (PLAYGROUND_MODEL, PLAYGROUND_DRAFT_MODEL, PLAYGROUND_DEVICE,
+PLAYGROUND_DTYPE, PLAYGROUND_HOST, PLAYGROUND_PORT, PLAYGROUND_MAX_SEQ_LEN); Gradio's own GRADIO_SERVER_NAME and
+GRADIO_SERVER_PORT are honoured too. `--draft-model` (same forms as `--model`; default 'none') loads a second, smaller
+model on the same device and dtype as the draft source for speculative decoding: the lanes and the chat then offer
+"draft model" as a draft source. It must share the target's tokenizer; the engine checks that at start-up and a
+mismatch exits with status 2 and a message, like any other bad setting.
 dtype 'auto' is float32 on the CPU and bfloat16 on CUDA. On a Hugging Face Space (SPACE_ID is set), where the
 bundled model's package is not installed, the default model is the same SmolLM2-135M-Instruct from the Hub.
 """
@@ -25,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default_model = "HuggingFaceTB/SmolLM2-135M-Instruct" if env("SPACE_ID") else "bundled"
     parser.add_argument("--model", default=env("PLAYGROUND_MODEL", default_model),
                         help="'bundled', a local directory, a .gguf file or a Hub id")
+    parser.add_argument("--draft-model", default=env("PLAYGROUND_DRAFT_MODEL", "none"),
+                        help="draft model for speculative decoding (same forms as --model), or 'none'")
     parser.add_argument("--device", default=env("PLAYGROUND_DEVICE", "auto"), help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default=env("PLAYGROUND_DTYPE", "auto"), help="auto, float32, bfloat16, float16")
     parser.add_argument("--host", default=env("PLAYGROUND_HOST", env("GRADIO_SERVER_NAME", "127.0.0.1")))
@@ -42,8 +48,10 @@ def create_demo(args: argparse.Namespace):
 
     device = parse_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    pool = EnginePool(load_model(args.model, str(device), dtype), max_seq_len=args.max_seq_len)
-    pool.warm_up()
+    loaded = load_model(args.model, str(device), dtype)
+    draft = None if args.draft_model.lower() in ("", "none") else load_model(args.draft_model, str(device), dtype)
+    pool = EnginePool(loaded, max_seq_len=args.max_seq_len, draft=draft)
+    pool.warm_up()  # builds engines, so a draft model the engine refuses (another tokenizer) fails here
     demo = ui.build_demo(pool).queue(max_size=args.max_queue, default_concurrency_limit=1)
     return demo, pool
 

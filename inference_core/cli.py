@@ -2,7 +2,7 @@
 
     python -m inference_core generate --prompt TEXT [--prompt TEXT ...] [--json] ...
     python -m inference_core bench [--prompts FILE] [--max-new-tokens N] [--repeats R] [--json PATH] ...
-    python -m inference_core spec-bench [--source ngram] [--spec-k 3,5] [--kinds chat,code,grounded] ...
+    python -m inference_core spec-bench [--source ngram|early-exit|draft] [--spec-k 3,5] [--kinds chat,code] ...
     python -m inference_core race [--lanes paged,none] [--prompt-id ID] [--repeats R] [--json PATH] ...
 
 `generate` runs its prompts one after another on one engine (so a later prompt can hit the prefix cache) and streams
@@ -50,8 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     generate.add_argument("--spec", choices=SPEC_METHODS, default="none",
-                          help="speculative decoding draft source: ngram = prompt lookup")
-    generate.add_argument("--spec-k", type=int, default=4, help="draft length k")
+                          help="speculative decoding draft source: ngram = prompt lookup, early-exit = the model's "
+                               "first --draft-layers layers, draft = --draft-model")
+    generate.add_argument("--spec-k", type=int, default=4, help="draft length k (where adaptive k starts)")
+    generate.add_argument("--spec-adaptive", action="store_true",
+                          help="adapt k: longer after a fully accepted draft, shorter after an early rejection")
+    generate.add_argument("--draft-layers", type=int, help="early-exit: layers the draft runs (default: half)")
+    generate.add_argument("--draft-model", help="--spec draft: a smaller model with the same tokenizer "
+                                                "(same forms as --model)")
     generate.add_argument("--json", action="store_true", help="print one JSON list instead of streaming text")
 
     bench = commands.add_parser("bench", help="our KV modes vs Hugging Face transformers on the same prompts")
@@ -69,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec_bench.add_argument("--source", choices=[m for m in SPEC_METHODS if m != "none"], default="ngram",
                             help="draft source")
     spec_bench.add_argument("--spec-k", default="3,5", help="draft lengths to try, comma-separated")
+    spec_bench.add_argument("--draft-layers", default="",
+                            help="early-exit: layer counts to try, comma-separated (default: half the model's)")
+    spec_bench.add_argument("--draft-model", help="draft: the draft model (default: the target model itself)")
     spec_bench.add_argument("--kinds", default="chat,code,grounded", help="benchmark prompt kinds, comma-separated")
     _add_model_args(spec_bench)
     spec_bench.add_argument("--kv", choices=KV_MODES, default="paged")
@@ -91,8 +100,14 @@ def run_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     config = EngineConfig(kv_mode=args.kv, block_size=args.block_size, prefix_cache=not args.no_prefix_cache,
                           max_seq_len=args.max_seq_len)
-    spec = SpecConfig(method=args.spec, k=args.spec_k)
-    engine = Engine(load_model(args.model, args.device, args.dtype), config)
+    spec = SpecConfig(method=args.spec, k=args.spec_k, adaptive=args.spec_adaptive, draft_layers=args.draft_layers)
+    if args.draft_model and args.spec != "draft":
+        raise ConfigError("--draft-model is used only with --spec draft.")
+    if args.draft_layers is not None and args.spec != "early-exit":
+        raise ConfigError("--draft-layers is used only with --spec early-exit.")
+    loaded = load_model(args.model, args.device, args.dtype)
+    draft = load_model(args.draft_model, args.device, args.dtype) if args.draft_model else None
+    engine = Engine(loaded, config, draft_model=draft)
     results = []
     for prompt in args.prompt:
         for event in engine.generate(prompt, params, system=args.system, chat=not args.no_chat, spec=spec):

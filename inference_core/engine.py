@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -24,9 +24,10 @@ from inference_core.config import ConfigError, EngineConfig, ModelConfig, parse_
 from inference_core.kv_cache import ContiguousKVCache, PagedKVCache
 from inference_core.model import WEIGHT_LAYOUTS, CausalLM
 from inference_core.runner import ModelRunner
-from inference_core.sampling import SamplingParams, make_generator, probabilities, sample
+from inference_core.sampling import SamplingParams, make_generator, sample
 from inference_core.sequence import Sequence
-from inference_core.speculative import SpecConfig, SpecStats, accept_greedy, accept_sampled, propose_ngram
+from inference_core.speculative import (DraftModelDrafter, EarlyExitDrafter, NgramDrafter, SpecConfig, SpecStats,
+                                        next_k, speculative_step)
 from inference_core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -110,25 +111,47 @@ def load_model(model: str = "bundled", device: str | None = "auto", dtype: str =
     return LoadedModel(model, config, network.eval(), tokenizer, torch_device, torch_dtype)
 
 
+def check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft model that cannot draft for `target`: its token ids must mean the same text (the same
+    tokenizer vocabulary), and it must live on the same device."""
+    if draft.device != target.device:
+        raise ConfigError(f"the draft model is on {draft.device} but the target is on {target.device}; load both on "
+                          "one device.")
+    if draft.tokenizer.vocabulary() != target.tokenizer.vocabulary():
+        raise ConfigError(f"the draft model {draft.name!r} has a different tokenizer from {target.name!r} "
+                          f"({draft.tokenizer.vocab_size} vs {target.tokenizer.vocab_size} tokens, or the same ids "
+                          "for different text); a draft model must share the target's tokenizer.")
+
+
+def _make_kv_cache(loaded: LoadedModel, config: EngineConfig, max_seq_len: int):
+    if config.kv_mode == "contiguous":
+        return ContiguousKVCache(loaded.config, max_seq_len, 1, loaded.dtype, loaded.device)
+    if config.kv_mode == "paged":
+        return PagedKVCache(loaded.config, config.num_kv_blocks(loaded.config), config.block_size,
+                            config.prefix_cache, loaded.dtype, loaded.device)
+    return None
+
+
 class Engine:
     """One configuration over a loaded model: owns its KV cache (one contiguous slot, or a paged block pool) and its
-    runner. Not thread-safe: drive one engine from one thread; interleave requests by alternating `next()` calls."""
+    runner, and, with a `draft_model` for speculative decoding, the draft's own cache of the same kind. Not
+    thread-safe: drive one engine from one thread; interleave requests by alternating `next()` calls."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 draft_model: LoadedModel | None = None):
         self.loaded = loaded
         self.config = config or EngineConfig()
-        model_config = loaded.config
-        self.max_seq_len = self.config.context_length(model_config)
-        if self.config.kv_mode == "contiguous":
-            self.kv_cache = ContiguousKVCache(model_config, self.max_seq_len, 1, loaded.dtype, loaded.device)
-        elif self.config.kv_mode == "paged":
-            self.kv_cache = PagedKVCache(model_config, self.config.num_kv_blocks(model_config),
-                                         self.config.block_size, self.config.prefix_cache, loaded.dtype,
-                                         loaded.device)
-        else:
-            self.kv_cache = None
+        self.max_seq_len = self.config.context_length(loaded.config)
+        self.kv_cache = _make_kv_cache(loaded, self.config, self.max_seq_len)
         self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device)
         self.active: dict[int, Sequence] = {}
+        self.draft_model = draft_model
+        self.draft_runner: ModelRunner | None = None  # the draft model's, built by its first request
+        if draft_model is not None:
+            check_draft_model(loaded, draft_model)
+            if draft_model.config.max_position_embeddings < self.max_seq_len:
+                raise ConfigError(f"the draft model's context ({draft_model.config.max_position_embeddings} tokens) "
+                                  f"is shorter than this engine's ({self.max_seq_len}); lower --max-seq-len.")
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -155,7 +178,7 @@ class Engine:
         """Validate now; return a generator of events that runs one model step per next() (a speculative step
         yields its tokens one per next() after the one forward that verified them)."""
         params = params or SamplingParams()
-        spec = spec or SpecConfig()
+        spec = self.resolve_spec(spec or SpecConfig())
         started = time.perf_counter()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             prompt_ids = list(prompt)
@@ -184,6 +207,34 @@ class Engine:
                                   f"{params.max_new_tokens} new - 1); raise kv_cache_tokens or lower max_new_tokens.")
         return self._run(prompt_ids, params, spec, time.perf_counter() - started)
 
+    def resolve_spec(self, spec: SpecConfig) -> SpecConfig:
+        """Settle what the speculative settings leave to the model (early exit's default depth), or refuse them."""
+        num_layers = self.loaded.config.num_layers
+        if spec.method == "draft" and self.draft_model is None:
+            raise ConfigError("speculative method 'draft' needs a draft model: pass --draft-model (the engine's "
+                              "draft_model).")
+        if spec.method == "early-exit":
+            if num_layers < 2:
+                raise ConfigError("early-exit drafting needs a model of at least 2 layers.")
+            if spec.draft_layers is None:
+                return replace(spec, draft_layers=num_layers // 2)
+            if spec.draft_layers >= num_layers:
+                raise ConfigError(f"--draft-layers must be below the model's {num_layers} layers (1 to "
+                                  f"{num_layers - 1}), got {spec.draft_layers}.")
+        return spec
+
+    def _drafter(self, spec: SpecConfig):
+        if spec.method == "ngram":
+            return NgramDrafter(spec)
+        if spec.method == "early-exit":
+            return EarlyExitDrafter(self.runner, spec.draft_layers)
+        if self.draft_runner is None:
+            draft_config = replace(self.config, max_seq_len=self.max_seq_len)
+            self.draft_runner = ModelRunner(self.draft_model.model,
+                                             _make_kv_cache(self.draft_model, draft_config, self.max_seq_len),
+                                             self.draft_model.device)
+        return DraftModelDrafter(self.draft_runner, self.loaded.config.vocab_size)
+
     def _run(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig, busy: float):
         seq = Sequence(list(prompt_ids))
         eos_ids = () if params.ignore_eos else self.loaded.eos_token_ids
@@ -191,6 +242,7 @@ class Engine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         longest_stop = max((len(s) for s in params.stop), default=0)
         text, emitted, finish_reason = "", 0, None
+        drafter = self._drafter(spec) if spec.enabled else None
         resumed = time.perf_counter()
         try:
             # 1. Place the prompt's KV (paged: reuse cached prefix blocks), then prefill and sample the first token.
@@ -203,7 +255,8 @@ class Engine:
             prefill_s = time.perf_counter() - step_start
             step_s = prefill_s
             first_token_busy = None
-            spec_stats = SpecStats(spec.k) if spec.enabled else None
+            spec_stats = SpecStats(spec.max_k) if spec.enabled else None
+            k = spec.k  # the current draft length (changes step to step when adaptive)
             # Tokens a step produced and not yet recorded: (token, draft kind, rejected drafts).
             pending: deque[tuple[int, str | None, tuple[int, ...]]] = deque([(token, None, ())])
             while True:
@@ -234,8 +287,13 @@ class Engine:
                 # 3. One step: speculative (draft, verify, roll back) or plain (forward one token, sample).
                 step_start = time.perf_counter()
                 room = params.max_new_tokens - seq.num_generated_tokens - 1
-                if spec_stats is not None and room > 0:
-                    pending.extend(self._speculate(seq, spec, min(spec.k, room), spec_stats, params, generator))
+                if drafter is not None and room > 0:
+                    tokens = speculative_step(self.runner, seq, drafter, min(k, room), spec_stats, params, generator,
+                                              eos_ids)
+                    pending.extend(tokens)
+                    if spec.adaptive and tokens[-1][1] is not None:
+                        accepted = len(tokens) - 1
+                        k = next_k(k, accepted + len(tokens[-1][2]), accepted, spec.max_k)
                 else:
                     pending.append((sample(self.runner.run([seq])[0], params, generator), None, ()))
                 step_s = time.perf_counter() - step_start
@@ -257,40 +315,8 @@ class Engine:
             self.active.pop(seq.seq_id, None)
             if self.kv_cache is not None:
                 self.kv_cache.free(seq)
-
-    def _speculate(self, seq: Sequence, spec: SpecConfig, max_drafts: int, stats: SpecStats, params: SamplingParams,
-                   generator) -> list[tuple]:
-        """One verification step: draft, score the last token + drafts in one forward, keep the accepted prefix
-        (greedy: the agreeing one; sampling: the standard rule), roll the rest back. Returns the step's tokens as
-        (token, draft kind, rejected drafts)."""
-        started = time.perf_counter()
-        drafts = propose_ngram(seq.token_ids, max_drafts, spec.ngram_max, spec.ngram_min)
-        drafted_at = time.perf_counter()
-        stats.draft_ms += (drafted_at - started) * 1e3
-        if not drafts:  # nothing to propose: a plain step
-            return [(sample(self.runner.run([seq])[0], params, generator), None, ())]
-        num_before = len(seq)  # the last token (KV not yet written) is at num_before - 1
-        seq.token_ids.extend(drafts)
-        # logits: [len(drafts) + 1, vocab] for the positions of the last token and of each draft
-        logits = self.runner.run([seq], num_logits=len(drafts) + 1)
-        if params.greedy:
-            target_ids = logits.argmax(dim=-1).tolist()
-            accepted = accept_greedy(drafts, target_ids)
-            final_token = target_ids[accepted]
-        else:  # prompt lookup is deterministic: all its probability on the proposed token
-            accepted, final_token = accept_sampled(drafts, None, probabilities(logits, params), generator)
-        # Keep the KV of the last token and the accepted drafts; the tokens themselves are re-appended by the caller.
-        del seq.token_ids[num_before:]
-        if self.kv_cache is not None:
-            self.kv_cache.rollback(seq, num_before + accepted)
-        stats.record(len(drafts), accepted)
-        stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
-        tokens = [(token, "accepted", ()) for token in drafts[:accepted]]
-        if accepted < len(drafts):
-            tokens.append((final_token, "replaced", tuple(drafts[accepted:])))
-        else:
-            tokens.append((final_token, "bonus", ()))
-        return tokens
+            if drafter is not None:
+                drafter.close()
 
     def complete(self, prompt, params: SamplingParams | None = None, **kwargs) -> FinishEvent:
         """Run a request to the end and return its final event."""

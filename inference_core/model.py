@@ -222,12 +222,14 @@ class CausalLM(nn.Module):
             self._rope_cache = cached = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
         return cached
 
-    def forward(self, batch, kv_cache=None) -> torch.Tensor:
-        """batch.input_ids, batch.positions: [tokens]. Returns fp32 logits [len(batch.logits_indices), vocab]."""
+    def forward(self, batch, kv_cache=None, num_layers: int | None = None) -> torch.Tensor:
+        """batch.input_ids, batch.positions: [tokens]. Returns fp32 logits [len(batch.logits_indices), vocab].
+        `num_layers` < the model's runs only the first layers before the final norm and LM head (an early-exit
+        draft; only those layers' KV is written)."""
         x = F.embedding(batch.input_ids, self.embed_tokens.weight)
         cos_table, sin_table = self.rope_tables(x.dtype)
         cos, sin = cos_table[batch.positions].unsqueeze(1), sin_table[batch.positions].unsqueeze(1)
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x = layer.forward(x, cos, sin, batch, kv_cache)
         # Only the last token of each sequence needs logits: the LM head is the largest matmul of a decode step.
         x = self.norm.forward(x[batch.logits_indices])

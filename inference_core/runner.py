@@ -80,8 +80,18 @@ class ModelRunner:
         if self.kv_cache is not None:
             for seq in seqs:
                 self.kv_cache.ensure_capacity(seq)
-        logits = self.model(self.prepare(seqs, num_logits), self.kv_cache)
+        logits = self.model.forward(self.prepare(seqs, num_logits), self.kv_cache)
         if self.kv_cache is not None:
             for seq in seqs:
                 self.kv_cache.commit(seq)
         return logits
+
+    @torch.inference_mode()
+    def run_shallow(self, seq: Sequence, num_layers: int) -> torch.Tensor:
+        """An early-exit draft pass: forward the uncomputed tokens of `seq` through the first `num_layers` layers
+        (writing only their KV) and return the last token's fp32 logits [1, vocab]. Nothing is committed: the caller
+        moves `seq.num_computed_tokens` itself and puts it back before the full-depth pass, which rewrites every
+        layer's KV at those positions."""
+        if self.kv_cache is not None:
+            self.kv_cache.ensure_capacity(seq)
+        return self.model.forward(self.prepare([seq]), self.kv_cache, num_layers)

@@ -2,6 +2,9 @@
 by prompt kind (chat, code, grounded), reporting the tokens/s ratio, acceptance rate and mean accepted length even
 where speculation loses.
 
+Draft sources: `ngram` (prompt lookup), `early-exit` (--draft-layers may list several depths), `draft` (--draft-model;
+by default the target itself, which accepts every draft and so shows the cost of drafting with no gain).
+
 Method: greedy decoding (so both runs produce the same tokens, which the bench checks), up to --max-new-tokens, a
 warm-up request first (never timed); for each repeat every prompt runs plain and then under each speculative setting
 (interleaved, so a shared machine's drift hits all alike), the paged prefix cache emptied before each run. Tokens/s
@@ -23,8 +26,9 @@ from inference_core.speculative import SpecConfig
 
 
 def _run(engine: Engine, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig | None):
-    if engine.config.kv_mode == "paged":
-        engine.kv_cache.manager.reset_prefix_cache()
+    for runner in (engine.runner, engine.draft_runner):
+        if runner is not None and engine.config.kv_mode == "paged":
+            runner.kv_cache.manager.reset_prefix_cache()
     return engine.complete(prompt_ids, params, spec=spec)
 
 
@@ -33,17 +37,27 @@ def run_spec_bench(args) -> int:
     ks = [int(k) for k in str(args.spec_k).split(",") if k.strip()]
     if args.repeats < 1 or args.max_new_tokens < 2 or not ks:
         raise ConfigError("spec-bench needs --repeats >= 1, --max-new-tokens >= 2 and at least one --spec-k.")
-    settings = {f"{args.source} k={k}": SpecConfig(args.source, k=k) for k in ks}
     rows = [row for row in load_prompts() if row["kind"] in kinds]
     if not rows:
         raise ConfigError(f"no benchmark prompts of kind {', '.join(kinds)}; use chat, code, grounded, long.")
     loaded = load_model(args.model, args.device, args.dtype)
-    engine = Engine(loaded, EngineConfig(kv_mode=args.kv))
+    draft = None
+    if args.source == "draft":  # default: the target drafting for itself (every draft accepted, at the full cost)
+        draft = load_model(args.draft_model, args.device, args.dtype) if args.draft_model else loaded
+    engine = Engine(loaded, EngineConfig(kv_mode=args.kv), draft_model=draft)
+    layer_counts = [int(n) for n in str(args.draft_layers or "").split(",") if n.strip()] or [None]
+    settings = {}
+    for layers in layer_counts if args.source == "early-exit" else [None]:
+        for k in ks:
+            spec = engine.resolve_spec(SpecConfig(args.source, k=k, draft_layers=layers))
+            name = f"{args.source} L={spec.draft_layers} k={k}" if spec.draft_layers else f"{args.source} k={k}"
+            settings[name] = spec
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     prompts = [(row["kind"], row["id"], engine.prompt_ids(row["prompt"], row.get("system"))) for row in rows]
     print(f"spec-bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, KV {args.kv}, "
           f"{len(prompts)} prompts x {args.repeats} repeats, up to {args.max_new_tokens} new tokens", flush=True)
-    _run(engine, prompts[0][2], SamplingParams(max_new_tokens=8), None)  # warm-up, never timed
+    for spec in [None, *settings.values()]:  # warm-up, never timed
+        _run(engine, prompts[0][2], SamplingParams(max_new_tokens=8), spec)
     speeds: dict[tuple[str, str], list[float]] = {}
     counts: dict[tuple[str, str], list[int]] = {}  # drafted, accepted, steps
     for _ in range(args.repeats):
@@ -74,11 +88,13 @@ def run_spec_bench(args) -> int:
     print("| kind | setting | plain tok/s | speculative tok/s | ratio | acceptance | tokens per verification |")
     print("|---|---|---|---|---|---|---|")
     for row in table:
-        print(f"| {row['kind']} | {row['setting']} | {row['plain_tokens_per_s']:.1f} | {row['spec_tokens_per_s']:.1f} | "
-              f"{row['ratio']:.2f}x | {row['acceptance_rate']:.2f} | {row['mean_accepted_length']:.2f} |")
+        print(f"| {row['kind']} | {row['setting']} | {row['plain_tokens_per_s']:.1f} | "
+              f"{row['spec_tokens_per_s']:.1f} | {row['ratio']:.2f}x | {row['acceptance_rate']:.2f} | "
+              f"{row['mean_accepted_length']:.2f} |")
     if args.json_path:
-        report = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-                  "kv": args.kv, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rows": table}
+        report = {"model": loaded.name, "draft_model": draft.name if draft else None, "device": str(loaded.device),
+                  "dtype": str(loaded.dtype).removeprefix("torch."), "kv": args.kv,
+                  "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rows": table}
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json_path}")

@@ -1,7 +1,8 @@
 """Speculative decoding: cheap drafts of the next k tokens, verified by the target model in one forward pass.
 
-This module owns the draft sources, the acceptance rule and the statistics; the engine owns the loop (see
-`Engine._run`). One verification step:
+This module owns the draft sources, the verification step, the acceptance rule and the statistics; the engine owns
+the request loop (`Engine._run`) and builds the draft source for a request (`Engine._drafter`). One verification step
+(`speculative_step`):
 
 1. A draft source proposes up to k tokens after the sequence so far (`propose`).
 2. The target forwards the last accepted token plus the k drafts through its KV cache in one pass and returns logits
@@ -12,33 +13,54 @@ This module owns the draft sources, the acceptance rule and the statistics; the 
    produced. Sampling (`accept_sampled`): the standard rule that keeps the target's distribution exactly.
 4. The KV of rejected drafts is rolled back (paged: their tail blocks return to the pool).
 
-Draft sources so far: `ngram` (prompt lookup: find the latest earlier occurrence of the sequence's last n tokens and
-propose what followed it; no model).
+Draft sources, each with `propose` (up to k tokens and, when sampling from a model, their draft distributions) and
+`close` (release what the request held):
+- `ngram`: prompt lookup. Find the latest earlier occurrence of the sequence's last n tokens and propose what
+  followed it. No model, nearly free; helps where the answer copies from the prompt.
+- `early-exit`: self-speculation. The target's first L layers, then its final norm and LM head, draft k tokens one
+  by one. No extra weights: the draft writes layers 0..L-1 of the target's own KV cache, and the verification pass
+  rewrites every layer at those positions.
+- `draft`: a separate, smaller model with the same tokenizer, with its own KV cache that is rolled back to the
+  tokens both models agree on before each proposal.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from inference_core.config import ConfigError
+from inference_core.sampling import SamplingParams, probabilities, sample
+from inference_core.sequence import Sequence
 
-SPEC_METHODS = ("none", "ngram")
+SPEC_METHODS = ("none", "ngram", "early-exit", "draft")
+MAX_K = 16
 
 
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
-    method: str = "none"  # "none" | "ngram"
-    k: int = 4  # draft length
+    """Speculative decoding settings of one request. method: 'none', 'ngram' (prompt lookup), 'early-exit' (the
+    target's first `draft_layers` layers as the draft) or 'draft' (the engine's separate draft model). With
+    `adaptive`, k is where the draft length starts: it grows by one after a fully accepted step (up to 2k, at most
+    MAX_K) and shrinks by one after a rejection in the first half of the drafts (down to 1)."""
+
+    method: str = "none"
+    k: int = 4  # draft length (the starting one when adaptive)
+    adaptive: bool = False
+    draft_layers: int | None = None  # early exit: layers the draft runs (None: half the model's)
     ngram_max: int = 3  # prompt lookup: longest suffix to match
     ngram_min: int = 1  # prompt lookup: shortest suffix to match
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"unknown speculative method {self.method!r}; use one of: {', '.join(SPEC_METHODS)}.")
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 16:
-            raise ConfigError(f"draft length k must be an integer from 1 to 16 (--spec-k), got {self.k!r}.")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
+            raise ConfigError(f"draft length k must be an integer from 1 to {MAX_K} (--spec-k), got {self.k!r}.")
+        if self.draft_layers is not None and (isinstance(self.draft_layers, bool)
+                                              or not isinstance(self.draft_layers, int) or self.draft_layers < 1):
+            raise ConfigError(f"draft layers must be a positive integer (--draft-layers), got {self.draft_layers!r}.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"prompt lookup needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                               f"{self.ngram_max}.")
@@ -46,6 +68,11 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def max_k(self) -> int:
+        """The longest draft this setting can propose."""
+        return min(2 * self.k, MAX_K) if self.adaptive else self.k
 
 
 def propose_ngram(token_ids: list[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
@@ -59,6 +86,107 @@ def propose_ngram(token_ids: list[int], k: int, ngram_max: int = 3, ngram_min: i
             if token_ids[start:start + n] == suffix:
                 return token_ids[start + n:start + n + k]
     return []
+
+
+def next_k(k: int, drafted: int, accepted: int, max_k: int) -> int:
+    """Adaptive draft length: one longer after a full draft was wholly accepted, one shorter after a rejection in the
+    first half of the drafts, else unchanged (within 1..max_k)."""
+    if drafted == k and accepted == drafted:
+        return min(k + 1, max_k)
+    if accepted < drafted // 2:
+        return max(k - 1, 1)
+    return k
+
+
+def pick_draft(logits: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """A model draft's token from its [vocab] logits: the argmax when greedy, else a sample from its own sampling
+    distribution q, which is returned too (the acceptance rule needs it)."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = probabilities(logits, params)
+    return int(torch.multinomial(q, 1, generator=generator)), q
+
+
+class NgramDrafter:
+    """Prompt lookup: deterministic drafts, so no draft distribution."""
+
+    def __init__(self, spec: SpecConfig):
+        self.ngram_max, self.ngram_min = spec.ngram_max, spec.ngram_min
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        return propose_ngram(seq.token_ids, max_drafts, self.ngram_max, self.ngram_min), None
+
+    def close(self) -> None:
+        pass
+
+
+class EarlyExitDrafter:
+    """The target's first `num_layers` layers as the draft, on the target's own runner and KV cache."""
+
+    def __init__(self, runner, num_layers: int):
+        self.runner, self.num_layers = runner, num_layers
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        full_depth = seq.num_computed_tokens  # every layer's KV is written before this position
+        num_before = len(seq)
+        drafts, probs = [], []
+        try:
+            for _ in range(max_drafts):
+                logits = self.runner.run_shallow(seq, self.num_layers)[0]
+                # The shallow layers' KV now covers the sequence; the next draft pass computes only the new token.
+                seq.num_computed_tokens = len(seq)
+                token, q = pick_draft(logits, params, generator)
+                seq.token_ids.append(token)
+                drafts.append(token)
+                probs.append(q)
+        finally:
+            # The verification pass recomputes these positions at full depth (overwriting layers 0..L-1 too).
+            del seq.token_ids[num_before:]
+            seq.num_computed_tokens = full_depth
+        return drafts, None if params.greedy else torch.stack(probs)
+
+    def close(self) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """A separate draft model on its own runner and KV cache. Its sequence mirrors the target's: before each proposal
+    it takes the target's tokens, and its KV is rolled back to the longest prefix both still share (the drafts the
+    target rejected drop out there). Its logits are cut to the target's `vocab_size`, so it drafts only ids the target
+    can emit and its draft distribution is one over the target's ids."""
+
+    def __init__(self, runner, vocab_size: int):
+        self.runner, self.vocab_size = runner, vocab_size
+        self.seq: Sequence | None = None
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        kv_cache = self.runner.kv_cache
+        if self.seq is None:
+            self.seq = Sequence(list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens)
+            if kv_cache is not None:
+                kv_cache.allocate(self.seq)
+        else:
+            mine, target = self.seq.token_ids, seq.token_ids
+            shared = 0
+            limit = min(len(mine), len(target))
+            while shared < limit and mine[shared] == target[shared]:
+                shared += 1
+            if kv_cache is not None:  # keep the last token uncomputed: its logits give the first draft
+                kv_cache.rollback(self.seq, min(self.seq.num_computed_tokens, shared, len(target) - 1))
+            self.seq.token_ids = list(target)
+        drafts, probs = [], []
+        for _ in range(max_drafts):
+            token, q = pick_draft(self.runner.run([self.seq])[0, :self.vocab_size], params, generator)
+            self.seq.append(token)
+            drafts.append(token)
+            probs.append(q)
+        return drafts, None if params.greedy else torch.stack(probs)
+
+    def close(self) -> None:
+        if self.seq is not None and self.runner.kv_cache is not None:
+            self.runner.kv_cache.free(self.seq)
+        self.seq = None
 
 
 def accept_greedy(drafts: list[int], target_ids: list[int]) -> int:
@@ -133,3 +261,51 @@ class SpecStats:
             "drafted_by_position": list(self.drafted_by_position),
             "draft_ms": self.draft_ms, "verify_ms": self.verify_ms,
         }
+
+
+def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: SpecStats, params: SamplingParams,
+                     generator, eos_ids) -> list[tuple]:
+    """One verification step: draft, score the last token + drafts in one forward, keep the accepted prefix
+    (greedy: the agreeing one; sampling: the standard rule), roll the rest back. Returns the step's tokens as
+    (token, draft kind, rejected drafts)."""
+    started = time.perf_counter()
+    drafts, draft_probs = drafter.propose(seq, max_drafts, params, generator)
+    # Nothing after an end-of-sequence draft can be emitted.
+    for index, token in enumerate(drafts):
+        if token in eos_ids:
+            drafts = drafts[:index + 1]
+            break
+    drafted_at = time.perf_counter()
+    stats.draft_ms += (drafted_at - started) * 1e3
+    if not drafts:  # nothing to propose: a plain step
+        return [(sample(runner.run([seq])[0], params, generator), None, ())]
+    num_before = len(seq)  # the last token (KV not yet written) is at num_before - 1
+    seq.token_ids.extend(drafts)
+    # logits: [len(drafts) + 1, vocab] for the positions of the last token and of each draft
+    logits = runner.run([seq], num_logits=len(drafts) + 1)
+    if params.greedy:
+        target_ids = logits.argmax(dim=-1).tolist()
+        accepted = accept_greedy(drafts, target_ids)
+        final_token = target_ids[accepted]
+    else:
+        target_probs = probabilities(logits, params)
+        if draft_probs is not None:  # a draft model with a narrower vocabulary: no probability on the rest
+            draft_probs = _pad_width(draft_probs[:len(drafts)], target_probs.shape[-1])
+        accepted, final_token = accept_sampled(drafts, draft_probs, target_probs, generator)
+    # Keep the KV of the last token and the accepted drafts; the tokens themselves are re-appended by the caller.
+    del seq.token_ids[num_before:]
+    if runner.kv_cache is not None:
+        runner.kv_cache.rollback(seq, num_before + accepted)
+    stats.record(len(drafts), accepted)
+    stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
+    tokens = [(token, "accepted", ()) for token in drafts[:accepted]]
+    if accepted < len(drafts):
+        tokens.append((final_token, "replaced", tuple(drafts[accepted:])))
+    else:
+        tokens.append((final_token, "bonus", ()))
+    return tokens
+
+
+def _pad_width(probs: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, v] probabilities -> [n, width] with v <= width, zero-padded."""
+    return torch.nn.functional.pad(probs, (0, width - probs.shape[-1]))

@@ -48,6 +48,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token string (added tokens included) and its id."""
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -6,12 +6,12 @@ import app
 
 
 def test_flags_default_to_the_bundled_model_on_localhost(monkeypatch):
-    for name in ("PLAYGROUND_MODEL", "PLAYGROUND_DEVICE", "PLAYGROUND_HOST", "PLAYGROUND_PORT", "SPACE_ID",
-                 "GRADIO_SERVER_NAME", "GRADIO_SERVER_PORT"):
+    for name in ("PLAYGROUND_MODEL", "PLAYGROUND_DRAFT_MODEL", "PLAYGROUND_DEVICE", "PLAYGROUND_HOST",
+                 "PLAYGROUND_PORT", "SPACE_ID", "GRADIO_SERVER_NAME", "GRADIO_SERVER_PORT"):
         monkeypatch.delenv(name, raising=False)
     args = app.parse_args([])
-    assert (args.model, args.device, args.dtype, args.host, args.port, args.max_seq_len) == \
-        ("bundled", "auto", "auto", "127.0.0.1", 7860, 2048)
+    assert (args.model, args.draft_model, args.device, args.dtype, args.host, args.port, args.max_seq_len) == \
+        ("bundled", "none", "auto", "auto", "127.0.0.1", 7860, 2048)
 
 
 def test_environment_and_flags(monkeypatch):
@@ -22,6 +22,27 @@ def test_environment_and_flags(monkeypatch):
     assert (args.host, args.port, args.dtype) == ("0.0.0.0", 7999, "bfloat16")
     assert args.model == "HuggingFaceTB/SmolLM2-135M-Instruct"  # a Space has no bundled package
     assert app.parse_args(["--model", "bundled"]).model == "bundled"
+
+
+def test_draft_model_flag_and_environment(monkeypatch):
+    monkeypatch.delenv("PLAYGROUND_DRAFT_MODEL", raising=False)
+    assert app.parse_args(["--draft-model", "some/draft-model"]).draft_model == "some/draft-model"
+    monkeypatch.setenv("PLAYGROUND_DRAFT_MODEL", "/models/draft")
+    assert app.parse_args([]).draft_model == "/models/draft"
+    assert app.parse_args(["--draft-model", "none"]).draft_model == "none"  # the flag wins over the environment
+
+
+def test_draft_model_with_another_tokenizer_exits_with_a_message(tmp_path, capsys, monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from test_model_families import TINY, write_word_level_tokenizer
+
+    monkeypatch.delenv("PLAYGROUND_DRAFT_MODEL", raising=False)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(str(tmp_path))  # 256 word-level tokens
+    write_word_level_tokenizer(tmp_path)
+    assert app.main(["--model", "bundled", "--draft-model", str(tmp_path), "--device", "cpu",
+                     "--max-seq-len", "256"]) == 2
+    assert "has a different tokenizer from 'bundled'" in capsys.readouterr().err
 
 
 def test_bad_settings_exit_with_a_message(capsys):

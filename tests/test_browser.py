@@ -3,8 +3,8 @@
 The app is the one `app.py` serves (same builder, same queue limits) over the session's bundled model, so a test can
 also look at the engines behind the page (for example that a closed tab's request let go of its KV blocks). Chromium
 comes from Debian's `chromium` package; set-up installs it when it is missing and the test runs as root, and skips
-otherwise (fails under CI, where the browser tests must run). `UPDATE_DOCS_SCREENSHOT=1` writes the finished race's
-screenshot to docs/race-tab.png (the README shows it).
+otherwise (fails under CI, where the browser tests must run). `UPDATE_DOCS_SCREENSHOT=1` writes the finished races'
+screenshots to docs/race-tab.png and docs/speculative-race.png (the README shows them).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from ui.settings import EnginePool
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-DOCS_SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "race-tab.png"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS_SCREENSHOT = DOCS / "race-tab.png"
 RACE_TIMEOUT_MS = 400_000  # the default race decodes 128 tokens with no KV cache in lane B: about 90 s on 2 cores
 
 
@@ -85,6 +86,12 @@ def _open_chat(browser, url):
 def _send(page, text: str) -> None:
     page.fill("#chat-input textarea", text)
     page.click("#chat-send")
+
+
+def _choose(page, elem_id: str, option: str) -> None:
+    """Pick an option of a Gradio dropdown."""
+    page.click(f"#{elem_id} input")
+    page.get_by_role("option", name=option, exact=True).click()
 
 
 def _wait_for_requests(pool: EnginePool, count: int, timeout_s: float = 60.0) -> None:
@@ -197,3 +204,48 @@ def test_stop_cancels_the_race_and_frees_both_lanes(served, browser):
     expect(page.locator("#race-run")).to_be_enabled()
     _wait_idle(pool)
     page.close()
+
+
+def test_speculative_race_highlights_every_kind_of_token(served, browser, tmp_path):
+    from playwright.sync_api import expect
+
+    from ui.layout import RACE_SETUPS
+
+    pool, url = served
+    page = _open(browser, url)
+    _choose(page, "race-setup", next(name for name in RACE_SETUPS if name.startswith("speculation")))
+    expect(page.locator("#race-prompt textarea")).to_have_value(re.compile("^Copy the passage below"))
+    expect(page.locator("#lane-a-spec input[value=ngram]")).to_be_checked()
+    expect(page.locator("#lane-b-spec input[value=none]")).to_be_checked()
+    page.click("#race-run")
+    page.wait_for_selector('#race-identical [data-verdict="identical"], #race-identical [data-verdict="different"]',
+                           timeout=RACE_TIMEOUT_MS)
+    assert page.locator('#race-identical [data-verdict="identical"]').count() == 1  # greedy speculation is lossless
+    # Grounded-4 with prompt lookup k=5: accepted drafts, rejected ones (struck through) with the target's
+    # replacement, and bonus tokens all occur in lane A's text; lane B decodes plainly.
+    lane_a = page.locator("#lane-a-output .lane-text")
+    for kind in ("accepted", "replaced", "bonus"):
+        assert lane_a.locator(f'span.tok-{kind}[data-kind="{kind}"]').count() >= 1, kind
+    assert lane_a.locator('s.tok-rejected[data-kind="rejected"]').count() >= 1
+    assert page.locator("#lane-a-output .tok-legend").count() == 1
+    assert page.locator("#lane-b-output .lane-text .tok").count() == 0
+    # The acceptance chart: a bar per draft position (1..5) and the running acceptance rate's line.
+    chart = page.locator("#race-acceptance .js-plotly-plot")
+    expect(chart.locator(".barlayer .trace .point")).to_have_count(5)
+    assert chart.locator(".scatterlayer .trace path.js-line").count() == 1
+    summary = page.locator("#race-summary").inner_text()
+    print(summary)  # shown with -s: the in-app numbers of the speculative preset
+    assert "engine's count" in summary and re.search(r"decode A/B: \d+\.\d+x", summary)
+    path = DOCS / "speculative-race.png" if os.environ.get("UPDATE_DOCS_SCREENSHOT") else tmp_path / "spec.png"
+    page.screenshot(path=str(path), full_page=True)
+    assert path.stat().st_size > 50_000
+    # The draft length shows for any draft source, the early-exit depth for early exit only.
+    expect(page.locator("#lane-b-spec-k")).to_be_hidden()
+    page.locator("#lane-b-spec").get_by_text("early exit").click()
+    expect(page.locator("#lane-b-spec-k")).to_be_visible()
+    expect(page.locator("#lane-b-spec-layers input")).to_have_value("engine default")
+    page.locator("#lane-a-spec").get_by_text("none").click()
+    expect(page.locator("#lane-a-spec-k")).to_be_hidden()
+    expect(page.locator("#lane-a-spec-layers")).to_be_hidden()
+    page.close()
+    _wait_idle(pool)

@@ -42,6 +42,27 @@ def test_generate_with_prompt_lookup_reports_spec_stats(bundled, capsys):
     assert 0 < spec["accepted"] <= spec["drafted"] and spec["acceptance_rate"] == spec["accepted"] / spec["drafted"]
 
 
+@pytest.mark.parametrize("spec_args", [["--spec", "early-exit", "--draft-layers", "20", "--spec-adaptive"],
+                                       ["--spec", "draft", "--draft-model", "bundled", "--spec-k", "3"]])
+def test_generate_with_model_drafts_matches_plain(bundled, capsys, spec_args):
+    base = ["generate", "--prompt", "Name three rivers.", "--max-new-tokens", "20", "--device", "cpu", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)[0]
+    assert main(base + spec_args) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert result["token_ids"] == plain["token_ids"]
+    assert result["stats"]["spec"]["drafted"] > 0
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, capsys):
+    from test_speculative import build_tiny
+
+    build_tiny(tmp_path, seed=0, initializer_range=0.3)
+    assert main(["generate", "--prompt", "hi", "--device", "cpu", "--spec", "draft", "--draft-model",
+                 str(tmp_path)]) == 2
+    assert "has a different tokenizer" in capsys.readouterr().err
+
+
 def test_generate_streams_text(bundled, capsys):
     assert main(["generate", "--prompt", "Say hello.", "--max-new-tokens", "5", "--kv", "contiguous",
                  "--device", "cpu"]) == 0
@@ -56,6 +77,10 @@ def test_generate_streams_text(bundled, capsys):
     (["generate", "--prompt", "hi", "--dtype", "float64"], "unknown dtype 'float64'"),
     (["generate", "--prompt", "hi", "--model", "./no-such-model"], "is neither 'bundled'"),
     (["generate", "--prompt", "hi", "--block-size", "0"], "block size must be a positive integer"),
+    (["generate", "--prompt", "hi", "--spec", "draft"], "'draft' needs a draft model: pass --draft-model"),
+    (["generate", "--prompt", "hi", "--spec", "ngram", "--draft-model", "bundled"], "used only with --spec draft"),
+    (["generate", "--prompt", "hi", "--spec", "early-exit", "--draft-layers", "30"], "below the model's 30 layers"),
+    (["generate", "--prompt", "hi", "--draft-layers", "3"], "used only with --spec early-exit"),
     (["bench", "--repeats", "0", "--no-hf"], "--repeats >= 1"),
     (["bench", "--prompts", "no-such-prompts.jsonl", "--no-hf"], "prompt file no-such-prompts.jsonl does not exist"),
 ])

@@ -58,9 +58,9 @@ KV_CONFIGS = {
 }
 
 
-def write_word_level_tokenizer(directory) -> None:
+def write_word_level_tokenizer(directory, vocab_size: int = VOCAB_SIZE) -> None:
     """tokenizer.json mapping token 'tN' <-> id N for the whole vocabulary, plus a tokenizer_config naming the EOS."""
-    vocab = {f"t{i}": i for i in range(VOCAB_SIZE)}
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = FastTokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(directory / "tokenizer.json"))

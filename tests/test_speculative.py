@@ -1,17 +1,53 @@
-"""Speculative decoding: the draft source and acceptance rule on exact values, and end to end on the bundled model
-that greedy speculation is lossless (token ids identical to plain greedy over 128 tokens) and leaks no KV block."""
+"""Speculative decoding: the draft sources and the acceptance rules on exact values; end to end on the bundled model
+that greedy speculation with every draft source is lossless (token ids identical to plain greedy over 128 tokens) and
+leaks no KV block; and on tiny models the test builds, that sampled speculation with a deliberately bad draft emits
+tokens distributed as the target alone would sample them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from inference_core import ConfigError, FinishEvent, SamplingParams, TokenEvent
-from inference_core.speculative import SpecConfig, SpecStats, accept_greedy, accept_sampled, propose_ngram
+import inference_core
+from inference_core import ConfigError, Engine, EngineConfig, FinishEvent, LoadedModel, SamplingParams, TokenEvent
+from inference_core.model import CausalLM
+from inference_core.sampling import probabilities
+from inference_core.sequence import Sequence
+from inference_core.speculative import (SpecConfig, SpecStats, accept_greedy, accept_sampled, next_k,
+                                        propose_ngram)
 from conftest import assert_nothing_held, make_engine
+from test_model_families import write_word_level_tokenizer
+
+
+def first_layers_copy(loaded: LoadedModel, num_layers: int) -> LoadedModel:
+    """A separate draft model made of the first `num_layers` layers of `loaded` (its weights shared, not copied),
+    with the same norm, LM head and tokenizer: a cheaper sibling that agrees with the target part of the time."""
+    config = dataclasses.replace(loaded.config, num_layers=num_layers)
+    with torch.device("meta"):
+        network = CausalLM(config)
+    network.embed_tokens, network.norm, network.lm_head = (loaded.model.embed_tokens, loaded.model.norm,
+                                                           loaded.model.lm_head)
+    network.layers = nn.ModuleList(loaded.model.layers[:num_layers])
+    network.rope_inv_freq = loaded.model.rope_inv_freq
+    return LoadedModel(f"{loaded.name} (first {num_layers} layers)", config, network.eval(), loaded.tokenizer,
+                       loaded.device, loaded.dtype)
+
+
+def assert_draft_released(engine: Engine) -> None:
+    """The draft model's own KV cache holds nothing either."""
+    if engine.draft_runner is None:  # no request has drafted with the draft model yet
+        return
+    cache = engine.draft_runner.kv_cache
+    if engine.config.kv_mode == "paged":
+        assert cache.manager.num_used_blocks == 0
+    elif engine.config.kv_mode == "contiguous":
+        assert cache.free_slots == [0]
 
 
 def test_prompt_lookup_takes_the_latest_longest_match():
@@ -44,14 +80,36 @@ def test_stats_count_by_position():
     assert summary["drafted_by_position"] == [3, 3, 2]
 
 
+def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_early_rejection():
+    assert next_k(4, drafted=4, accepted=4, max_k=8) == 5
+    assert next_k(8, drafted=8, accepted=8, max_k=8) == 8  # capped
+    assert next_k(4, drafted=4, accepted=1, max_k=8) == 3  # rejected in the first half
+    assert next_k(4, drafted=4, accepted=2, max_k=8) == 4  # rejected in the second half: unchanged
+    assert next_k(1, drafted=1, accepted=0, max_k=8) == 1  # never below 1
+    assert next_k(4, drafted=2, accepted=2, max_k=8) == 4  # a short prompt-lookup draft proves nothing about k
+    assert SpecConfig("ngram", k=5, adaptive=True).max_k == 10
+    assert SpecConfig("ngram", k=12, adaptive=True).max_k == 16
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(method="medusa"), "unknown speculative method 'medusa'"),
     (dict(method="ngram", k=0), "draft length k must be an integer from 1 to 16"),
     (dict(method="ngram", ngram_min=3, ngram_max=2), "1 <= ngram_min <= ngram_max"),
+    (dict(method="early-exit", draft_layers=0), "draft layers must be a positive integer"),
 ])
 def test_bad_spec_settings(settings, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         SpecConfig(**settings)
+
+
+def test_engine_refuses_what_its_model_cannot_draft(bundled):
+    engine = make_engine(bundled, "paged")
+    with pytest.raises(ConfigError, match="'draft' needs a draft model: pass --draft-model"):
+        engine.generate("Hi", spec=SpecConfig("draft"))
+    with pytest.raises(ConfigError, match=r"--draft-layers must be below the model's 30 layers \(1 to 29\)"):
+        engine.generate("Hi", spec=SpecConfig("early-exit", draft_layers=30))
+    assert engine.resolve_spec(SpecConfig("early-exit")).draft_layers == 15  # default: half the layers
+    assert_nothing_held(engine)
 
 
 TARGET = [0.4, 0.3, 0.15, 0.1, 0.05, 0.0]
@@ -103,21 +161,75 @@ def lossless_prompts(bench_prompts):
     return [bench_prompts[name] for name in ("grounded-1", "code-2", "chat-short-1")]
 
 
-@pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
-def test_greedy_speculation_is_lossless(bundled, lossless_prompts, kv_mode, one_torch_thread):
-    engine = make_engine(bundled, kv_mode, block_size=4)
+@pytest.fixture(scope="module")
+def plain_greedy(bundled, lossless_prompts):
+    """Plain greedy ids of each lossless prompt (128 tokens), the reference every draft source must reproduce."""
+    engine = make_engine(bundled, "paged")
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    return {row["id"]: engine.complete(row["prompt"], params, system=row.get("system")).token_ids
+            for row in lossless_prompts}
+
+
+# Draft source -> (SpecConfig settings, draft model layers or None). Early exit at 8 of 30 layers and an 8-layer draft
+# model agree with the target only now and then (a few percent of drafts), so most steps roll drafts back; the
+# self-draft test below covers steps where every draft is accepted.
+SOURCES = {
+    "ngram": (dict(method="ngram"), None),
+    "early-exit": (dict(method="early-exit", draft_layers=8), None),
+    "draft": (dict(method="draft"), 8),
+    "ngram-adaptive": (dict(method="ngram", adaptive=True), None),
+}
+
+
+@pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_greedy_speculation_is_lossless(bundled, lossless_prompts, plain_greedy, kv_mode, source, one_torch_thread):
+    settings, draft_layers = SOURCES[source]
+    draft = first_layers_copy(bundled, draft_layers) if draft_layers else None
+    engine = Engine(bundled, EngineConfig(kv_mode=kv_mode, block_size=4), draft_model=draft)
+    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    accepted = rejected = 0
     for row in lossless_prompts:
         prompt_ids = engine.prompt_ids(row["prompt"], row.get("system"))
-        plain = engine.complete(prompt_ids, params)
         for k in (2, 5):
-            fast = engine.complete(prompt_ids, params, spec=SpecConfig("ngram", k=k))
-            assert fast.token_ids == plain.token_ids, (row["id"], k)
+            fast = engine.complete(prompt_ids, params, spec=SpecConfig(k=k, **settings))
+            assert fast.token_ids == plain_greedy[row["id"]], (row["id"], k)
             spec = fast.stats.spec
             assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
             assert sum(spec["drafted_by_position"]) == spec["drafted"]
             assert sum(spec["accepted_by_position"]) == spec["accepted"]
+            accepted, rejected = accepted + spec["accepted"], rejected + spec["drafted"] - spec["accepted"]
+    assert accepted > 0 and rejected > 0  # both kinds of step were exercised, rollback included
     assert_nothing_held(engine)
+    if draft is not None:
+        assert_draft_released(engine)
+
+
+def test_a_model_drafting_for_itself_is_always_accepted(bundled, bench_prompts):
+    engine = Engine(bundled, EngineConfig(kv_mode="paged", block_size=4), draft_model=bundled)
+    row = bench_prompts["chat-short-1"]
+    kinds = [event.draft for event in engine.generate(row["prompt"], SamplingParams(max_new_tokens=25, ignore_eos=True),
+                                                      spec=SpecConfig("draft", k=3))
+             if isinstance(event, TokenEvent)]
+    # The first token comes from the prefill; then each step is 3 accepted drafts and a bonus token.
+    assert kinds == [None] + ["accepted", "accepted", "accepted", "bonus"] * 6
+    assert_nothing_held(engine)
+    assert_draft_released(engine)
+
+
+@pytest.mark.parametrize("kv_mode", ["none", "contiguous", "paged"])
+def test_draft_sources_cancelled_mid_stream_release_everything(bundled, bench_prompts, kv_mode):
+    engine = Engine(bundled, EngineConfig(kv_mode=kv_mode, block_size=4), draft_model=first_layers_copy(bundled, 8))
+    row = bench_prompts["grounded-1"]
+    for spec in (SpecConfig("early-exit", k=3, draft_layers=8), SpecConfig("draft", k=3)):
+        request = engine.generate(row["prompt"], SamplingParams(max_new_tokens=64, temperature=0.8, seed=1),
+                                  system=row.get("system"), spec=spec)
+        for index, event in enumerate(request):
+            if index == 9:
+                break
+        request.close()
+        assert_nothing_held(engine)
+        assert_draft_released(engine)
 
 
 def test_paged_blocks_follow_the_accepted_tokens_and_return_on_cancel(bundled, bench_prompts):
@@ -155,3 +267,69 @@ def test_spec_bench_writes_rows_per_kind(bundled, tmp_path, capsys):
         assert row["ratio"] == pytest.approx(row["spec_tokens_per_s"] / row["plain_tokens_per_s"], abs=0.01)
         assert 0 <= row["acceptance_rate"] <= 1 and 1 <= row["mean_accepted_length"] <= 5
     assert "| grounded | ngram k=2 |" in capsys.readouterr().out
+
+
+TINY_VOCAB = 16
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+            intermediate_size=64, vocab_size=TINY_VOCAB, max_position_embeddings=64, rms_norm_eps=1e-6,
+            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+def build_tiny(directory, seed: int, initializer_range: float) -> LoadedModel:
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**TINY, initializer_range=initializer_range)).save_pretrained(str(directory))
+    write_word_level_tokenizer(directory, TINY_VOCAB)
+    return inference_core.load_model(str(directory), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny target and a deliberately bad draft: another random init with flatter logits, so it often proposes
+    tokens the target finds unlikely (about 1 draft in 5 is accepted)."""
+    target = build_tiny(tmp_path_factory.mktemp("target"), seed=0, initializer_range=0.3)
+    draft = build_tiny(tmp_path_factory.mktemp("draft"), seed=1, initializer_range=0.15)
+    return target, draft
+
+
+def exact_marginals(loaded: LoadedModel, prompt: list[int], params: SamplingParams, length: int) -> list[torch.Tensor]:
+    """The target's own distribution of each of the first `length` generated tokens, by summing over every earlier
+    token (V + V^2 + ... forwards of the tiny model)."""
+    engine = Engine(loaded, EngineConfig(kv_mode="none"))
+    marginals, paths = [], {(): 1.0}  # prefix of generated tokens -> its probability
+    for _ in range(length):
+        marginal, next_paths = torch.zeros(TINY_VOCAB, dtype=torch.float64), {}
+        for prefix, weight in paths.items():
+            probs = probabilities(engine.runner.run([Sequence(prompt + list(prefix))])[0], params).double()
+            marginal += weight * probs
+            for token in range(TINY_VOCAB):
+                next_paths[prefix + (token,)] = weight * float(probs[token])
+        marginals.append(marginal)
+        paths = next_paths
+    return marginals
+
+
+@pytest.mark.parametrize("source", ["draft", "early-exit"])
+def test_sampled_speculation_keeps_the_target_distribution(tiny_pair, source, one_torch_thread):
+    target, bad_draft = tiny_pair
+    prompt = [1, 5, 9, 3]
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=12, ignore_eos=True)
+    spec = SpecConfig(source, k=2, draft_layers=1)
+    engine = Engine(target, EngineConfig(kv_mode="paged", block_size=2), draft_model=bad_draft)
+    # Generated tokens 2 and 3 come from one verification step (draft positions 0 and 1, or a rejection's residual).
+    marginals = exact_marginals(target, prompt, params, 3)[1:]
+    trials = 3000
+    counts = torch.zeros(2, TINY_VOCAB, dtype=torch.float64)
+    drafted = accepted = 0
+    for seed in range(trials):
+        result = engine.complete(prompt, dataclasses.replace(params, seed=seed), spec=spec)
+        for position in range(2):
+            counts[position, result.token_ids[1 + position]] += 1
+        drafted, accepted = drafted + result.stats.spec["drafted"], accepted + result.stats.spec["accepted"]
+    assert_nothing_held(engine)
+    assert accepted / drafted < 0.5  # the draft is bad: rejections are frequent
+    # The sampling error of an empirical distribution shrinks as sqrt(V/N): 0.073 here, where the correct rule measured
+    # 0.02-0.04 and a broken one (resampling from p instead of max(0, p - q) after a rejection) 0.09.
+    bound = math.sqrt(TINY_VOCAB / trials)
+    for position, marginal in enumerate(marginals):
+        frequencies = counts[position] / trials
+        assert 0.5 * (frequencies - marginal).abs().sum() < bound, position

@@ -1,26 +1,33 @@
 """The playground's handlers and figures without a browser: streaming values, fairness of the interleaving, cancel,
-bad input, chat prefix reuse, and the KV view and chart as pure functions of plain values."""
+bad input, chat prefix reuse, speculative lanes (highlighted tokens, acceptance counted live and checked against the
+engine's count), and the KV view and charts as pure functions of plain values."""
 
 from __future__ import annotations
 
+import html
 import re
 
 import pytest
 
-from inference_core import FinishEvent, GenerationStats, TokenEvent
+import ui
+from inference_core import Engine, EngineConfig, FinishEvent, GenerationStats, SamplingParams, TokenEvent
 from inference_core.race import interleave
+from inference_core.speculative import SpecConfig, SpecStats
 from ui.chat import CHAT_OUTPUTS, chat_turn
-from ui.figures import rolling_tokens_per_s, speed_figure
+from ui.figures import acceptance_figure, rolling_tokens_per_s, speed_figure
 from ui.kv_view import render_pool
-from ui.race import RACE_OUTPUTS, run_race
+from ui.layout import RACE_SETUPS, _presets, _setup_values
+from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, run_race
 from ui.settings import EnginePool, LaneSettings
+from ui.speculation import AcceptanceCount, HighlightedText
 
-GREEDY = dict(block_size=16, prefix_cache=True, temperature=0.0, top_p=1.0, seed=None)
+GREEDY = dict(block_size=16, prefix_cache=True, temperature=0.0, top_p=1.0, seed=None, spec_method="none", spec_k=4,
+              spec_adaptive=False, draft_layers=None)
 
 
 def lane(kv_mode: str, **overrides) -> list:
     values = {"kv_mode": kv_mode, **GREEDY, **overrides}
-    return [values[name] for name in ("kv_mode", "block_size", "prefix_cache", "temperature", "top_p", "seed")]
+    return [values[name] for name in LANE_SETTING_FIELDS]
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +105,9 @@ def test_cancelling_a_race_frees_both_lanes(pool):
     ("Hi", 600, lane("paged"), "max_new_tokens=600 does not fit"),
     ("Hi", 16, lane("paged", top_p=0.0), "top_p must be in (0, 1]"),
     ("Hi", 16, lane("paged", block_size=0), "block size must be a positive integer"),
+    ("Hi", 16, lane("paged", spec_method="ngram", spec_k=0), "draft length k must be an integer from 1 to 16"),
+    ("Hi", 16, lane("paged", spec_method="draft"), "'draft' needs a draft model"),
+    ("Hi", 16, lane("paged", spec_method="early-exit", draft_layers=30), "must be below the model's 30 layers"),
 ])
 def test_bad_race_input_gets_a_message(pool, prompt, max_new_tokens, lane_b, message):
     updates = [_outputs(values) for values in run_race(pool, prompt, "", max_new_tokens, *lane("paged"), *lane_b)]
@@ -162,3 +172,183 @@ def test_kv_view_cells_tell_state_owner_and_tokens():
     assert "0&rarr;0" in page and "1&rarr;1" in page
     assert "<td>6</td><td>0.01 MiB</td>" in page  # stored
     assert "<td>8</td>" in page and "<td>64</td><td>0.06 MiB</td>" in page  # reserved; contiguous would reserve
+
+
+# --- speculative decoding in the playground ---
+
+def _lane_text(lane_html: str) -> str:
+    """The lane's text area only (the legend above it has a span of every kind too)."""
+    return lane_html.split('class="lane-text"', 1)[1]
+
+
+def _kinds(lane_html: str) -> set[str]:
+    return set(re.findall(r'data-kind="(\w+)"', _lane_text(lane_html)))
+
+
+def _shown_text(lane_html: str) -> str:
+    """The generated text as the lane shows it: every span but the struck-through rejected drafts, unescaped."""
+    text = re.sub(r"<s [^>]*>.*?</s>", "", _lane_text(lane_html).split(">", 1)[1], flags=re.S)
+    return html.unescape(re.sub(r"<[^>]+>", "", text))
+
+
+def test_speculative_race_highlights_tokens_and_counts_acceptance_like_the_engine(pool, bench_prompts):
+    row = bench_prompts["grounded-4"]
+    lane_a = lane("paged", spec_method="ngram", spec_k=5)
+    updates = [_outputs(values) for values in run_race(pool, row["prompt"], "", 128, *lane_a, *lane("paged"))]
+    last = updates[-1]
+    assert 'data-verdict="identical"' in last["identical"]  # greedy speculation is lossless
+    assert {"accepted", "rejected", "replaced", "bonus"} <= _kinds(last["lane_a"])
+    assert "tok-legend" in last["lane_a"] and "tok-legend" not in last["lane_b"]
+    assert _kinds(last["lane_b"]) == set()  # a plain lane is plain text
+    # The reference: the same request on a fresh engine, its final text and the engine's own acceptance count.
+    reference = Engine(pool.loaded, EngineConfig(kv_mode="paged", max_seq_len=512)).complete(
+        row["prompt"], SamplingParams(max_new_tokens=128), spec=SpecConfig("ngram", k=5))
+    spec = reference.stats.spec
+    assert _shown_text(last["lane_a"]) == reference.text
+    bars, running = last["acceptance"].data
+    positions = [index + 1 for index, drafted in enumerate(spec["drafted_by_position"]) if drafted]
+    assert list(bars.x) == positions == [1, 2, 3, 4, 5]
+    assert [list(pair) for pair in bars.customdata] == [
+        [spec["accepted_by_position"][p - 1], spec["drafted_by_position"][p - 1]] for p in positions]
+    assert len(running.y) == spec["steps"] and running.y[-1] == pytest.approx(spec["acceptance_rate"])
+    assert f"{spec['acceptance_rate']:.0%} ({spec['accepted']} of {spec['drafted']} drafts) = engine's count" \
+        in last["summary"]
+    assert f"{spec['mean_accepted_length']:.2f} ({spec['steps']} steps)" in last["summary"]
+    assert re.search(r"\d+ ms / \d+ ms \(\d+% drafting\)", last["summary"])
+    assert "of drafts accepted" in last["status"]
+    # The chart is sent only when it changed: at the start, after a verification step was counted, when lane A's
+    # count was checked against the engine's, and in the final frame; never once per token.
+    sent = [update["acceptance"] for update in updates if not isinstance(update["acceptance"], dict)]
+    assert 2 <= len(sent) <= spec["steps"] + 3 < spec["accepted"]
+    assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
+
+
+def test_race_without_speculation_shows_an_empty_acceptance_chart(pool):
+    last = _outputs(list(run_race(pool, "Hi", "", 8, *lane("paged"), *lane("contiguous")))[-1])
+    notes = [note.text for note in last["acceptance"].layout.annotations]
+    assert last["acceptance"].data == () and any(note.startswith("Neither lane speculates") for note in notes)
+    assert "drafts accepted" not in last["summary"]
+
+
+def test_cancelling_a_speculative_race_frees_both_lanes(pool, bench_prompts):
+    row = bench_prompts["grounded-1"]
+    race = run_race(pool, row["prompt"], "", 200, *lane("paged", spec_method="ngram", spec_k=5),
+                    *lane("paged", block_size=4, spec_method="early-exit", spec_k=3, draft_layers=8))
+    for _ in range(4):
+        next(race)
+    assert pool.active_requests() == 2 and pool.blocks_in_use() > 0
+    race.close()
+    assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
+
+
+def test_draft_model_lane_and_its_choice_in_the_page(bundled):
+    # The bundled model drafting for itself: every draft is accepted, each step ending with a bonus token.
+    with_draft = EnginePool(bundled, max_seq_len=512, draft=bundled)
+    last = _outputs(list(run_race(with_draft, "Why is the sky blue?", "", 25,
+                                  *lane("paged", spec_method="draft", spec_k=3), *lane("paged")))[-1])
+    assert 'data-verdict="identical"' in last["identical"]
+    assert _kinds(last["lane_a"]) == {"plain", "accepted", "bonus"}
+    assert "100% (18 of 18 drafts) = engine's count" in last["summary"]
+    assert with_draft.active_requests() == 0 and with_draft.blocks_in_use() == 0
+
+    def draft_sources(pool: EnginePool) -> list[str]:
+        radios = [block for block in ui.build_demo(pool).blocks.values() if block.elem_id == "lane-a-spec"]
+        return [value for _, value in radios[0].choices]
+
+    assert draft_sources(with_draft) == ["none", "ngram", "early-exit", "draft"]
+    assert draft_sources(EnginePool(bundled, max_seq_len=512)) == ["none", "ngram", "early-exit"]
+
+
+def test_chat_turn_with_speculation_reports_acceptance(pool):
+    for values in chat_turn(pool, "Repeat exactly: the cat sat on the mat, the cat sat on the mat.", [], [], "", 32,
+                            *lane("paged", spec_method="ngram", spec_k=4)):
+        out = dict(zip(CHAT_OUTPUTS, values))
+    spec = out["turn_stats"][0]["spec"]
+    assert spec is not None and spec["drafted"] > 0
+    assert "<th>drafts accepted</th>" in out["stats_table"]
+    assert f"{spec['acceptance_rate']:.0%} ({spec['accepted']} of {spec['drafted']})" in out["stats_table"]
+    assert pool.active_requests() == 0
+
+
+def test_speculation_preset_sets_both_lanes_and_a_grounded_prompt():
+    presets = _presets()
+    name = next(name for name in RACE_SETUPS if name.startswith("speculation"))
+    values = _setup_values(RACE_SETUPS[name], presets)
+    key, prompt, system = values[:3]
+    assert key == "grounded: grounded-4" and prompt == presets[key]["prompt"]
+    count = len(LANE_SETTING_FIELDS)
+    lane_a, lane_b = LaneSettings(*values[3:3 + count]), LaneSettings(*values[3 + count:])
+    assert lane_a.spec() == SpecConfig("ngram", k=5) and lane_b.spec() == SpecConfig("none")
+    assert lane_a.kv_mode == lane_b.kv_mode == "paged"
+    assert lane_a.describe().endswith("prompt lookup k=5")
+
+
+def test_lane_settings_spec_passes_the_early_exit_depth_only_to_early_exit():
+    assert LaneSettings(spec_method="early-exit", spec_k=3.0).spec() == SpecConfig("early-exit", k=3)
+    assert LaneSettings(spec_method="early-exit", draft_layers=8).spec().draft_layers == 8
+    assert LaneSettings(spec_method="ngram", draft_layers=8).spec().draft_layers is None
+    assert LaneSettings(spec_method="early-exit", draft_layers=8, spec_adaptive=True).describe().endswith(
+        "early exit (8 layers) k=4 adaptive")
+    assert LaneSettings().spec() == SpecConfig() and LaneSettings().describe().endswith("greedy")
+
+
+def _event(token_id: int, text: str, draft: str | None = None, rejected: tuple = ()) -> TokenEvent:
+    return TokenEvent(token_id, text, 0, 0.0, 0.0, draft, rejected)
+
+
+def test_acceptance_counted_from_events_equals_the_engine_count():
+    events = [_event(1, "a"),  # the prefill's token
+              _event(2, "b", "accepted"), _event(3, "c", "accepted"), _event(4, "d", "replaced", (8, 9, 7)),  # 2 of 5
+              _event(5, "e", "replaced", (6,)),  # 0 of 1
+              _event(6, "f"),  # nothing drafted: a plain step
+              _event(7, "g", "accepted"), _event(8, "h", "accepted"), _event(9, "i", "bonus"),  # 2 of 2
+              _event(2, "", "accepted")]  # an accepted end-of-sequence draft ends the request: 1 of 1
+    engine = SpecStats(k=5)
+    for drafted, accepted in ((5, 2), (1, 0), (2, 2), (1, 1)):
+        engine.record(drafted, accepted)
+    count = AcceptanceCount()
+    for event in events:
+        count.add(event)
+    assert (count.steps, count.drafted, count.accepted) == (3, 8, 4)  # the open step is not counted yet
+    assert count.running_rate == [2 / 5, 2 / 6, 4 / 8]
+    count.finish(engine.as_dict())
+    assert count.agrees is True and count.running_rate[-1] == 5 / 9
+    assert count.as_dict()["accepted_by_position"] == engine.accepted_by_position == [3, 2, 0, 0, 0]
+    assert count.as_dict()["drafted_by_position"] == engine.drafted_by_position == [4, 2, 1, 1, 1]
+    # Where the counts disagree, the page shows the engine's.
+    other = AcceptanceCount()
+    other.add(_event(2, "b", "bonus"))
+    other.finish(engine.as_dict())
+    assert other.agrees is False and other.shown()["drafted"] == 9
+
+
+def test_highlighted_text_places_rejected_drafts_before_their_replacement():
+    text = HighlightedText(lambda ids: "".join(chr(ord("A") + i) for i in ids))
+    for event in [_event(1, "x"), _event(2, "<y", "accepted"), _event(3, "", "accepted"),  # held-back text
+                  _event(4, "z&", "replaced", (0, 1)), _event(5, " w", "bonus")]:
+        text.add(event)
+    assert text.html() == (
+        '<span class="tok tok-plain" data-kind="plain" style="background:transparent;color:#111827;'
+        'border-radius:2px">x</span>'
+        '<span class="tok tok-accepted" data-kind="accepted" style="background:#dcfce7;color:#166534;'
+        'border-radius:2px">&lt;y</span>'
+        '<s class="tok tok-rejected" data-kind="rejected" title="rejected draft tokens (proposed here)" '
+        'style="background:#fee2e2;color:#b91c1c;border-radius:2px;text-decoration:line-through;opacity:.8">AB</s>'
+        '<span class="tok tok-replaced" data-kind="replaced" style="background:#fef3c7;color:#92400e;'
+        'border-radius:2px">z&amp;</span>'
+        '<span class="tok tok-bonus" data-kind="bonus" style="background:#e0e7ff;color:#3730a3;'
+        'border-radius:2px"> w</span>')
+    text.finish("x<yz")  # a stop string cut the end: the shown text ends where the final text does
+    assert [(s.kind, s.text) for s in text.segments] == [("plain", "x"), ("accepted", "<y"), ("accepted", ""),
+                                                         ("replaced", "z")]
+    text.finish("something else")  # never show text that is not the final text
+    assert [(s.kind, s.text) for s in text.segments] == [("plain", "something else")]
+
+
+def test_acceptance_figure_is_exact():
+    figure = acceptance_figure({"A": {"label": "prompt lookup", "accepted_by_position": [3, 1, 0],
+                                      "drafted_by_position": [4, 2, 0], "running_rate": [0.5, 0.6]}})
+    bars, running = figure.data
+    assert list(bars.x) == [1, 2] and list(bars.y) == [0.75, 0.5]
+    assert [list(pair) for pair in bars.customdata] == [[3, 4], [1, 2]]
+    assert list(running.x) == [1, 2] and list(running.y) == [0.5, 0.6]

@@ -4,7 +4,8 @@
 to the chat slot's engine, so a later turn's prompt starts with the earlier turns and (paged KV with the prefix
 cache) reuses their KV blocks; the per-turn table shows how many prompt tokens came from the cache. It yields, in
 `CHAT_OUTPUTS` order: the chat log, the conversation state, the per-turn table, the KV view, the input box and a
-status line. Stop cancels the event, which closes the request and returns its blocks; the partial answer stays.
+status line. A turn can speculate (the settings' draft source); the table then gives its acceptance numbers. Stop
+cancels the event, which closes the request and returns its blocks; the partial answer stays.
 """
 
 from __future__ import annotations
@@ -24,16 +25,30 @@ CHAT_OUTPUTS = ("chat_log", "history", "turn_stats", "stats_table", "kv_view", "
 log = logging.getLogger(__name__)
 
 
+def _acceptance_cell(spec: dict | None) -> str:
+    """A turn's speculation: drafts accepted, tokens per verification step, and draft / verify time."""
+    if spec is None:
+        return "-"
+    if not spec["drafted"]:
+        return "nothing drafted"
+    return (f"{spec['acceptance_rate']:.0%} ({spec['accepted']} of {spec['drafted']}), "
+            f"{spec['mean_accepted_length']:.2f} tokens/step, draft {spec['draft_ms']:.0f} ms / verify "
+            f"{spec['verify_ms']:.0f} ms")
+
+
 def stats_table_html(turn_stats: list[dict]) -> str:
     if not turn_stats:
         return "<p>Each turn's numbers appear here: TTFT, decode tokens/s and prompt tokens reused from the cache.</p>"
+    speculated = any(row.get("spec") for row in turn_stats)
     rows = "".join(
-        f"<tr><td>{row['turn']}</td><td>{row['config']}</td><td>{row['prompt_tokens']}</td>"
+        f"<tr><td>{row['turn']}</td><td>{html.escape(row['config'])}</td><td>{row['prompt_tokens']}</td>"
         f"<td>{row['cached_prompt_tokens']}</td><td>{row['ttft_ms']:.0f} ms</td>"
-        f"<td>{row['decode_tokens_per_s']:.1f}</td><td>{row['generated_tokens']} ({row['finish_reason']})</td></tr>"
+        f"<td>{row['decode_tokens_per_s']:.1f}</td><td>{row['generated_tokens']} ({row['finish_reason']})</td>"
+        + (f"<td>{_acceptance_cell(row.get('spec'))}</td>" if speculated else "") + "</tr>"
         for row in turn_stats)
     return ('<table class="chat-stats"><tr><th>turn</th><th>configuration</th><th>prompt tokens</th>'
-            "<th>from prefix cache</th><th>TTFT</th><th>decode tok/s</th><th>tokens</th></tr>" + rows + "</table>")
+            "<th>from prefix cache</th><th>TTFT</th><th>decode tok/s</th><th>tokens</th>"
+            + ("<th>drafts accepted</th>" if speculated else "") + "</tr>" + rows + "</table>")
 
 
 def _kv_html(engine) -> str:
@@ -55,7 +70,7 @@ def chat_turn(pool: EnginePool, message: str, history: list[dict], turn_stats: l
             raise ConfigError("the message is empty; type something first.")
         conversation = ([{"role": "system", "content": system.strip()}] if (system or "").strip() else []) \
             + history + [{"role": "user", "content": message}]
-        request = engine.generate(conversation, settings.sampling(max_new_tokens))
+        request = engine.generate(conversation, settings.sampling(max_new_tokens), spec=settings.spec())
     except (ValueError, TypeError) as error:  # ConfigError is a ValueError: bad settings or message
         yield (gr.skip(),) * 6 + (f"**Cannot send:** {error}",)
         return
@@ -71,11 +86,13 @@ def chat_turn(pool: EnginePool, message: str, history: list[dict], turn_stats: l
                     "turn": len(turn_stats) + 1, "config": settings.describe(), "prompt_tokens": stats.prompt_tokens,
                     "cached_prompt_tokens": stats.cached_prompt_tokens, "ttft_ms": stats.ttft_ms,
                     "decode_tokens_per_s": stats.decode_tokens_per_s, "generated_tokens": stats.generated_tokens,
-                    "finish_reason": stats.finish_reason}]
+                    "finish_reason": stats.finish_reason, "spec": stats.spec}]
                 history[-1] = {"role": "assistant", "content": answer}
                 status = (f"Turn {len(turn_stats)}: {stats.cached_prompt_tokens} of {stats.prompt_tokens} prompt "
                           f"tokens from the prefix cache, TTFT {stats.ttft_ms:.0f} ms, "
                           f"{stats.decode_tokens_per_s:.1f} tok/s.")
+                if stats.spec and stats.spec["drafted"]:
+                    status += f" {stats.spec['acceptance_rate']:.0%} of drafts accepted."
                 yield (history, history, turn_stats, stats_table_html(turn_stats), kv_html, gr.skip(), status)
                 continue
             answer += event.text

@@ -1,12 +1,14 @@
-"""Plotly figures as pure functions of measured values (no engine, no state): the race's tokens/s over time.
+"""Plotly figures as pure functions of measured values (no engine, no state): the race's tokens/s over time, and
+speculative decoding's acceptance by draft position and over the verification steps.
 
-The x axis is each lane's own busy time (the clock the engine runs only while working on that lane's request), so a
-lane's curve shows its own speed even though the two lanes take turns on one device.
+The speed chart's x axis is each lane's own busy time (the clock the engine runs only while working on that lane's
+request), so a lane's curve shows its own speed even though the two lanes take turns on one device.
 """
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 LANE_COLOURS = {"A": "#2563eb", "B": "#ea580c"}
 ROLLING_TOKENS = 8  # tokens/s at a point is measured over the last this-many tokens
@@ -47,4 +49,37 @@ def speed_figure(lanes: dict[str, dict]) -> go.Figure:
         legend={"orientation": "h", "y": -0.3, "x": 0},
         xaxis_title="lane's own device time (s)", yaxis_title=f"tokens/s (last {ROLLING_TOKENS} tokens)",
         yaxis={"rangemode": "tozero"}, xaxis={"rangemode": "tozero"})
+    return figure
+
+
+def acceptance_figure(lanes: dict[str, dict]) -> go.Figure:
+    """Speculative decoding's acceptance, per speculating lane. `lanes`: name -> {"label": str,
+    "accepted_by_position": [...], "drafted_by_position": [...], "running_rate": [accepted / drafted after each
+    verification step]}. Left: the share of drafts accepted at each draft position (accepted / drafted); right: the
+    running acceptance rate over the verification steps."""
+    figure = make_subplots(rows=1, cols=2, column_widths=[0.45, 0.55], horizontal_spacing=0.14,
+                           subplot_titles=("accepted / drafted by draft position", "acceptance rate so far"))
+    for name, lane in lanes.items():
+        colour = LANE_COLOURS.get(name, "#475569")
+        accepted, drafted = lane["accepted_by_position"], lane["drafted_by_position"]
+        positions = [index + 1 for index, count in enumerate(drafted) if count]
+        rates = [accepted[p - 1] / drafted[p - 1] for p in positions]
+        counts = [[accepted[p - 1], drafted[p - 1]] for p in positions]
+        figure.add_trace(go.Bar(x=positions, y=rates, customdata=counts, name=f"{name}: {lane['label']}",
+                                marker_color=colour, legendgroup=name,
+                                hovertemplate="position %{x}: %{customdata[0]} of %{customdata[1]} drafts accepted"
+                                              f"<extra>{name}</extra>"), row=1, col=1)
+        steps = list(range(1, len(lane["running_rate"]) + 1))
+        figure.add_trace(go.Scatter(x=steps, y=lane["running_rate"], mode="lines", name=f"{name} running rate",
+                                    line={"color": colour, "width": 2}, legendgroup=name, showlegend=False,
+                                    hovertemplate="after step %{x}: %{y:.0%} accepted" + f"<extra>{name}</extra>"),
+                         row=1, col=2)
+    if not lanes:
+        figure.add_annotation(text="Neither lane speculates: pick a draft source in a lane's settings.",
+                              xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font={"color": "#64748b"})
+    figure.update_layout(height=330, margin={"l": 50, "r": 20, "t": 60, "b": 80}, template="plotly_white",
+                         barmode="group", legend={"orientation": "h", "y": -0.3, "x": 0})
+    figure.update_xaxes(title_text="draft position", dtick=1, row=1, col=1)
+    figure.update_xaxes(title_text="verification step", rangemode="tozero", row=1, col=2)
+    figure.update_yaxes(range=[0, 1.05], tickformat=".0%")
     return figure

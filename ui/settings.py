@@ -1,10 +1,11 @@
 """What a person picks in a lane or in the chat, turned into engine settings, and the engines those settings need.
 
-`LaneSettings` holds one configuration as the widgets give it (KV mode, block size, prefix cache, sampling) and turns
-it into an `EngineConfig` and `SamplingParams`, so a bad value fails with the engine's own `ConfigError` message.
-`EnginePool` keeps one `Engine` per (slot, configuration) over the one loaded model: a lane's KV cache survives
-between races (so the prefix cache has something to reuse) and two lanes never share one (so neither sees the
-other's cached prefixes, and each contiguous cache serves one request).
+`LaneSettings` holds one configuration as the widgets give it (KV mode, block size, prefix cache, sampling,
+speculative decoding) and turns it into an `EngineConfig`, `SamplingParams` and `SpecConfig`, so a bad value fails
+with the engine's own `ConfigError` message. `EnginePool` keeps one `Engine` per (slot, configuration) over the one
+loaded model (and the optional draft model, which every engine gets for the 'draft' method): a lane's KV cache
+survives between races (so the prefix cache has something to reuse) and two lanes never share one (so neither sees
+the other's cached prefixes, and each contiguous cache serves one request).
 """
 
 from __future__ import annotations
@@ -13,9 +14,20 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from inference_core import Engine, EngineConfig, LoadedModel, SamplingParams
+from inference_core.kv_cache import PagedKVCache
+from inference_core.speculative import SpecConfig
 
 KV_MODE_LABELS = {"paged": "paged KV cache", "contiguous": "contiguous KV cache", "none": "no KV cache (recompute)"}
 BLOCK_SIZES = (4, 8, 16, 32)
+SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "early exit", "draft": "draft model"}
+DEFAULT_LAYERS = "default"  # the early-exit depth widget's value for "the engine's default depth"
+
+
+def _whole(value):
+    """A widget's whole number as an int (sliders give 5.0); anything else unchanged, for the engine to refuse."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +38,10 @@ class LaneSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    spec_method: str = "none"  # draft source: one of SPEC_METHOD_LABELS
+    spec_k: int = 4  # draft length (where it starts when adaptive)
+    spec_adaptive: bool = False
+    draft_layers: int | str | None = DEFAULT_LAYERS  # early exit only; DEFAULT_LAYERS (or None): the engine's default
 
     def engine_config(self, max_seq_len: int) -> EngineConfig:
         return EngineConfig(kv_mode=self.kv_mode, block_size=int(self.block_size), prefix_cache=bool(self.prefix_cache),
@@ -36,34 +52,62 @@ class LaneSettings:
         return SamplingParams(max_new_tokens=int(max_new_tokens), temperature=float(self.temperature),
                               top_p=float(self.top_p), seed=seed)
 
+    def spec(self) -> SpecConfig:
+        """The speculative settings (raises ConfigError for a bad one). The early-exit depth is passed only with
+        that method, so a value left in its hidden box cannot affect another draft source."""
+        layers = self.draft_layers if self.spec_method == "early-exit" else None
+        layers = None if layers in ("", DEFAULT_LAYERS) else layers
+        return SpecConfig(method=self.spec_method or "none", k=_whole(self.spec_k), adaptive=bool(self.spec_adaptive),
+                          draft_layers=_whole(layers))
+
     @property
     def greedy(self) -> bool:
         return float(self.temperature) == 0.0
+
+    @property
+    def speculates(self) -> bool:
+        return self.spec_method not in (None, "", "none")
 
     def describe(self) -> str:
         parts = [KV_MODE_LABELS.get(self.kv_mode, self.kv_mode)]
         if self.kv_mode == "paged":
             parts.append(f"block {int(self.block_size)}")
             parts.append("prefix cache" if self.prefix_cache else "no prefix cache")
-        parts.append("greedy" if self.greedy else f"temperature {float(self.temperature):g}, top-p {float(self.top_p):g}")
+        parts.append("greedy" if self.greedy
+                     else f"temperature {float(self.temperature):g}, top-p {float(self.top_p):g}")
+        if self.speculates:
+            draft = SPEC_METHOD_LABELS.get(self.spec_method, self.spec_method)
+            if self.spec_method == "early-exit" and self.draft_layers not in (None, "", DEFAULT_LAYERS):
+                draft += f" ({_whole(self.draft_layers)} layers)"
+            parts.append(f"{draft} k={_whole(self.spec_k)}" + (" adaptive" if self.spec_adaptive else ""))
         return ", ".join(parts)
 
 
 class EnginePool:
     """Engines over one loaded model, by (slot, EngineConfig), least recently used dropped past `max_engines`.
+    Every engine gets the optional `draft` model (its tokenizer is checked by the engine on construction).
     Callers run one request at a time per engine (the app's queue runs one generation at a time)."""
 
-    def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, max_engines: int = 6):
+    def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, max_engines: int = 6,
+                 draft: LoadedModel | None = None):
         self.loaded = loaded
+        self.draft = draft
         self.max_seq_len = min(max_seq_len or 2048, loaded.config.max_position_embeddings)
         self.max_engines = max_engines
         self.engines: OrderedDict[tuple[str, EngineConfig], Engine] = OrderedDict()
 
+    def _engine(self, config: EngineConfig) -> Engine:
+        return Engine(self.loaded, config, draft_model=self.draft)
+
     def warm_up(self) -> None:
-        """One short untimed request per KV mode, so the first race does not pay one-time start-up costs."""
+        """One short untimed request per KV mode, so the first race does not pay one-time start-up costs; with a
+        draft model, one speculative request as well (which also refuses an unusable draft model at start-up)."""
         for kv_mode in ("contiguous", "paged", "none"):
-            engine = Engine(self.loaded, EngineConfig(kv_mode=kv_mode, max_seq_len=64))
+            engine = self._engine(EngineConfig(kv_mode=kv_mode, max_seq_len=64))
             engine.complete("Hello", SamplingParams(max_new_tokens=4))
+        if self.draft is not None:
+            engine = self._engine(EngineConfig(kv_mode="paged", max_seq_len=64))
+            engine.complete("Hello", SamplingParams(max_new_tokens=4), spec=SpecConfig("draft", k=2))
 
     def get(self, slot: str, settings: LaneSettings) -> Engine:
         key = (slot, settings.engine_config(self.max_seq_len))
@@ -73,7 +117,7 @@ class EnginePool:
         # Idle engines only: a slot's previous engine is never in use while a new request for that slot starts.
         while len(self.engines) >= self.max_engines:
             self.engines.popitem(last=False)
-        engine = self.engines[key] = Engine(self.loaded, key[1])
+        engine = self.engines[key] = self._engine(key[1])
         return engine
 
     def active_requests(self) -> int:
@@ -81,5 +125,7 @@ class EnginePool:
         return sum(len(engine.active) for engine in self.engines.values())
 
     def blocks_in_use(self) -> int:
-        return sum(engine.kv_cache.manager.num_used_blocks for engine in self.engines.values()
-                   if engine.config.kv_mode == "paged")
+        """Paged KV blocks held over every engine, the draft model's own caches included."""
+        caches = [engine.kv_cache for engine in self.engines.values()]
+        caches += [engine.draft_runner.kv_cache for engine in self.engines.values() if engine.draft_runner is not None]
+        return sum(cache.manager.num_used_blocks for cache in caches if isinstance(cache, PagedKVCache))

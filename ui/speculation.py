@@ -1,0 +1,207 @@
+"""What a speculating lane shows besides its speed: its text highlighted by where each token came from, and its
+acceptance counted live from the token events.
+
+`HighlightedText` keeps one segment per token event: the token's kind (a draft the target accepted, the target's own
+token where it rejected a draft, a bonus token after a fully accepted draft, or a plain decode step), its text
+delta, and the rejected draft tokens decoded, which are drawn struck through just before the token that replaced
+them. An event's text may be empty (the detokenizer holds back an incomplete character); the held text arrives with
+a later token and takes that token's colour.
+
+`AcceptanceCount` rebuilds the engine's acceptance statistics from the events alone: a verification step is a run of
+"accepted" events closed by one "replaced" event (drafted = accepted + the rejected drafts) or one "bonus" event
+(drafted = accepted). At the end it is compared with the engine's own count (`GenerationStats.spec`).
+`speculation_summary_rows` turns both into the race summary's speculation rows.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import Callable
+
+from inference_core import TokenEvent
+
+# kind -> (background, text colour, legend label)
+TOKEN_KINDS = {
+    "accepted": ("#dcfce7", "#166534", "accepted draft token"),
+    "rejected": ("#fee2e2", "#b91c1c", "rejected draft tokens (proposed here)"),
+    "replaced": ("#fef3c7", "#92400e", "target's token where it rejected a draft"),
+    "bonus": ("#e0e7ff", "#3730a3", "bonus token after a fully accepted draft"),
+    "plain": ("transparent", "#111827", "plain decode step (nothing drafted)"),
+}
+
+
+def token_span(kind: str, text: str) -> str:
+    """One highlighted run of text; rejected drafts are struck through (newlines in them shown as ↵)."""
+    background, colour, label = TOKEN_KINDS[kind]
+    style = f"background:{background};color:{colour};border-radius:2px"
+    if kind == "rejected":
+        shown = html.escape(text.replace("\n", "↵"))
+        return (f'<s class="tok tok-rejected" data-kind="rejected" title="{label}" '
+                f'style="{style};text-decoration:line-through;opacity:.8">{shown}</s>')
+    return f'<span class="tok tok-{kind}" data-kind="{kind}" style="{style}">{html.escape(text)}</span>'
+
+
+def legend_html() -> str:
+    chips = "".join(f'<span style="margin-right:10px">{token_span(kind, label)}</span>'
+                    for kind, (_, _, label) in TOKEN_KINDS.items())
+    return f'<div class="tok-legend" style="font-size:11px;margin-top:4px">{chips}</div>'
+
+
+@dataclass(slots=True)
+class TokenSegment:
+    kind: str  # "accepted" | "replaced" | "bonus" | "plain"
+    text: str  # this event's text delta (may be "")
+    rejected: str = ""  # the drafts this token replaced, decoded ("" unless kind == "replaced")
+
+
+class HighlightedText:
+    """A lane's streamed text as highlighted segments, one per token event."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.segments: list[TokenSegment] = []
+
+    def add(self, event: TokenEvent) -> None:
+        rejected = self.decode(list(event.rejected_ids)) if event.rejected_ids else ""
+        self.segments.append(TokenSegment(event.draft or "plain", event.text, rejected))
+
+    def finish(self, final_text: str) -> None:
+        """Make the segments spell the request's final text: cut where a stop string ended it; if the final text is
+        not a prefix of what streamed (it should be), keep the final text unhighlighted rather than show a wrong one."""
+        streamed = "".join(segment.text for segment in self.segments)
+        if streamed == final_text:
+            return
+        if not streamed.startswith(final_text):
+            self.segments = [TokenSegment("plain", final_text)]
+            return
+        kept, length = [], 0
+        for segment in self.segments:
+            if length >= len(final_text):
+                break
+            text = segment.text[:len(final_text) - length]
+            kept.append(TokenSegment(segment.kind, text, segment.rejected))
+            length += len(text)
+        self.segments = kept
+
+    def html(self) -> str:
+        """Spans of the text, neighbouring tokens of one kind merged into one span (fewer nodes for the browser)."""
+        runs: list[list[str]] = []  # [kind, text]
+        for segment in self.segments:
+            for kind, text in (("rejected", segment.rejected), (segment.kind, segment.text)):
+                if not text:
+                    continue
+                if runs and runs[-1][0] == kind:
+                    runs[-1][1] += text
+                else:
+                    runs.append([kind, text])
+        return "".join(token_span(kind, text) for kind, text in runs)
+
+
+@dataclass
+class AcceptanceCount:
+    """Acceptance statistics counted from a lane's events, live; `finish` checks them against the engine's."""
+
+    accepted_by_position: list[int] = field(default_factory=list)  # drafts accepted at position i (0-based)
+    drafted_by_position: list[int] = field(default_factory=list)  # drafts proposed at position i
+    running_rate: list[float] = field(default_factory=list)  # accepted / drafted so far, after each step
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    open_run: int = 0  # "accepted" events of the step in progress
+    engine_spec: dict | None = None  # GenerationStats.spec once the request has finished
+    agrees: bool | None = None  # whether the live count equals the engine's (None until the end)
+
+    def add(self, event: TokenEvent) -> None:
+        if event.draft == "accepted":
+            self.open_run += 1
+        elif event.draft == "replaced":
+            self._record(self.open_run + len(event.rejected_ids), self.open_run)
+        elif event.draft == "bonus":
+            self._record(self.open_run, self.open_run)
+
+    def _record(self, drafted: int, accepted: int) -> None:
+        missing = drafted - len(self.drafted_by_position)
+        if missing > 0:
+            self.accepted_by_position += [0] * missing
+            self.drafted_by_position += [0] * missing
+        for position in range(drafted):
+            self.drafted_by_position[position] += 1
+            self.accepted_by_position[position] += position < accepted
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.running_rate.append(self.accepted / self.drafted if self.drafted else 0.0)
+        self.open_run = 0
+
+    def finish(self, engine_spec: dict | None) -> None:
+        """The request ended. A step still open was cut by the end of the request after its last accepted draft:
+        the engine drops drafts after an end-of-sequence draft, so that step's drafts were all accepted."""
+        if self.open_run:
+            self._record(self.open_run, self.open_run)
+        self.engine_spec = engine_spec
+        self.agrees = engine_spec is not None and self.as_dict() == _comparable(engine_spec)
+
+    def as_dict(self) -> dict:
+        """The live count in the engine's terms (`SpecStats.as_dict` keys, without the timings and k)."""
+        width = len(self.drafted_by_position)
+        if self.engine_spec is not None:  # the engine's lists are as long as the longest possible draft
+            width = max(width, len(self.engine_spec["drafted_by_position"]))
+        return {
+            "steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "mean_accepted_length": (self.accepted + self.steps) / self.steps if self.steps else 0.0,
+            "accepted_by_position": _padded(self.accepted_by_position, width),
+            "drafted_by_position": _padded(self.drafted_by_position, width),
+        }
+
+    def shown(self) -> dict:
+        """What the page shows: the live count, or the engine's where they disagree at the end."""
+        if self.engine_spec is not None and not self.agrees:
+            return _comparable(self.engine_spec)
+        return self.as_dict()
+
+
+def speculation_summary_rows() -> list[tuple]:
+    """The race summary's rows for speculation, as (label, function of a lane's trace -> cell HTML): acceptance (live,
+    then checked against the engine's count), tokens per verification step, and where the step time went. A trace
+    has `acceptance` (an AcceptanceCount, None when the lane does not speculate) and `stats` (None until the end)."""
+    def acceptance(t) -> str:
+        if t.acceptance is None:
+            return "no speculation"
+        counts = t.acceptance.shown()
+        if not counts["drafted"]:
+            return "nothing drafted yet" if t.stats is None else "nothing drafted"
+        cell = f"{counts['acceptance_rate']:.0%} ({counts['accepted']} of {counts['drafted']} drafts)"
+        if t.acceptance.agrees is not None:
+            cell += " = engine's count" if t.acceptance.agrees else " (engine's count; the live count differed)"
+        return cell
+
+    def per_step(t) -> str:
+        if t.acceptance is None or not t.acceptance.steps:
+            return "-"
+        counts = t.acceptance.shown()
+        return f"{counts['mean_accepted_length']:.2f} ({counts['steps']} steps)"
+
+    def split(t) -> str:
+        if t.acceptance is None:
+            return "-"
+        if t.stats is None:
+            return "at the end"
+        draft_ms, verify_ms = t.stats.spec["draft_ms"], t.stats.spec["verify_ms"]
+        total = draft_ms + verify_ms
+        share = f" ({draft_ms / total:.0%} drafting)" if total else ""
+        return f"{draft_ms:.0f} ms / {verify_ms:.0f} ms{share}"
+
+    return [("drafts accepted", acceptance), ("tokens per verification step", per_step),
+            ("draft / verify time", split)]
+
+
+def _padded(values: list[int], width: int) -> list[int]:
+    return values + [0] * (width - len(values))
+
+
+def _comparable(engine_spec: dict) -> dict:
+    keys = ("steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_by_position",
+            "drafted_by_position")
+    return {key: engine_spec[key] for key in keys}

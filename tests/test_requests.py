@@ -43,7 +43,7 @@ def collect(events) -> tuple[list[TokenEvent], FinishEvent]:
     return events[:-1], events[-1]
 
 
-# --- (a) Prefix caching -----------------------------------------------------------------------------------------------
+# --- (a) Prefix caching ---------------------------------------------------------------------------------------------
 
 def test_shared_system_prompt_reuses_full_blocks(bundled, bench_prompts):
     first_row, second_row = bench_prompts["shared-prefix-1"], bench_prompts["shared-prefix-2"]
@@ -73,7 +73,7 @@ def test_shared_system_prompt_reuses_full_blocks(bundled, bench_prompts):
     assert_nothing_held(engine)
 
 
-# --- (b) Leaks ----------------------------------------------------------------------------------------------------------
+# --- (b) Leaks --------------------------------------------------------------------------------------------------------
 
 LEAK_PROMPT = "Why is the sky blue?"
 
@@ -148,7 +148,7 @@ def test_failing_forward_releases_everything(bundled, kv_mode, monkeypatch):
     assert_nothing_held(engine)
 
 
-# --- (c) Seeded sampling ------------------------------------------------------------------------------------------------
+# --- (c) Seeded sampling ----------------------------------------------------------------------------------------------
 
 def test_seeded_sampling_is_reproducible(bundled):
     engine = new_engine(bundled, "paged")
@@ -163,7 +163,7 @@ def test_seeded_sampling_is_reproducible(bundled):
     assert sampled(4321) != first  # 24 draws at temperature 0.8 agreeing by chance is vanishingly unlikely
 
 
-# --- (d) Stop strings ---------------------------------------------------------------------------------------------------
+# --- (d) Stop strings -------------------------------------------------------------------------------------------------
 
 STOP_PROMPT = "Describe the water cycle step by step for a ten-year-old."
 
@@ -207,7 +207,7 @@ def test_stop_string_that_never_completes_changes_nothing(bundled, unstopped):
     assert "".join(t.text for t in tokens) == finish.text
 
 
-# --- (e) Streaming events and stats -------------------------------------------------------------------------------------
+# --- (e) Streaming events and stats -----------------------------------------------------------------------------------
 
 EVENT_PROMPT = "What is the difference between a process and a thread?"
 EVENT_TOKENS = 12
@@ -267,7 +267,7 @@ def test_clock_stops_while_the_caller_holds_the_generator(bundled):
     assert_nothing_held(engine)
 
 
-# --- (f) End of sequence ------------------------------------------------------------------------------------------------
+# --- (f) End of sequence ----------------------------------------------------------------------------------------------
 
 def test_chat_answer_ends_with_eos(bundled):
     engine = new_engine(bundled, "paged")

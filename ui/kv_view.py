@@ -90,7 +90,8 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
     used_blocks = sum(1 for block in snapshot["blocks"] if block["state"] == "used")
     cached_blocks = sum(1 for block in snapshot["blocks"] if block["state"] == "cached")
     numbers = (
-        f'<table class="kv-numbers" style="font-size:13px;margin-top:6px"><tr><th></th><th>tokens</th><th>KV memory</th>'
+        '<table class="kv-numbers" style="font-size:13px;margin-top:6px">'
+        '<tr><th></th><th>tokens</th><th>KV memory</th>'
         f"</tr><tr><td>stored (KV written)</td><td>{stored}</td><td>{_mib(stored * bytes_per_token)}</td></tr>"
         f"<tr><td>reserved by this paged pool ({used_blocks} blocks x {block_size})</td><td>{reserved}</td>"
         f"<td>{_mib(reserved * bytes_per_token)}</td></tr>"

@@ -287,14 +287,16 @@ class Engine:
                 # 3. One step: speculative (draft, verify, roll back) or plain (forward one token, sample).
                 step_start = time.perf_counter()
                 room = params.max_new_tokens - seq.num_generated_tokens - 1
+                tokens = []
                 if drafter is not None and room > 0:
                     tokens = speculative_step(self.runner, seq, drafter, min(k, room), spec_stats, params, generator,
                                               eos_ids)
+                if tokens:
                     pending.extend(tokens)
-                    if spec.adaptive and tokens[-1][1] is not None:
+                    if spec.adaptive:
                         accepted = len(tokens) - 1
                         k = next_k(k, accepted + len(tokens[-1][2]), accepted, spec.max_k)
-                else:
+                else:  # a plain step: no speculation, no room for a draft, or nothing drafted
                     pending.append((sample(self.runner.run([seq])[0], params, generator), None, ()))
                 step_s = time.perf_counter() - step_start
             in_use, reserved = self.kv_cache.usage(seq) if self.kv_cache is not None else (0, 0)

@@ -74,6 +74,14 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits: [vocab] fp32. Returns the chosen token id."""
+    return sample_with_probabilities(logits, params, generator)[0]
+
+
+def sample_with_probabilities(logits: torch.Tensor, params: SamplingParams,
+                              generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """logits: [vocab] fp32. Returns the chosen token id and the [vocab] distribution it was drawn from (None when
+    greedy: an argmax has none). A speculative draft model samples this way, since the acceptance rule needs q."""
     if params.greedy:
-        return int(logits.argmax())
-    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
+        return int(logits.argmax()), None
+    distribution = probabilities(logits, params)
+    return int(torch.multinomial(distribution, 1, generator=generator)), distribution

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference_core.config import ConfigError
-from inference_core.sampling import SamplingParams, probabilities, sample
+from inference_core.sampling import SamplingParams, probabilities, sample_with_probabilities
 from inference_core.sequence import Sequence
 
 SPEC_METHODS = ("none", "ngram", "early-exit", "draft")
@@ -101,16 +101,6 @@ def next_k(k: int, drafted: int, accepted: int, max_k: int) -> int:
     return k
 
 
-def pick_draft(logits: torch.Tensor, params: SamplingParams,
-               generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-    """A model draft's token from its [vocab] logits: the argmax when greedy, else a sample from its own sampling
-    distribution q, which is returned too (the acceptance rule needs it)."""
-    if params.greedy:
-        return int(logits.argmax()), None
-    q = probabilities(logits, params)
-    return int(torch.multinomial(q, 1, generator=generator)), q
-
-
 class NgramDrafter:
     """Prompt lookup: deterministic drafts, so no draft distribution."""
 
@@ -139,7 +129,7 @@ class EarlyExitDrafter:
                 logits = self.runner.run_shallow(seq, self.num_layers)[0]
                 # The shallow layers' KV now covers the sequence; the next draft pass computes only the new token.
                 seq.num_computed_tokens = len(seq)
-                token, q = pick_draft(logits, params, generator)
+                token, q = sample_with_probabilities(logits, params, generator)
                 seq.token_ids.append(token)
                 drafts.append(token)
                 probs.append(q)
@@ -170,17 +160,13 @@ class DraftModelDrafter:
             if kv_cache is not None:
                 kv_cache.allocate(self.seq)
         else:
-            mine, target = self.seq.token_ids, seq.token_ids
-            shared = 0
-            limit = min(len(mine), len(target))
-            while shared < limit and mine[shared] == target[shared]:
-                shared += 1
+            shared = common_prefix_length(self.seq.token_ids, seq.token_ids)
             if kv_cache is not None:  # keep the last token uncomputed: its logits give the first draft
-                kv_cache.rollback(self.seq, min(self.seq.num_computed_tokens, shared, len(target) - 1))
-            self.seq.token_ids = list(target)
+                kv_cache.rollback(self.seq, min(self.seq.num_computed_tokens, shared, len(seq) - 1))
+            self.seq.token_ids = list(seq.token_ids)
         drafts, probs = [], []
         for _ in range(max_drafts):
-            token, q = pick_draft(self.runner.run([self.seq])[0, :self.vocab_size], params, generator)
+            token, q = sample_with_probabilities(self.runner.run([self.seq])[0, :self.vocab_size], params, generator)
             self.seq.append(token)
             drafts.append(token)
             probs.append(q)
@@ -192,13 +178,20 @@ class DraftModelDrafter:
         self.seq = None
 
 
+def common_prefix_length(first: list[int], second: list[int]) -> int:
+    """How many leading token ids the two lists share."""
+    length = 0
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        length += 1
+    return length
+
+
 def accept_greedy(drafts: list[int], target_ids: list[int]) -> int:
     """Number of drafts accepted: the length of the prefix where each draft equals the target's argmax at its
     position. `target_ids` has len(drafts) + 1 entries (the last one is the bonus position)."""
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == target_ids[accepted]:
-        accepted += 1
-    return accepted
+    return common_prefix_length(drafts, target_ids[:len(drafts)])
 
 
 def accept_sampled(drafts: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
@@ -231,7 +224,8 @@ def accept_sampled(drafts: list[int], draft_probs: torch.Tensor | None, target_p
 
 @dataclass(slots=True)
 class SpecStats:
-    """Per-request acceptance statistics, as plain numbers."""
+    """Per-request acceptance statistics, as plain numbers. The by-position lists start `k` long (the longest draft
+    the request can propose) and grow if a longer draft is recorded (a count that starts at k=0 and learns k)."""
 
     k: int
     steps: int = 0
@@ -247,6 +241,10 @@ class SpecStats:
         self.drafted_by_position = [0] * self.k
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
+        missing = num_drafted - len(self.drafted_by_position)
+        if missing > 0:
+            self.accepted_by_position += [0] * missing
+            self.drafted_by_position += [0] * missing
         self.steps += 1
         self.drafted += num_drafted
         self.accepted += num_accepted
@@ -254,10 +252,14 @@ class SpecStats:
             self.drafted_by_position[position] += 1
             self.accepted_by_position[position] += position < num_accepted
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
     def as_dict(self) -> dict:
         return {
             "k": self.k, "steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "acceptance_rate": self.acceptance_rate,
             # Tokens a verification step produced on average: the accepted drafts plus the target's own token.
             "mean_accepted_length": (self.accepted + self.steps) / self.steps if self.steps else 0.0,
             "accepted_by_position": list(self.accepted_by_position),
@@ -270,7 +272,7 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
                      generator, eos_ids) -> list[tuple]:
     """One verification step: draft, score the last token + drafts in one forward, keep the accepted prefix
     (greedy: the agreeing one; sampling: the standard rule), roll the rest back. Returns the step's tokens as
-    (token, draft kind, rejected drafts)."""
+    (token, draft kind, rejected drafts), or [] when the drafter proposed nothing."""
     started = time.perf_counter()
     drafts, draft_probs = drafter.propose(seq, max_drafts, params, generator)
     # Nothing after an end-of-sequence draft can be emitted.
@@ -280,8 +282,8 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
             break
     drafted_at = time.perf_counter()
     stats.draft_ms += (drafted_at - started) * 1e3
-    if not drafts:  # nothing to propose: a plain step
-        return [(sample(runner.run([seq])[0], params, generator), None, ())]
+    if not drafts:  # nothing to propose: the caller takes a plain step
+        return []
     num_before = len(seq)  # the last token (KV not yet written) is at num_before - 1
     seq.token_ids.extend(drafts)
     # logits: [len(drafts) + 1, vocab] for the positions of the last token and of each draft

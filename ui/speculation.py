@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from inference_core import TokenEvent
+from inference_core.speculative import SpecStats
 
 # kind -> (background, text colour, legend label)
 TOKEN_KINDS = {
@@ -100,14 +101,12 @@ class HighlightedText:
 
 @dataclass
 class AcceptanceCount:
-    """Acceptance statistics counted from a lane's events, live; `finish` checks them against the engine's."""
+    """Acceptance statistics counted from a lane's events, live; `finish` checks them against the engine's. What is
+    independent of the engine is how the steps are read from the events; the counting per step is the engine's own
+    `SpecStats`, which grows here to the longest draft seen."""
 
-    accepted_by_position: list[int] = field(default_factory=list)  # drafts accepted at position i (0-based)
-    drafted_by_position: list[int] = field(default_factory=list)  # drafts proposed at position i
+    counts: SpecStats = field(default_factory=lambda: SpecStats(k=0))
     running_rate: list[float] = field(default_factory=list)  # accepted / drafted so far, after each step
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
     open_run: int = 0  # "accepted" events of the step in progress
     engine_spec: dict | None = None  # GenerationStats.spec once the request has finished
     agrees: bool | None = None  # whether the live count equals the engine's (None until the end)
@@ -120,18 +119,21 @@ class AcceptanceCount:
         elif event.draft == "bonus":
             self._record(self.open_run, self.open_run)
 
+    @property
+    def steps(self) -> int:
+        return self.counts.steps
+
+    @property
+    def drafted(self) -> int:
+        return self.counts.drafted
+
+    @property
+    def accepted(self) -> int:
+        return self.counts.accepted
+
     def _record(self, drafted: int, accepted: int) -> None:
-        missing = drafted - len(self.drafted_by_position)
-        if missing > 0:
-            self.accepted_by_position += [0] * missing
-            self.drafted_by_position += [0] * missing
-        for position in range(drafted):
-            self.drafted_by_position[position] += 1
-            self.accepted_by_position[position] += position < accepted
-        self.steps += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        self.running_rate.append(self.accepted / self.drafted if self.drafted else 0.0)
+        self.counts.record(drafted, accepted)
+        self.running_rate.append(self.counts.acceptance_rate)
         self.open_run = 0
 
     def finish(self, engine_spec: dict | None) -> None:
@@ -144,16 +146,12 @@ class AcceptanceCount:
 
     def as_dict(self) -> dict:
         """The live count in the engine's terms (`SpecStats.as_dict` keys, without the timings and k)."""
-        width = len(self.drafted_by_position)
+        counts = _comparable(self.counts.as_dict())
         if self.engine_spec is not None:  # the engine's lists are as long as the longest possible draft
-            width = max(width, len(self.engine_spec["drafted_by_position"]))
-        return {
-            "steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-            "mean_accepted_length": (self.accepted + self.steps) / self.steps if self.steps else 0.0,
-            "accepted_by_position": _padded(self.accepted_by_position, width),
-            "drafted_by_position": _padded(self.drafted_by_position, width),
-        }
+            width = len(self.engine_spec["drafted_by_position"])
+            for key in ("accepted_by_position", "drafted_by_position"):
+                counts[key] = _padded(counts[key], width)
+        return counts
 
     def shown(self) -> dict:
         """What the page shows: the live count, or the engine's where they disagree at the end."""

@@ -97,8 +97,7 @@ def lane_html(trace: LaneTrace | None, name: str, message: str = "") -> str:
         numbers += f", TTFT {trace.times_s[0] * 1e3:.0f} ms"
     if speed:
         numbers += f", {speed:.1f} tok/s"
-    if trace.acceptance is not None and trace.acceptance.drafted:
-        numbers += f", {trace.acceptance.shown()['acceptance_rate']:.0%} of drafts accepted"
+    numbers += _acceptance_note(trace)
     if trace.stats:
         numbers += f", done ({trace.stats.finish_reason})"
     legend, text = "", html.escape(trace.text)
@@ -249,10 +248,15 @@ def run_race(pool: EnginePool, prompt: str, system: str, max_new_tokens, *lane_v
 
 
 def _lane_result(trace: LaneTrace) -> str:
-    result = f"Lane {trace.name}: {trace.stats.generated_tokens} tokens at {trace.stats.decode_tokens_per_s:.1f} tok/s"
-    if trace.acceptance is not None and trace.acceptance.drafted:
-        result += f", {trace.acceptance.shown()['acceptance_rate']:.0%} of drafts accepted"
-    return result + "."
+    return (f"Lane {trace.name}: {trace.stats.generated_tokens} tokens at {trace.stats.decode_tokens_per_s:.1f} "
+            f"tok/s{_acceptance_note(trace)}.")
+
+
+def _acceptance_note(trace: LaneTrace) -> str:
+    """The status clause giving a lane's share of drafts accepted; empty until it has drafted something."""
+    if trace.acceptance is None or not trace.acceptance.drafted:
+        return ""
+    return f", {trace.acceptance.shown()['acceptance_rate']:.0%} of drafts accepted"
 
 
 def _chart_lanes(traces: list[LaneTrace]) -> dict[str, dict]:

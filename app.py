@@ -1,10 +1,10 @@
 """Start the playground: parse flags, load the model once, build the Gradio app, queue it and serve it.
 
     python app.py [--model bundled] [--draft-model none] [--device auto] [--dtype auto] [--host 127.0.0.1]
-                  [--port 7860] [--max-seq-len 2048] [--max-queue 32]
+                  [--port 7860] [--max-seq-len 2048] [--max-queue 32] [--max-run-seconds 180]
 
 Each flag can also come from the environment (PLAYGROUND_MODEL, PLAYGROUND_DRAFT_MODEL, PLAYGROUND_DEVICE,
-PLAYGROUND_DTYPE, PLAYGROUND_HOST, PLAYGROUND_PORT, PLAYGROUND_MAX_SEQ_LEN); Gradio's own GRADIO_SERVER_NAME and
+PLAYGROUND_DTYPE, PLAYGROUND_HOST, PLAYGROUND_PORT, PLAYGROUND_MAX_SEQ_LEN, PLAYGROUND_MAX_RUN_SECONDS); Gradio's own GRADIO_SERVER_NAME and
 GRADIO_SERVER_PORT are honoured too. `--draft-model` (same forms as `--model`; default 'none') loads a second, smaller
 model on the same device and dtype as the draft source for speculative decoding: the lanes and the chat then offer
 "draft model" as a draft source. It must share the target's tokenizer; the engine checks that at start-up and a
@@ -21,6 +21,7 @@ import sys
 
 from inference_core import ConfigError, load_model
 from inference_core.config import parse_device
+from ui.settings import DEFAULT_MAX_RUN_S
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-seq-len", type=int, default=int(env("PLAYGROUND_MAX_SEQ_LEN", "2048")),
                         help="context length of every engine (prompt + new tokens)")
     parser.add_argument("--max-queue", type=int, default=32, help="requests that may wait; more are turned away")
+    parser.add_argument("--max-run-seconds", type=float,
+                        default=float(env("PLAYGROUND_MAX_RUN_SECONDS", DEFAULT_MAX_RUN_S)),
+                        help="device time one race (both lanes) or one chat turn may take; longer ones are refused "
+                             "before they start (from an estimate) and stopped if they run over")
     return parser.parse_args(argv)
 
 
@@ -50,8 +55,10 @@ def create_demo(args: argparse.Namespace):
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     loaded = load_model(args.model, str(device), dtype)
     draft = None if args.draft_model.lower() in ("", "none") else load_model(args.draft_model, str(device), dtype)
-    pool = EnginePool(loaded, max_seq_len=args.max_seq_len, draft=draft)
-    pool.warm_up()  # builds engines, so a draft model the engine refuses (another tokenizer) fails here
+    if args.max_run_seconds <= 0:
+        raise ConfigError(f"--max-run-seconds must be positive, got {args.max_run_seconds:g}.")
+    pool = EnginePool(loaded, max_seq_len=args.max_seq_len, draft=draft, max_run_s=args.max_run_seconds)
+    ui.warm_up(pool)  # also builds a draft engine, so a draft model the engine refuses (another tokenizer) fails here
     demo = ui.build_demo(pool).queue(max_size=args.max_queue, default_concurrency_limit=1)
     return demo, pool
 

@@ -8,6 +8,7 @@ forward pass.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,26 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+# How the command line names the settings a ConfigError may tell the user to change. Another surface (the
+# playground) passes its own words to `ConfigError.in_words`, so each names what to change in its own language.
+CLI_WORDS = {
+    "max_new_tokens": "--max-new-tokens", "spec_k": "--spec-k", "draft_layers": "--draft-layers",
+    "draft_model": "pass --draft-model", "longer_context": " (or raise --max-seq-len, up to the model's context)",
+}
+
+
 class ConfigError(ValueError):
-    """A setting or a checkpoint that we cannot run; the message says what to change."""
+    """A setting or a checkpoint that we cannot run; the message says what to change.
+
+    A message may name a setting as `{name}` (a key of CLI_WORDS): `str(error)` uses the command line's words,
+    `error.in_words(words)` another surface's; a name missing from `words` falls back to the command line's."""
+
+    def __init__(self, message: str):
+        self.template = message
+        super().__init__(self.in_words({}))
+
+    def in_words(self, words: dict[str, str]) -> str:
+        return re.sub(r"\{(\w+)\}", lambda m: words.get(m[1], CLI_WORDS.get(m[1], m[0])), self.template)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,10 @@ releases the request's KV memory however it ends: finished, failed, or closed ea
 
 Times are the request's own: the clock runs only while the generator is working, not while the caller holds it
 suspended, so a request's numbers do not include time spent on someone else's work.
+
+Two ways to end a request early: `close()` cancels it at once (no final event), while
+`throw(StopGeneration)` stops it after the step in flight: the tokens that step already produced still arrive, then a
+FinishEvent with finish_reason "stopped" and the stats of what was generated.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from inference_core.speculative import (DraftModelDrafter, EarlyExitDrafter, Ngr
 from inference_core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+class StopGeneration(Exception):
+    """Thrown into a running request's generator to stop it with a final event (finish_reason "stopped")."""
+
+
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     token_id: int
@@ -42,6 +50,8 @@ class TokenEvent:
     # rejected a draft), "bonus" (the target's token after a fully accepted draft), or None (a plain decode step).
     draft: str | None = None
     rejected_ids: tuple[int, ...] = ()  # on a "replaced" token: the drafts rejected from this position on
+    # The first token's event only (None on later ones): prompt tokens whose KV came from the prefix cache.
+    cached_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +60,9 @@ class GenerationStats:
     prompt_tokens: int
     cached_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
     generated_tokens: int
-    finish_reason: str  # "eos" | "stop" | "length"
+    finish_reason: str  # "eos" | "stop" | "length" | "stopped" (StopGeneration)
     ttft_ms: float  # tokenization + prefill + first sampling
-    prefill_tokens_per_s: float  # computed prompt tokens / prefill step time
+    prefill_tokens_per_s: float  # computed (not cached) prompt tokens / the prefill step's time
     decode_tokens_per_s: float  # tokens after the first / busy time from the first token to the last
     total_ms: float
     kv_bytes_in_use: int  # KV of this request's tokens at its end
@@ -80,6 +90,16 @@ class LoadedModel:
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
+
+    @property
+    def display_name(self) -> str:
+        """The model as a person knows it: the bundled GGUF's own model name rather than 'bundled'."""
+        if self.name != "bundled":
+            return self.name
+        from inference_core.bundled import BUNDLED_FILE
+
+        model, quantization = BUNDLED_FILE.removesuffix(".gguf").rsplit(".", 1)
+        return f"{model} (the bundled {quantization} GGUF)"
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -192,12 +212,12 @@ class Engine:
             raise ConfigError(f"prompt token id {outside[0]} is outside the model's vocabulary (0..{vocab_size - 1}).")
         if len(prompt_ids) >= self.max_seq_len:
             raise ConfigError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_seq_len}; "
-                              "shorten the prompt (or raise --max-seq-len, up to the model's context).")
+                              f"shorten the prompt by at least {len(prompt_ids) - self.max_seq_len + 1} tokens"
+                              "{longer_context}.")
         room = self.max_seq_len - len(prompt_ids)
         if params.max_new_tokens > room:
-            raise ConfigError(f"max_new_tokens={params.max_new_tokens} does not fit: the prompt has "
-                              f"{len(prompt_ids)} tokens and the context holds {self.max_seq_len}; "
-                              f"use --max-new-tokens {room} or less.")
+            raise ConfigError(f"{params.max_new_tokens} new tokens do not fit: the prompt has {len(prompt_ids)} tokens "
+                              f"and the context holds {self.max_seq_len}; set {{max_new_tokens}} to {room} or less.")
         if isinstance(self.kv_cache, PagedKVCache):
             # KV is written for every token but the last generated one: prompt + max_new_tokens - 1 slots.
             pool_tokens = self.kv_cache.manager.num_blocks * self.config.block_size
@@ -211,7 +231,7 @@ class Engine:
         """Settle what the speculative settings leave to the model (early exit's default depth), or refuse them."""
         num_layers = self.loaded.config.num_layers
         if spec.method == "draft" and self.draft_model is None:
-            raise ConfigError("speculative method 'draft' needs a draft model: pass --draft-model (the engine's "
+            raise ConfigError("speculative method 'draft' needs a draft model: {draft_model} (the engine's "
                               "draft_model).")
         if spec.method == "early-exit":
             if num_layers < 2:
@@ -219,7 +239,7 @@ class Engine:
             if spec.draft_layers is None:
                 return replace(spec, draft_layers=num_layers // 2)
             if spec.draft_layers >= num_layers:
-                raise ConfigError(f"--draft-layers must be below the model's {num_layers} layers (1 to "
+                raise ConfigError(f"{{draft_layers}} must be below the model's {num_layers} layers (1 to "
                                   f"{num_layers - 1}), got {spec.draft_layers}.")
         return spec
 
@@ -241,7 +261,7 @@ class Engine:
         generator = make_generator(params, self.loaded.device)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         longest_stop = max((len(s) for s in params.stop), default=0)
-        text, emitted, finish_reason = "", 0, None
+        text, emitted, finish_reason, stopping = "", 0, None, False
         drafter = self._drafter(spec) if spec.enabled else None
         resumed = time.perf_counter()
         try:
@@ -276,14 +296,21 @@ class Engine:
                 delta, emitted = text[emitted:safe], max(emitted, safe)
                 busy += time.perf_counter() - resumed
                 first_token_busy = busy if first_token_busy is None else first_token_busy
-                yield TokenEvent(token, delta, seq.num_generated_tokens - 1, busy, step_s * 1e3, draft_kind,
-                                 rejected_ids)
+                try:
+                    first = seq.num_generated_tokens == 1
+                    yield TokenEvent(token, delta, seq.num_generated_tokens - 1, busy, step_s * 1e3, draft_kind,
+                                     rejected_ids, cached_tokens if first else None)
+                except StopGeneration:
+                    stopping = True
                 resumed = time.perf_counter()
                 step_s = 0.0
                 if finish_reason:
                     break
                 if pending:  # more tokens of the same speculative step: no forward needed
                     continue
+                if stopping:  # asked to stop: the step in flight has delivered all its tokens
+                    finish_reason = "stopped"
+                    break
                 # 3. One step: speculative (draft, verify, roll back) or plain (forward one token, sample).
                 step_start = time.perf_counter()
                 room = params.max_new_tokens - seq.num_generated_tokens - 1

@@ -2,7 +2,8 @@
 of device time, and measures that the share is fair.
 
 `interleave` always advances the lane that has used the least busy time so far (each lane's own clock, from its
-events), one model step at a time. Because every request times only its own steps (see `engine`), a lane's reported
+events), one model step at a time; the lane that takes the very first step is the caller's choice (the playground
+alternates it between races, so no lane always meets whatever a first step still costs). Because every request times only its own steps (see `engine`), a lane's reported
 TTFT and tokens/s are what the same configuration gives alone, and on screen both lanes move at a pace that reflects
 their own speed. `measure_fairness` checks exactly that: each configuration alone, then all of them in a race, and
 the ratio of their decode tokens/s (`python -m inference_core race`).
@@ -13,23 +14,38 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from inference_core.config import ConfigError, EngineConfig
-from inference_core.engine import Engine, FinishEvent, TokenEvent, load_model
+from inference_core.engine import Engine, FinishEvent, StopGeneration, TokenEvent, load_model
 from inference_core.prompts import DEFAULT_PROMPTS, load_prompts
 from inference_core.sampling import SamplingParams
 
 
-def interleave(lanes: dict[str, Iterator[TokenEvent | FinishEvent]]) -> Iterator[tuple[str, TokenEvent | FinishEvent]]:
+def interleave(lanes: dict[str, Iterator[TokenEvent | FinishEvent]], first: str | None = None,
+               should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, TokenEvent | FinishEvent]]:
     """Yield (lane name, event) from every lane until all have finished, next stepping the lane with the least busy
-    time (ties go to the lane named first). Closing this generator closes every lane, which cancels its request."""
+    time; ties (the first step above all) go to `first`, by default the lane named first.
+
+    Once `should_stop()` returns true (it is asked before every step), each lane is stopped after the step it has in
+    flight (`StopGeneration`): its remaining events still arrive, the last a FinishEvent with finish_reason
+    "stopped"; a lane that had not started yet just ends, with no events. Closing this generator instead closes every
+    lane at once, which cancels its request with no final event."""
     busy_s = {name: 0.0 for name in lanes}
-    running = dict(lanes)
+    running = {name: lanes[name] for name in sorted(lanes, key=lambda name: name != first)}
+    stopped: set[str] = set()
     try:
         while running:
             name = min(running, key=lambda lane: busy_s[lane])
-            event = next(running[name])
+            if should_stop is not None and name not in stopped and should_stop():
+                stopped.add(name)
+                try:
+                    event = running[name].throw(StopGeneration)
+                except StopGeneration:  # it had not started: no step to finish, nothing to report
+                    running.pop(name)
+                    continue
+            else:
+                event = next(running[name])
             finished = isinstance(event, FinishEvent)
             busy_s[name] = event.stats.total_ms / 1e3 if finished else event.time_s
             yield name, event

@@ -27,7 +27,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be an integer of at least 1 (--max-new-tokens), "
+            raise ConfigError(f"max_new_tokens must be an integer of at least 1 ({{max_new_tokens}}), "
                               f"got {self.max_new_tokens!r}.")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")

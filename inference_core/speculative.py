@@ -60,10 +60,10 @@ class SpecConfig:
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"unknown speculative method {self.method!r}; use one of: {', '.join(SPEC_METHODS)}.")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
-            raise ConfigError(f"draft length k must be an integer from 1 to {MAX_K} (--spec-k), got {self.k!r}.")
+            raise ConfigError(f"draft length k must be an integer from 1 to {MAX_K} ({{spec_k}}), got {self.k!r}.")
         if self.draft_layers is not None and (isinstance(self.draft_layers, bool)
                                               or not isinstance(self.draft_layers, int) or self.draft_layers < 1):
-            raise ConfigError(f"draft layers must be a positive integer (--draft-layers), got {self.draft_layers!r}.")
+            raise ConfigError(f"draft layers must be a positive integer ({{draft_layers}}), got {self.draft_layers!r}.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"prompt lookup needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                               f"{self.ngram_max}.")

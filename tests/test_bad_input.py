@@ -70,7 +70,11 @@ def test_prompt_longer_than_context(paged):
         paged.generate(prompt, SamplingParams(max_new_tokens=4))
     message = str(error.value)
     assert f"the prompt has {num_tokens} tokens but the context holds {CONTEXT}" in message
-    assert "shorten the prompt" in message and "--max-seq-len" in message
+    assert f"shorten the prompt by at least {num_tokens - CONTEXT + 1} tokens" in message
+    assert "--max-seq-len" in message
+    # The playground names what to change on the page: no command-line flag.
+    assert error.value.in_words({"longer_context": ""}).endswith(
+        f"shorten the prompt by at least {num_tokens - CONTEXT + 1} tokens.")
     assert_nothing_held(paged)
 
 
@@ -92,14 +96,15 @@ def test_max_new_tokens_beyond_the_context(bundled, paged):
     with pytest.raises(ConfigError) as error:
         paged.generate(prompt_ids, SamplingParams(max_new_tokens=9))
     message = str(error.value)
-    assert "max_new_tokens=9 does not fit" in message
+    assert "9 new tokens do not fit" in message
     assert "the prompt has 56 tokens and the context holds 64" in message
-    assert "use --max-new-tokens 8 or less" in message
+    assert "set --max-new-tokens to 8 or less" in message
+    assert "set 'max new tokens' to 8 or less" in error.value.in_words({"max_new_tokens": "'max new tokens'"})
     assert_nothing_held(paged)
 
 
 def test_default_max_new_tokens_is_refused_on_a_short_context(bundled, paged):
-    with pytest.raises(ConfigError, match="use --max-new-tokens 54 or less"):
+    with pytest.raises(ConfigError, match="set --max-new-tokens to 54 or less"):
         paged.generate(text_ids(bundled, 10), SamplingParams())  # the default asks for 256
     assert_nothing_held(paged)
 

@@ -16,9 +16,9 @@ from inference_core.speculative import SpecConfig, SpecStats
 from ui.chat import CHAT_OUTPUTS, chat_turn
 from ui.figures import acceptance_figure, rolling_tokens_per_s, speed_figure
 from ui.kv_view import render_pool
-from ui.layout import RACE_SETUPS, _presets, _setup_values
 from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, run_race
 from ui.settings import EnginePool, LaneSettings
+from ui.setups import RACE_SETUPS, presets, setup_values
 from ui.speculation import AcceptanceCount, HighlightedText
 
 GREEDY = dict(block_size=16, prefix_cache=True, temperature=0.0, top_p=1.0, seed=None, spec_method="none", spec_k=4,
@@ -37,6 +37,11 @@ def pool(bundled):
 
 def _outputs(values: tuple) -> dict:
     return dict(zip(RACE_OUTPUTS, values))
+
+
+def _figure(output):
+    """The plotly figure an output sends (a figure, or an update carrying one), else None."""
+    return output.get("value") if isinstance(output, dict) else output
 
 
 def _fake_lane(step_s: float, tokens: int):
@@ -70,14 +75,14 @@ def test_closing_interleave_closes_every_lane():
 
 
 def test_race_streams_to_identical_greedy_lanes(pool):
-    updates = [_outputs(values) for values in run_race(pool, "Why is the sky blue?", "", 24, *lane("paged"),
+    updates = [_outputs(values) for values in run_race(pool, None, "Why is the sky blue?", "", 24, *lane("paged"),
                                                         *lane("contiguous"))]
     first, last = updates[0], updates[-1]
     assert first["run_button"]["interactive"] is False and last["run_button"]["interactive"] is True
     assert len(updates) >= 3  # a start, streamed text, a final frame
     assert 'data-verdict="identical"' in last["identical"] and "same 24 token ids" in last["identical"]
     assert 'data-done="true"' in last["lane_a"] and 'data-done="true"' in last["lane_b"]
-    assert re.search(r"decode A/B: <b>\d+\.\d\dx", last["summary"])
+    assert re.search(r"decode <b>\d+\.\d\dx (faster|slower)</b>", last["summary"])
     assert last["summary"].count("24 (length)") == 2
     assert len(last["chart"].data) == 4  # a curve and a TTFT marker per lane
     assert last["kv_view"].count('class="kv-cell"') == 512 // 16  # lane A is paged, lane B contiguous
@@ -86,12 +91,12 @@ def test_race_streams_to_identical_greedy_lanes(pool):
 
 
 def test_sampling_lane_skips_the_lossless_check(pool):
-    last = _outputs(list(run_race(pool, "Hi", "", 8, *lane("paged"), *lane("paged", temperature=0.8, seed=1)))[-1])
+    last = _outputs(list(run_race(pool, None, "Hi", "", 8, *lane("paged"), *lane("paged", temperature=0.8, seed=1)))[-1])
     assert 'data-verdict="not-checked"' in last["identical"]
 
 
 def test_cancelling_a_race_frees_both_lanes(pool):
-    race = run_race(pool, "Write a poem about the sea.", "", 200, *lane("paged"), *lane("paged", block_size=4))
+    race = run_race(pool, None, "Write a poem about the sea.", "", 200, *lane("paged"), *lane("paged", block_size=4))
     for _ in range(4):
         next(race)
     assert pool.active_requests() == 2 and pool.blocks_in_use() > 0
@@ -102,7 +107,7 @@ def test_cancelling_a_race_frees_both_lanes(pool):
 @pytest.mark.parametrize("prompt, max_new_tokens, lane_b, message", [
     ("", 16, lane("paged"), "the prompt is empty"),
     ("word " * 600, 16, lane("paged"), "but the context holds 512"),
-    ("Hi", 600, lane("paged"), "max_new_tokens=600 does not fit"),
+    ("Hi", 600, lane("paged"), "600 new tokens do not fit"),
     ("Hi", 16, lane("paged", top_p=0.0), "top_p must be in (0, 1]"),
     ("Hi", 16, lane("paged", block_size=0), "block size must be a positive integer"),
     ("Hi", 16, lane("paged", spec_method="ngram", spec_k=0), "draft length k must be an integer from 1 to 16"),
@@ -110,7 +115,7 @@ def test_cancelling_a_race_frees_both_lanes(pool):
     ("Hi", 16, lane("paged", spec_method="early-exit", draft_layers=30), "must be below the model's 30 layers"),
 ])
 def test_bad_race_input_gets_a_message(pool, prompt, max_new_tokens, lane_b, message):
-    updates = [_outputs(values) for values in run_race(pool, prompt, "", max_new_tokens, *lane("paged"), *lane_b)]
+    updates = [_outputs(values) for values in run_race(pool, None, prompt, "", max_new_tokens, *lane("paged"), *lane_b)]
     assert len(updates) == 1
     assert updates[0]["status"].startswith("**Cannot start the race:**") and message in updates[0]["status"]
     assert pool.active_requests() == 0
@@ -120,7 +125,7 @@ def test_chat_second_turn_reuses_the_first_from_the_prefix_cache(pool):
     settings = lane("paged")
     history, turn_stats = [], []
     for text in ("Name a fruit.", "What colour is it?"):
-        for values in chat_turn(pool, text, history, turn_stats, "", 24, *settings):
+        for values in chat_turn(pool, None, text, history, turn_stats, "", 24, *settings):
             out = dict(zip(CHAT_OUTPUTS, values))
         history, turn_stats = out["history"], out["turn_stats"]
     assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
@@ -134,9 +139,9 @@ def test_chat_second_turn_reuses_the_first_from_the_prefix_cache(pool):
 
 
 def test_chat_empty_message_and_cancel(pool):
-    values = list(chat_turn(pool, "  ", [], [], "", 16, *lane("paged")))
+    values = list(chat_turn(pool, None, "  ", [], [], "", 16, *lane("paged")))
     assert len(values) == 1 and "the message is empty" in dict(zip(CHAT_OUTPUTS, values[0]))["status"]
-    turn = chat_turn(pool, "Tell me a story.", [], [], "", 200, *lane("paged"))
+    turn = chat_turn(pool, None, "Tell me a story.", [], [], "", 200, *lane("paged"))
     for _ in range(3):
         next(turn)
     assert pool.active_requests() == 1
@@ -148,8 +153,11 @@ def test_rolling_tokens_per_s_is_exact():
     xs, ys = rolling_tokens_per_s([0.5, 0.6, 0.8, 1.0])
     assert xs == [0.6, 0.8, 1.0]
     assert ys == pytest.approx([10.0, 2 / 0.3, 3 / 0.5])
-    figure = speed_figure({"A": {"label": "paged", "times_s": [0.5, 0.6, 0.8, 1.0]}})
-    assert figure.data[1].text == ("TTFT 500 ms",)
+    figure = speed_figure({"A": {"label": "paged", "times_s": [0.5, 0.6, 0.8, 1.0]},
+                           "B": {"label": "none", "times_s": [0.52, 0.9]}})
+    # TTFT labels: lane A's above lane B's at the top of the chart, so close TTFTs never overlap.
+    labels = {note.text: note.y for note in figure.layout.annotations}
+    assert labels == {"A: TTFT 500 ms": 1.0, "B: TTFT 520 ms": pytest.approx(0.91)}
 
 
 def test_kv_view_cells_tell_state_owner_and_tokens():
@@ -194,7 +202,7 @@ def _shown_text(lane_html: str) -> str:
 def test_speculative_race_highlights_tokens_and_counts_acceptance_like_the_engine(pool, bench_prompts):
     row = bench_prompts["grounded-4"]
     lane_a = lane("paged", spec_method="ngram", spec_k=5)
-    updates = [_outputs(values) for values in run_race(pool, row["prompt"], "", 128, *lane_a, *lane("paged"))]
+    updates = [_outputs(values) for values in run_race(pool, None, row["prompt"], "", 128, *lane_a, *lane("paged"))]
     last = updates[-1]
     assert 'data-verdict="identical"' in last["identical"]  # greedy speculation is lossless
     assert {"accepted", "rejected", "replaced", "bonus"} <= _kinds(last["lane_a"])
@@ -205,7 +213,7 @@ def test_speculative_race_highlights_tokens_and_counts_acceptance_like_the_engin
         row["prompt"], SamplingParams(max_new_tokens=128), spec=SpecConfig("ngram", k=5))
     spec = reference.stats.spec
     assert _shown_text(last["lane_a"]) == reference.text
-    bars, running = last["acceptance"].data
+    bars, running = _figure(last["acceptance"]).data
     positions = [index + 1 for index, drafted in enumerate(spec["drafted_by_position"]) if drafted]
     assert list(bars.x) == positions == [1, 2, 3, 4, 5]
     assert [list(pair) for pair in bars.customdata] == [
@@ -218,21 +226,22 @@ def test_speculative_race_highlights_tokens_and_counts_acceptance_like_the_engin
     assert "of drafts accepted" in last["status"]
     # The chart is sent only when it changed: at the start, after a verification step was counted, when lane A's
     # count was checked against the engine's, and in the final frame; never once per token.
-    sent = [update["acceptance"] for update in updates if not isinstance(update["acceptance"], dict)]
+    sent = [_figure(update["acceptance"]) for update in updates if _figure(update["acceptance"]) is not None]
     assert 2 <= len(sent) <= spec["steps"] + 3 < spec["accepted"]
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
 
 
-def test_race_without_speculation_shows_an_empty_acceptance_chart(pool):
-    last = _outputs(list(run_race(pool, "Hi", "", 8, *lane("paged"), *lane("contiguous")))[-1])
-    notes = [note.text for note in last["acceptance"].layout.annotations]
-    assert last["acceptance"].data == () and any(note.startswith("Neither lane speculates") for note in notes)
-    assert "drafts accepted" not in last["summary"]
+def test_race_without_speculation_hides_the_acceptance_chart(pool):
+    updates = [_outputs(values) for values in run_race(pool, None, "Hi", "", 8, *lane("paged"), *lane("contiguous"))]
+    # The first and the last update hide it; none draws it.
+    assert updates[0]["acceptance"]["visible"] is False and updates[-1]["acceptance"]["visible"] is False
+    assert all(_figure(update["acceptance"]) is None for update in updates)
+    assert "drafts accepted" not in updates[-1]["summary"]
 
 
 def test_cancelling_a_speculative_race_frees_both_lanes(pool, bench_prompts):
     row = bench_prompts["grounded-1"]
-    race = run_race(pool, row["prompt"], "", 200, *lane("paged", spec_method="ngram", spec_k=5),
+    race = run_race(pool, None, row["prompt"], "", 200, *lane("paged", spec_method="ngram", spec_k=5),
                     *lane("paged", block_size=4, spec_method="early-exit", spec_k=3, draft_layers=8))
     for _ in range(4):
         next(race)
@@ -244,7 +253,7 @@ def test_cancelling_a_speculative_race_frees_both_lanes(pool, bench_prompts):
 def test_draft_model_lane_and_its_choice_in_the_page(bundled):
     # The bundled model drafting for itself: every draft is accepted, each step ending with a bonus token.
     with_draft = EnginePool(bundled, max_seq_len=512, draft=bundled)
-    last = _outputs(list(run_race(with_draft, "Why is the sky blue?", "", 25,
+    last = _outputs(list(run_race(with_draft, None, "Why is the sky blue?", "", 25,
                                   *lane("paged", spec_method="draft", spec_k=3), *lane("paged")))[-1])
     assert 'data-verdict="identical"' in last["identical"]
     assert _kinds(last["lane_a"]) == {"plain", "accepted", "bonus"}
@@ -260,7 +269,7 @@ def test_draft_model_lane_and_its_choice_in_the_page(bundled):
 
 
 def test_chat_turn_with_speculation_reports_acceptance(pool):
-    for values in chat_turn(pool, "Repeat exactly: the cat sat on the mat, the cat sat on the mat.", [], [], "", 32,
+    for values in chat_turn(pool, None, "Repeat exactly: the cat sat on the mat, the cat sat on the mat.", [], [], "", 32,
                             *lane("paged", spec_method="ngram", spec_k=4)):
         out = dict(zip(CHAT_OUTPUTS, values))
     spec = out["turn_stats"][0]["spec"]
@@ -271,13 +280,13 @@ def test_chat_turn_with_speculation_reports_acceptance(pool):
 
 
 def test_speculation_preset_sets_both_lanes_and_a_grounded_prompt():
-    presets = _presets()
+    prompts = presets()
     name = next(name for name in RACE_SETUPS if name.startswith("speculation"))
-    values = _setup_values(RACE_SETUPS[name], presets)
-    key, prompt, system = values[:3]
-    assert key == "grounded: grounded-4" and prompt == presets[key]["prompt"]
+    values = setup_values(RACE_SETUPS[name], prompts, LANE_SETTING_FIELDS)
+    key, prompt, system, about = values[:4]
+    assert key == "grounded: grounded-4" and prompt == prompts[key]["prompt"] and "prompt lookup" in about
     count = len(LANE_SETTING_FIELDS)
-    lane_a, lane_b = LaneSettings(*values[3:3 + count]), LaneSettings(*values[3 + count:])
+    lane_a, lane_b = LaneSettings(*values[4:4 + count]), LaneSettings(*values[4 + count:])
     assert lane_a.spec() == SpecConfig("ngram", k=5) and lane_b.spec() == SpecConfig("none")
     assert lane_a.kv_mode == lane_b.kv_mode == "paged"
     assert lane_a.describe().endswith("prompt lookup k=5")

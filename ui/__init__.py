@@ -1,6 +1,6 @@
 """The Gradio playground over `inference_core`: layout builders (`layout`), streaming handlers (`race`, `chat`),
 plotly figures (`figures`) and the KV pool picture (`kv_view`). UI code sees only plain values from the engine."""
 
-from ui.layout import build_demo
+from ui.layout import build_demo, warm_up
 
-__all__ = ["build_demo"]
+__all__ = ["build_demo", "warm_up"]

@@ -5,7 +5,9 @@ to the chat slot's engine, so a later turn's prompt starts with the earlier turn
 cache) reuses their KV blocks; the per-turn table shows how many prompt tokens came from the cache. It yields, in
 `CHAT_OUTPUTS` order: the chat log, the conversation state, the per-turn table, the KV view, the input box and a
 status line. A turn can speculate (the settings' draft source); the table then gives its acceptance numbers. Stop
-cancels the event, which closes the request and returns its blocks; the partial answer stays.
+(`ui.control`) ends the turn after the step in flight: the partial answer stays, with its row in the table
+(finish reason "stopped"), and the request returns its blocks. A turn estimated to take longer than the app's limit
+is refused before it starts, and one that runs over is stopped the same way.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import time
 import gradio as gr
 
 from inference_core import ConfigError, FinishEvent
+from inference_core.race import interleave
+from ui.control import RunControl
 from ui.kv_view import render_pool
 from ui.race import PANEL_REFRESH_S, TEXT_REFRESH_S
-from ui.settings import EnginePool, LaneSettings
+from ui.settings import PAGE_WORDS, EnginePool, LaneSettings, check_run_cost, duration
 
 CHAT_OUTPUTS = ("chat_log", "history", "turn_stats", "stats_table", "kv_view", "input", "status")
 log = logging.getLogger(__name__)
@@ -59,10 +63,23 @@ def _kv_html(engine) -> str:
     return render_pool(snapshot, engine.tokenizer.decode, "Chat paged pool", labels)
 
 
-def chat_turn(pool: EnginePool, message: str, history: list[dict], turn_stats: list[dict], system: str,
-              max_new_tokens, *setting_values):
-    """Streaming handler. `setting_values`: the chat's LaneSettings fields in order."""
+def chat_turn(pool: EnginePool, control: RunControl | None, message: str, history: list[dict],
+              turn_stats: list[dict], system: str, max_new_tokens, *setting_values):
+    """Streaming handler. `control`: the visitor's Stop switch (None: no Stop); `setting_values`: the chat's
+    LaneSettings fields in order."""
+    control = control if control is not None else RunControl()
+    try:
+        yield from _turn(pool, control, message, history, turn_stats, system, max_new_tokens, setting_values)
+    finally:
+        control.end()
+
+
+def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dict], turn_stats: list[dict],
+          system: str, max_new_tokens, setting_values):
     history, turn_stats = list(history or []), list(turn_stats or [])
+    if control.stop_requested:  # Stop was pressed while the turn waited for the device
+        yield (gr.skip(),) * 6 + ("Stopped before the turn started: nothing ran.",)
+        return
     try:
         settings = LaneSettings(*setting_values)
         engine = pool.get("chat", settings)
@@ -71,14 +88,21 @@ def chat_turn(pool: EnginePool, message: str, history: list[dict], turn_stats: l
         conversation = ([{"role": "system", "content": system.strip()}] if (system or "").strip() else []) \
             + history + [{"role": "user", "content": message}]
         request = engine.generate(conversation, settings.sampling(max_new_tokens), spec=settings.spec())
-    except (ValueError, TypeError) as error:  # ConfigError is a ValueError: bad settings or message
+        check_run_cost(pool, {"chat": settings}, len(engine.prompt_ids(conversation)), int(max_new_tokens), "turn")
+    except ConfigError as error:  # bad settings or message, or too much work: say what to change on the page
+        words = {**PAGE_WORDS, "longer_context": " (or press 'New chat')"}
+        yield (gr.skip(),) * 6 + (f"**Cannot send:** {error.in_words(words)}",)
+        return
+    except (ValueError, TypeError) as error:
         yield (gr.skip(),) * 6 + (f"**Cannot send:** {error}",)
         return
     history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
     yield (history, history, turn_stats, gr.skip(), gr.skip(), "", "Generating...")
-    answer, last_text, last_kv = "", time.perf_counter(), 0.0
+    answer, last_text, last_kv, busy_s = "", time.perf_counter(), 0.0, 0.0
+    # A race of one: the same Stop and time-limit handling as the race's lanes (stop after the step in flight).
+    turn = interleave({"chat": request}, should_stop=lambda: control.stop_requested or busy_s > pool.max_run_s)
     try:
-        for event in request:
+        for _, event in turn:
             if isinstance(event, FinishEvent):
                 answer, stats = event.text, event.stats
                 kv_html = _kv_html(engine)  # the turn still holds its blocks here
@@ -91,11 +115,16 @@ def chat_turn(pool: EnginePool, message: str, history: list[dict], turn_stats: l
                 status = (f"Turn {len(turn_stats)}: {stats.cached_prompt_tokens} of {stats.prompt_tokens} prompt "
                           f"tokens from the prefix cache, TTFT {stats.ttft_ms:.0f} ms, "
                           f"{stats.decode_tokens_per_s:.1f} tok/s.")
+                if stats.finish_reason == "stopped":
+                    why = f" at this app's limit of {duration(pool.max_run_s)} per turn" \
+                        if busy_s > pool.max_run_s else ""
+                    status = f"Stopped{why} after {stats.generated_tokens} tokens; its KV blocks were returned. " \
+                             + status
                 if stats.spec and stats.spec["drafted"]:
                     status += f" {stats.spec['acceptance_rate']:.0%} of drafts accepted."
                 yield (history, history, turn_stats, stats_table_html(turn_stats), kv_html, gr.skip(), status)
                 continue
-            answer += event.text
+            answer, busy_s = answer + event.text, event.time_s
             now = time.perf_counter()
             if now - last_text >= TEXT_REFRESH_S:
                 last_text = now
@@ -108,11 +137,18 @@ def chat_turn(pool: EnginePool, message: str, history: list[dict], turn_stats: l
         log.exception("chat turn failed")
         yield (gr.skip(),) * 6 + (f"**The model failed:** {type(error).__name__}: {html.escape(str(error))}",)
     finally:
-        request.close()
+        turn.close()
 
 
-def stop_chat():
-    return "Stopped. The request was cancelled and its KV blocks returned."
+def arm_chat(control: RunControl):
+    """Send, before the turn is queued: arm the visitor's Stop."""
+    control.arm()
+    return "Waiting for the device..."
+
+
+def stop_chat(control: RunControl) -> None:
+    """Stop: the turn ends after the step in flight and sends its final update itself."""
+    control.request_stop()
 
 
 def clear_chat():

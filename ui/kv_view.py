@@ -5,7 +5,8 @@ block tables and the memory they hold next to what a contiguous cache would rese
 Cell kinds: a block a request holds (its colour; the filled part darker, so a partly written last block shows its
 fill), a block reused from the prefix cache for that request (outlined) or shared by several requests (reference
 count > 1, marked xN), a cached-but-free block (no owner, still holding a reusable prefix), and a free block.
-Hovering a cell tells which tokens it holds.
+Hovering a cell tells which tokens it holds, for blocks the drawn requests hold; a cached-but-free block's tokens are
+not shown, since on a shared deployment they may be another visitor's text.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ def _legend_chip(style: str, label: str) -> str:
             f"{label}</span>")
 
 
+def pool_counts(snapshot: dict) -> tuple[int, int, int]:
+    """(held, cached but free, free) blocks of a pool snapshot."""
+    states = [block["state"] for block in snapshot["blocks"]]
+    return states.count("used"), states.count("cached"), states.count("free")
+
+
 def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title: str,
                 request_labels: dict[int, str] | None = None) -> str:
     """HTML for one paged pool. `request_labels` names requests by seq id (default: 'request N')."""
@@ -41,7 +48,7 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
               for block_id in request["block_table"][:request["cached_prompt_tokens"] // block_size]}
     cells = []
     for block in snapshot["blocks"]:
-        tokens = block["token_ids"]
+        tokens = block["token_ids"] if block["state"] == "used" else []
         fill_pct = 100 * block["num_filled"] // block_size
         text = decode(tokens) if tokens else ""
         if block["state"] == "used":
@@ -55,7 +62,8 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
             elif block["id"] in reused:
                 state += "; reused from the prefix cache"
         elif block["state"] == "cached":
-            style, state = f"background:{CACHED_COLOUR};", "free, still caching a prefix (reusable until evicted)"
+            style, state = (f"background:{CACHED_COLOUR};", "free, still caching a prefix (reusable until evicted; "
+                            "its text is not shown, as it may be another visitor's)")
         else:
             style, state = f"background:{FREE_COLOUR};", "free"
         outline = "outline:2px solid #111827;outline-offset:-2px;" if block["id"] in reused or block["ref_count"] > 1 \
@@ -87,8 +95,7 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
     stored = sum(request["stored_tokens"] for request in requests)
     reserved = sum(len(request["block_table"]) for request in requests) * block_size
     contiguous = len(requests) * snapshot["context_length"]
-    used_blocks = sum(1 for block in snapshot["blocks"] if block["state"] == "used")
-    cached_blocks = sum(1 for block in snapshot["blocks"] if block["state"] == "cached")
+    used_blocks, cached_blocks, free_blocks = pool_counts(snapshot)
     numbers = (
         '<table class="kv-numbers" style="font-size:13px;margin-top:6px">'
         '<tr><th></th><th>tokens</th><th>KV memory</th>'
@@ -104,7 +111,6 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
         _legend_chip(f"background:{CACHED_COLOUR}", "free, prefix still cached"),
         _legend_chip(f"background:{FREE_COLOUR}", "free")])
     header = (f"<b>{html.escape(title)}</b>: {snapshot['num_blocks']} blocks of {block_size} tokens; "
-              f"{used_blocks} held, {cached_blocks} cached, {snapshot['num_blocks'] - used_blocks - cached_blocks} "
-              "free. Hover a block to see its tokens.")
+              f"{used_blocks} held, {cached_blocks} cached, {free_blocks} free. Hover a block to see its tokens.")
     return f'<div class="kv-pool">{header}<div style="font-size:12px;margin-top:4px">{legend}</div>{grid}' \
            f'{"".join(tables)}{numbers}</div>'

@@ -1,173 +1,42 @@
 """The race: one prompt, two lanes with their own settings, both streaming from one device.
 
 `run_race` is the streaming handler behind the Run button, a plain generator that can be driven without a browser.
-It interleaves the two requests with `inference_core.race.interleave` (the lane that has used less device time steps
-next; each lane is timed by its own steps only) and yields, in `RACE_OUTPUTS` order: each lane's text, the tokens/s
-chart, the acceptance chart, the summary table, the identical-output check, the KV view, a status line and the Run
-button's state. A speculating lane's text is highlighted by where each token came from (`ui.speculation`), and its
-acceptance is counted live from the events and checked against the engine's count at the end. Text is refreshed
-every TEXT_REFRESH_S, the charts, table and KV view every PANEL_REFRESH_S (twice a second, never per token), and a
-panel that has not changed is not sent again: the browser and the server share the device's CPU with the lanes, so
-every redraw saved is time the lanes keep. Closing the generator (Stop, a closed tab) closes both requests, which
-returns their KV blocks.
+Before anything runs it estimates the race's device time from step costs measured on this device and refuses a race
+over the app's limit with a message that says what to change. It interleaves the two requests with
+`inference_core.race.interleave` (the lane that has used less device time steps next; each lane is timed by its own
+steps only; the first step alternates between races) and yields, in `RACE_OUTPUTS` order: each lane's text, the
+tokens/s chart, the acceptance chart, the summary table, the identical-output check, the KV view, a status line and
+the Run button's state. What the panels show is built in `ui.race_view`. Text is refreshed every TEXT_REFRESH_S,
+the charts, table, lane numbers and KV view every PANEL_REFRESH_S (twice a second, never per token), and a panel
+that has not changed is not sent again: the browser and the server share the device's CPU with the lanes, so every
+redraw saved is time the lanes keep.
+
+Stop (`ui.control`) and the device-time limit end both lanes after their step in flight, and the race then sends
+one last update in which every panel shows the final state; closing the generator (a closed tab) cancels both
+requests at once. Either way their KV blocks go back to the pool.
 """
 
 from __future__ import annotations
 
-import html
 import logging
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 import gradio as gr
 
-from inference_core import Engine, FinishEvent, GenerationStats
+from inference_core import ConfigError, FinishEvent, SamplingParams
 from inference_core.race import interleave
-from ui.figures import LANE_COLOURS, acceptance_figure, speed_figure
-from ui.kv_view import render_pool
-from ui.settings import EnginePool, LaneSettings
-from ui.speculation import AcceptanceCount, HighlightedText, legend_html, speculation_summary_rows
+from ui.control import RunControl
+from ui.figures import acceptance_figure, speed_figure
+from ui.race_view import LaneTrace, identical_html, kv_view_html, lane_html, summary_html
+from ui.settings import PAGE_WORDS, EnginePool, LaneSettings, check_run_cost, duration
 
 TEXT_REFRESH_S = 0.25
 PANEL_REFRESH_S = 0.45
 RACE_OUTPUTS = ("lane_a", "lane_b", "chart", "acceptance", "summary", "identical", "kv_view", "status", "run_button")
 LANE_SETTING_FIELDS = tuple(f.name for f in fields(LaneSettings))  # the widgets' values arrive in this order
+WARM_UP_TOKENS = 8
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LaneTrace:
-    """What one lane has produced so far: plain values only."""
-
-    name: str
-    settings: LaneSettings
-    engine: Engine
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    times_s: list[float] = field(default_factory=list)  # own-clock time of each token
-    stats: GenerationStats | None = None
-    kv_html: str = ""
-    highlighted: HighlightedText | None = None  # speculating lanes only, like `acceptance`
-    acceptance: AcceptanceCount | None = None
-
-    def __post_init__(self) -> None:
-        if self.settings.speculates:
-            self.highlighted = HighlightedText(self.engine.tokenizer.decode)
-            self.acceptance = AcceptanceCount()
-
-    def add(self, event) -> None:
-        if isinstance(event, FinishEvent):
-            self.text, self.token_ids, self.stats = event.text, list(event.token_ids), event.stats
-            if self.highlighted is not None:
-                self.highlighted.finish(event.text)
-                self.acceptance.finish(event.stats.spec)
-        else:
-            self.text += event.text
-            self.token_ids.append(event.token_id)
-            self.times_s.append(event.time_s)
-            if self.highlighted is not None:
-                self.highlighted.add(event)
-                self.acceptance.add(event)
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        if self.stats is not None:
-            return self.stats.decode_tokens_per_s
-        if len(self.times_s) < 2 or self.times_s[-1] <= self.times_s[0]:
-            return None
-        return (len(self.times_s) - 1) / (self.times_s[-1] - self.times_s[0])
-
-    def snapshot_kv(self) -> None:
-        snapshot = self.engine.kv_snapshot()
-        if snapshot is not None:
-            labels = {request["seq_id"]: f"Lane {self.name}" for request in snapshot["requests"]}
-            note = "at its last token" if self.stats else "live"
-            self.kv_html = render_pool(snapshot, self.engine.tokenizer.decode,
-                                       f"Lane {self.name} paged pool ({note})", labels)
-
-
-def lane_html(trace: LaneTrace | None, name: str, message: str = "") -> str:
-    colour = LANE_COLOURS[name]
-    if trace is None:
-        return f'<div class="lane" style="border-left:4px solid {colour};padding-left:8px"><b>Lane {name}</b>' \
-               f'<div class="lane-text" style="color:#64748b">{html.escape(message)}</div></div>'
-    speed = trace.decode_tokens_per_s
-    numbers = f"{len(trace.token_ids)} tokens"
-    if trace.times_s:
-        numbers += f", TTFT {trace.times_s[0] * 1e3:.0f} ms"
-    if speed:
-        numbers += f", {speed:.1f} tok/s"
-    numbers += _acceptance_note(trace)
-    if trace.stats:
-        numbers += f", done ({trace.stats.finish_reason})"
-    legend, text = "", html.escape(trace.text)
-    if trace.highlighted is not None:
-        legend, text = legend_html(), trace.highlighted.html()
-    return (f'<div class="lane" data-done="{"true" if trace.stats else "false"}" style="border-left:4px solid '
-            f'{colour};padding-left:8px"><b>Lane {name}</b>: {html.escape(trace.settings.describe())}'
-            f'<div style="font-size:12px;color:#475569">{numbers}</div>{legend}'
-            f'<div class="lane-text" style="white-space:pre-wrap;margin-top:6px">{text}</div></div>')
-
-
-def summary_html(traces: list[LaneTrace]) -> str:
-    def kv(trace: LaneTrace, attribute: str) -> str:
-        if trace.stats is None:
-            return "at the end"
-        return f"{getattr(trace.stats, attribute) / 2 ** 20:.2f} MiB"
-
-    rows = [
-        ("configuration", lambda t: html.escape(t.settings.describe())),
-        ("TTFT", lambda t: f"{t.times_s[0] * 1e3:.0f} ms" if t.times_s else "-"),
-        ("decode tokens/s", lambda t: f"{t.decode_tokens_per_s:.1f}" if t.decode_tokens_per_s else "-"),
-        ("prefill tokens/s", lambda t: f"{t.stats.prefill_tokens_per_s:.0f}" if t.stats else "at the end"),
-        ("tokens generated", lambda t: f"{len(t.token_ids)}" + (f" ({t.stats.finish_reason})" if t.stats else "")),
-        ("prompt tokens (from prefix cache)",
-         lambda t: f"{t.stats.prompt_tokens} ({t.stats.cached_prompt_tokens})" if t.stats else "at the end"),
-        ("KV memory in use", lambda t: kv(t, "kv_bytes_in_use")),
-        ("KV memory reserved", lambda t: kv(t, "kv_bytes_reserved")),
-    ]
-    if any(t.acceptance is not None for t in traces):
-        rows += speculation_summary_rows()
-    head = "".join(f'<th style="color:{LANE_COLOURS[t.name]}">Lane {t.name}</th>' for t in traces)
-    body = "".join(f"<tr><td>{label}</td>{''.join(f'<td>{value(t)}</td>' for t in traces)}</tr>"
-                   for label, value in rows)
-    first, second = traces
-    ratios = []
-    if first.decode_tokens_per_s and second.decode_tokens_per_s:
-        ratios.append(f"decode A/B: <b>{first.decode_tokens_per_s / second.decode_tokens_per_s:.2f}x</b>")
-    if first.times_s and second.times_s:
-        ratios.append(f"TTFT B/A: <b>{second.times_s[0] / first.times_s[0]:.2f}x</b>")
-    speedup = f"<p>Speed-up of lane A over lane B, {', '.join(ratios)}</p>" if ratios else ""
-    return f'<table class="race-summary"><tr><th></th>{head}</tr>{body}</table>{speedup}'
-
-
-def identical_html(traces: list[LaneTrace], finished: bool) -> str:
-    first, second = traces
-    if not (first.settings.greedy and second.settings.greedy):
-        return ('<p data-verdict="not-checked">Lossless check: not applicable, a lane samples (temperature > 0); '
-                "set both temperatures to 0 to compare token ids.</p>")
-    a, b = first.token_ids, second.token_ids
-    common = min(len(a), len(b))
-    mismatch = next((i for i in range(common) if a[i] != b[i]), None)
-    decode = first.engine.tokenizer.decode
-    if mismatch is not None:
-        return (f'<p data-verdict="different">Lossless check: <b>different</b>. The token ids first differ at '
-                f"position {mismatch}: lane A {a[mismatch]} {html.escape(repr(decode([a[mismatch]])))}, lane B "
-                f"{b[mismatch]} {html.escape(repr(decode([b[mismatch]])))}.</p>")
-    if not finished:
-        return f'<p data-verdict="pending">Lossless check: identical so far ({common} tokens compared).</p>'
-    if len(a) != len(b):
-        return (f'<p data-verdict="different">Lossless check: <b>different</b> at position {common}: one lane '
-                f"stopped after {common} tokens, the other went on to {max(len(a), len(b))}.</p>")
-    return (f'<p data-verdict="identical">Lossless check: <b>identical</b>. Both greedy lanes produced the same '
-            f"{common} token ids.</p>")
-
-
-def kv_view_html(traces: list[LaneTrace]) -> str:
-    views = [trace.kv_html for trace in traces if trace.kv_html]
-    if not views and not any(trace.settings.kv_mode == "paged" for trace in traces):
-        return "<p>Neither lane uses the paged KV cache; set a lane's KV mode to paged to watch its block pool.</p>"
-    return "".join(views) or "<p>The paged pool appears here once the race starts.</p>"
 
 
 def _frame(**values) -> tuple:
@@ -175,29 +44,72 @@ def _frame(**values) -> tuple:
     return tuple(values.get(name, gr.skip()) for name in RACE_OUTPUTS)
 
 
-def run_race(pool: EnginePool, prompt: str, system: str, max_new_tokens, *lane_values):
-    """Streaming handler. `lane_values`: lane A's then lane B's LANE_SETTING_FIELDS values."""
-    count = len(LANE_SETTING_FIELDS)
-    idle = gr.update(interactive=True)
+def warm_up_race(pool: EnginePool, lanes: dict[str, LaneSettings], prompt: str, system: str | None) -> None:
+    """Run a race once, untimed, before the app serves: the engines the page's first race will use, the same prompt,
+    interleaved as a race interleaves them. The first race a visitor runs then finds every engine, kernel and cache
+    as any later race finds it (the prompt's full blocks in the paged lane's prefix cache included) instead of
+    paying one-time costs in its first steps. Also measures the step costs behind the pre-race estimate."""
+    engines = {name: pool.get(f"lane-{name}", settings) for name, settings in lanes.items()}
+    prompt_ids = next(iter(engines.values())).prompt_ids(prompt, system)
+    params = SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
+    requests = {name: engine.generate(prompt_ids, params) for name, engine in engines.items()}
+    for _ in interleave(requests, first=pool.first_lane()):
+        pass
+    pool.costs.request_seconds("none", len(prompt_ids), 128)  # measures the steps behind the default race's estimate
+    pool.costs.request_seconds("paged", len(prompt_ids), 128)
+
+
+def run_race(pool: EnginePool, control: RunControl | None, prompt: str, system: str, max_new_tokens, *lane_values):
+    """Streaming handler. `control`: the visitor's Stop switch (None: no Stop); `lane_values`: lane A's then lane
+    B's LANE_SETTING_FIELDS values."""
+    control = control if control is not None else RunControl()
     try:
-        settings = [LaneSettings(*lane_values[:count]), LaneSettings(*lane_values[count:2 * count])]
-        traces = [LaneTrace(name, s, pool.get(f"lane-{name}", s)) for name, s in zip("AB", settings)]
-        prompt_ids = traces[0].engine.prompt_ids(prompt or "", (system or "").strip() or None)
-        requests = {t.name: t.engine.generate(prompt_ids, t.settings.sampling(max_new_tokens), spec=t.settings.spec())
-                    for t in traces}
-    except (ValueError, TypeError) as error:  # ConfigError is a ValueError: bad settings or prompt
+        yield from _race(pool, control, prompt, system, max_new_tokens, lane_values)
+    finally:
+        control.end()
+
+
+def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_new_tokens, lane_values):
+    idle = gr.update(interactive=True)
+    if control.stop_requested:  # Stop was pressed while the race waited for the device
+        yield _frame(status="Stopped before the race started: nothing ran.", run_button=idle)
+        return
+    count = len(LANE_SETTING_FIELDS)
+    try:
+        settings = {"A": LaneSettings(*lane_values[:count]), "B": LaneSettings(*lane_values[count:2 * count])}
+        engines = {name: pool.get(f"lane-{name}", s) for name, s in settings.items()}
+        prompt_ids = engines["A"].prompt_ids(prompt or "", (system or "").strip() or None)
+        requests = {name: engines[name].generate(prompt_ids, s.sampling(max_new_tokens), spec=s.spec())
+                    for name, s in settings.items()}
+        estimates = check_run_cost(pool, settings, len(prompt_ids), int(max_new_tokens), "race")
+    except ConfigError as error:  # bad settings or prompt, or too much work: say what to change on the page
+        yield _frame(status=f"**Cannot start the race:** {error.in_words(PAGE_WORDS)}", run_button=idle)
+        return
+    except (ValueError, TypeError) as error:
         yield _frame(status=f"**Cannot start the race:** {error}", run_button=idle)
         return
+    traces = [LaneTrace(name, settings[name], engines[name], len(prompt_ids)) for name in "AB"]
     by_name = {trace.name: trace for trace in traces}
-    status = f"Racing on {pool.loaded.device}: prompt of {len(prompt_ids)} tokens, up to {int(max_new_tokens)} new " \
-             "tokens per lane; the lane that has used less device time steps next."
-    # What was last sent, by output (HTML, or the acceptance chart's version), so that unchanged panels are not resent.
-    sent = {"lane_a": lane_html(traces[0], "A"), "lane_b": lane_html(traces[1], "B"), "summary": summary_html(traces),
-            "identical": identical_html(traces, False), "kv_view": kv_view_html(traces),
-            "acceptance": _acceptance_version(traces)}
-    yield _frame(**{**sent, "acceptance": acceptance_figure(_acceptance_lanes(traces))}, chart=speed_figure({}),
-                 status=status, run_button=gr.update(interactive=False))
-    last_text = last_panels = time.perf_counter()
+    first = pool.first_lane()
+    speculates = any(trace.acceptance is not None for trace in traces)
+    status = (f"Racing on {pool.loaded.device}: prompt of {len(prompt_ids)} tokens, up to {int(max_new_tokens)} new "
+              f"tokens per lane. Estimated device time (from steps measured on this device): lane A "
+              f"{duration(estimates[0])}, lane B {duration(estimates[1])}. The lane that has used less device time "
+              f"steps next; lane {first} takes the first step this time (it alternates between races).")
+    sent = {}  # what was last sent, by output (HTML, or the acceptance chart's version): unchanged panels are not resent
+
+    def start_frame() -> tuple:
+        for trace in traces:
+            trace.refresh()
+            if trace.stats is None:
+                trace.snapshot_kv()
+        sent.update(lane_a=lane_html(traces[0], "A"), lane_b=lane_html(traces[1], "B"), summary=summary_html(traces),
+                    identical=identical_html(traces, False), kv_view=kv_view_html(traces),
+                    acceptance=_acceptance_version(traces))
+        acceptance = gr.update(value=acceptance_figure(_acceptance_lanes(traces)) if speculates else None,
+                               visible=speculates)
+        return _frame(**{**sent, "acceptance": acceptance}, chart=speed_figure(_chart_lanes(traces)), status=status,
+                      run_button=gr.update(interactive=False))
 
     def changed_only(frame: dict) -> dict:
         """Drop the outputs whose value equals the one last sent. The acceptance chart is represented by its
@@ -208,7 +120,10 @@ def run_race(pool: EnginePool, prompt: str, system: str, max_new_tokens, *lane_v
             changed["acceptance"] = acceptance_figure(_acceptance_lanes(traces))
         return changed
 
-    race = interleave(requests)
+    def over_limit() -> bool:
+        return sum(trace.times_s[-1] for trace in traces if trace.times_s) > pool.max_run_s
+
+    race = interleave(requests, first=first, should_stop=lambda: control.stop_requested or over_limit())
     try:
         for name, event in race:
             trace = by_name[name]
@@ -216,17 +131,27 @@ def run_race(pool: EnginePool, prompt: str, system: str, max_new_tokens, *lane_v
             finished = isinstance(event, FinishEvent)
             if finished:
                 trace.snapshot_kv()  # the request still holds its blocks until the race moves on
+            if not sent:
+                # The first update waits until both lanes have taken their first step: the browser draws it on the
+                # same CPU, and drawing it during a lane's first step would slow that lane's TTFT.
+                if not all(trace.times_s or trace.over for trace in traces):
+                    continue
+                yield start_frame()
+                last_text = last_panels = time.perf_counter()
+                continue
             now = time.perf_counter()
             panels_due = now - last_panels >= PANEL_REFRESH_S
             if not (finished or panels_due or now - last_text >= TEXT_REFRESH_S):
                 continue
             last_text = now
-            frame = {"lane_a": lane_html(traces[0], "A"), "lane_b": lane_html(traces[1], "B")}
             if panels_due or finished:
                 last_panels = now
                 for other in traces:
+                    other.refresh()
                     if other.stats is None:
                         other.snapshot_kv()
+            frame = {"lane_a": lane_html(traces[0], "A"), "lane_b": lane_html(traces[1], "B")}
+            if panels_due or finished:
                 frame.update(summary=summary_html(traces), identical=identical_html(traces, False),
                              kv_view=kv_view_html(traces), acceptance=_acceptance_version(traces))
             changed = changed_only(frame)
@@ -240,23 +165,37 @@ def run_race(pool: EnginePool, prompt: str, system: str, max_new_tokens, *lane_v
         return
     finally:
         race.close()
-    done = "Finished. " + " ".join(_lane_result(t) for t in traces)
+    for trace in traces:  # every request has ended and returned its blocks: the final state of every panel
+        trace.over = True
+        trace.refresh()
+        if trace.stats is None:
+            trace.snapshot_kv()
+        trace.note_pool_after()
+    results = " ".join(_lane_result(t) for t in traces)
+    if control.stop_requested:
+        done = f"Stopped. {results} Both requests ended and returned their KV blocks."
+    elif over_limit():
+        done = (f"Stopped at this app's limit of {duration(pool.max_run_s)} of device time per race. {results} "
+                "Lower 'max new tokens' or shorten the prompt to finish within it.")
+    else:
+        done = f"Finished. {results}"
     yield _frame(lane_a=lane_html(traces[0], "A"), lane_b=lane_html(traces[1], "B"),
-                 chart=speed_figure(_chart_lanes(traces)), acceptance=acceptance_figure(_acceptance_lanes(traces)),
+                 chart=speed_figure(_chart_lanes(traces)),
+                 acceptance=gr.update(value=acceptance_figure(_acceptance_lanes(traces)) if speculates else None,
+                                      visible=speculates),
                  summary=summary_html(traces), identical=identical_html(traces, True), kv_view=kv_view_html(traces),
                  status=done, run_button=idle)
 
 
 def _lane_result(trace: LaneTrace) -> str:
-    return (f"Lane {trace.name}: {trace.stats.generated_tokens} tokens at {trace.stats.decode_tokens_per_s:.1f} "
-            f"tok/s{_acceptance_note(trace)}.")
-
-
-def _acceptance_note(trace: LaneTrace) -> str:
-    """The status clause giving a lane's share of drafts accepted; empty until it has drafted something."""
-    if trace.acceptance is None or not trace.acceptance.drafted:
-        return ""
-    return f", {trace.acceptance.shown()['acceptance_rate']:.0%} of drafts accepted"
+    figures = trace.shown
+    if figures.stats is None:
+        return f"Lane {trace.name} was stopped before its first step."
+    speed = f" at {figures.decode_tokens_per_s:.1f} tok/s" if figures.decode_tokens_per_s else ""
+    accepted = ""
+    if trace.acceptance is not None and trace.acceptance.drafted:
+        accepted = f", {trace.acceptance.shown()['acceptance_rate']:.0%} of drafts accepted"
+    return f"Lane {trace.name}: {figures.tokens} tokens{speed}{accepted}."
 
 
 def _chart_lanes(traces: list[LaneTrace]) -> dict[str, dict]:
@@ -279,6 +218,12 @@ def _acceptance_lanes(traces: list[LaneTrace]) -> dict[str, dict]:
     return lanes
 
 
-def stop_race():
-    """Stop button: the race event is cancelled by Gradio (which closes `run_race`); reset the controls."""
-    return "Stopped. Both requests were cancelled and their KV blocks returned.", gr.update(interactive=True)
+def arm_race(control: RunControl):
+    """Run, before the race is queued: arm the visitor's Stop and disable Run at once."""
+    control.arm()
+    return "Waiting for the device...", gr.update(interactive=False)
+
+
+def stop_race(control: RunControl) -> None:
+    """Stop: the race ends after the step in flight and sends its final update itself."""
+    control.request_stop()

@@ -2,10 +2,12 @@
 
 `LaneSettings` holds one configuration as the widgets give it (KV mode, block size, prefix cache, sampling,
 speculative decoding) and turns it into an `EngineConfig`, `SamplingParams` and `SpecConfig`, so a bad value fails
-with the engine's own `ConfigError` message. `EnginePool` keeps one `Engine` per (slot, configuration) over the one
-loaded model (and the optional draft model, which every engine gets for the 'draft' method): a lane's KV cache
-survives between races (so the prefix cache has something to reuse) and two lanes never share one (so neither sees
-the other's cached prefixes, and each contiguous cache serves one request).
+with the engine's own `ConfigError` message; PAGE_WORDS names the page's controls in those messages. `EnginePool`
+keeps one `Engine` per (slot, configuration) over the one loaded model (and the optional draft model, which every
+engine gets for the 'draft' method): a lane's KV cache survives between races (so the prefix cache has something to
+reuse) and two lanes never share one (so neither sees the other's cached prefixes, and each contiguous cache serves
+one request). The pool also holds what every run on the device shares: the measured step costs behind the
+estimate shown before a run, the limit on a run's device time, and which lane takes a race's first step.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from inference_core import Engine, EngineConfig, LoadedModel, SamplingParams
+from inference_core import ConfigError, Engine, EngineConfig, LoadedModel, SamplingParams
+from inference_core.cost import StepCosts
 from inference_core.kv_cache import PagedKVCache
 from inference_core.speculative import SpecConfig
 
@@ -21,6 +24,11 @@ KV_MODE_LABELS = {"paged": "paged KV cache", "contiguous": "contiguous KV cache"
 BLOCK_SIZES = (4, 8, 16, 32)
 SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "early exit", "draft": "draft model"}
 DEFAULT_LAYERS = "default"  # the early-exit depth widget's value for "the engine's default depth"
+# The page's names for what a ConfigError tells the user to change (see inference_core.config.CLI_WORDS).
+PAGE_WORDS = {"max_new_tokens": "'max new tokens'", "spec_k": "'draft length k'",
+              "draft_layers": "'early-exit draft layers'", "draft_model": "start the app with a draft model",
+              "longer_context": ""}
+DEFAULT_MAX_RUN_S = 180.0  # device time one race (both lanes) or one chat turn may take
 
 
 def _whole(value):
@@ -37,7 +45,7 @@ class LaneSettings:
     prefix_cache: bool = True
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = 0  # None: a fresh seed per request; the widget shows the same 0 the engine gets
     spec_method: str = "none"  # draft source: one of SPEC_METHOD_LABELS
     spec_k: int = 4  # draft length (where it starts when adaptive)
     spec_adaptive: bool = False
@@ -89,25 +97,34 @@ class EnginePool:
     Callers run one request at a time per engine (the app's queue runs one generation at a time)."""
 
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, max_engines: int = 6,
-                 draft: LoadedModel | None = None):
+                 draft: LoadedModel | None = None, max_run_s: float = DEFAULT_MAX_RUN_S):
         self.loaded = loaded
         self.draft = draft
         self.max_seq_len = min(max_seq_len or 2048, loaded.config.max_position_embeddings)
         self.max_engines = max_engines
         self.engines: OrderedDict[tuple[str, EngineConfig], Engine] = OrderedDict()
+        self.costs = StepCosts(loaded, self.max_seq_len)
+        self.max_run_s = max_run_s
+        self.races_started = 0
 
     def _engine(self, config: EngineConfig) -> Engine:
         return Engine(self.loaded, config, draft_model=self.draft)
 
-    def warm_up(self) -> None:
-        """One short untimed request per KV mode, so the first race does not pay one-time start-up costs; with a
-        draft model, one speculative request as well (which also refuses an unusable draft model at start-up)."""
-        for kv_mode in ("contiguous", "paged", "none"):
-            engine = self._engine(EngineConfig(kv_mode=kv_mode, max_seq_len=64))
-            engine.complete("Hello", SamplingParams(max_new_tokens=4))
+    def first_lane(self) -> str:
+        """The lane that takes the next race's first step: A and B take turns, so neither always meets whatever a
+        first step still costs (the browser drawing the race's first update on the same CPU, for one)."""
+        self.races_started += 1
+        return "AB"[(self.races_started - 1) % 2]
+
+    def check_draft_model(self) -> None:
+        """Run one short speculative request with the draft model, which refuses an unusable one at start-up."""
         if self.draft is not None:
             engine = self._engine(EngineConfig(kv_mode="paged", max_seq_len=64))
             engine.complete("Hello", SamplingParams(max_new_tokens=4), spec=SpecConfig("draft", k=2))
+
+    def estimate_s(self, settings: list[LaneSettings], prompt_tokens: int, new_tokens: int) -> list[float]:
+        """Estimated device time of one request per lane (see `inference_core.cost`)."""
+        return [self.costs.request_seconds(s.kv_mode, prompt_tokens, new_tokens) for s in settings]
 
     def get(self, slot: str, settings: LaneSettings) -> Engine:
         key = (slot, settings.engine_config(self.max_seq_len))
@@ -129,3 +146,30 @@ class EnginePool:
         caches = [engine.kv_cache for engine in self.engines.values()]
         caches += [engine.draft_runner.kv_cache for engine in self.engines.values() if engine.draft_runner is not None]
         return sum(cache.manager.num_used_blocks for cache in caches if isinstance(cache, PagedKVCache))
+
+
+def duration(seconds: float) -> str:
+    """A device time as a person reads it: '40 s', 'about 3 minutes'."""
+    if seconds < 90:
+        return f"{seconds:.0f} s" if seconds >= 1 else f"{seconds:.1f} s"
+    return f"{seconds / 60:.0f} minutes" if seconds % 60 == 0 else f"about {seconds / 60:.0f} minutes"
+
+
+def check_run_cost(pool: EnginePool, lanes: dict[str, LaneSettings], prompt_tokens: int, new_tokens: int,
+                   what: str) -> list[float]:
+    """Estimated device seconds of each lane's request (one request per lane, run one after another on the device);
+    raises ConfigError, in the page's words, when together they exceed the pool's `max_run_s`."""
+    estimates = pool.estimate_s(list(lanes.values()), prompt_tokens, new_tokens)
+    if sum(estimates) <= pool.max_run_s:
+        return estimates
+    slowest = max(zip(lanes, estimates), key=lambda pair: pair[1])[0]
+    fits = pool.costs.most_new_tokens([s.kv_mode for s in lanes.values()], prompt_tokens, pool.max_run_s, new_tokens)
+    changes = [f"lower {{max_new_tokens}} to {fits} or less" if fits else "shorten the prompt"]
+    why = ""
+    if lanes[slowest].kv_mode == "none":
+        why = ": with no KV cache, each new token recomputes the whole text"
+        changes.append(f"give {'lane ' + slowest if len(lanes) > 1 else 'it'} a KV cache")
+    whose = f" (lane {slowest} {duration(max(estimates))}{why})" if len(lanes) > 1 else why
+    raise ConfigError(f"this {what} would hold the shared device for {duration(sum(estimates))}{whose}, over this "
+                      f"app's limit of {duration(pool.max_run_s)} per {what}. To run it, "
+                      f"{' or '.join(changes)}.")

@@ -1,0 +1,30 @@
+"""Stop, per visitor: how the Stop buttons reach a running race or chat turn.
+
+Each visitor's page holds a `RunControl` in a `gr.State` (Gradio hands the handlers of one session the same object,
+and no other session ever sees it). Run or Send arms it before the generation is queued; Stop asks the armed run to
+stop; the run checks before every model step and then stops after the step in flight, so it still ends with a final
+update that puts every panel in its final state. (Gradio's own cancel would end the handler mid-stream, with no final
+update and stale panels.) A Stop pressed while the run waits in the queue is seen as soon as the run starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunControl:
+    armed: bool = False  # a run was started (Run or Send pressed) and has not ended yet
+    stop_requested: bool = False
+
+    def arm(self) -> None:
+        self.armed, self.stop_requested = True, False
+
+    def request_stop(self) -> bool:
+        """Ask the armed run to stop; False when nothing is running (then Stop does nothing)."""
+        if self.armed:
+            self.stop_requested = True
+        return self.armed
+
+    def end(self) -> None:
+        self.armed = self.stop_requested = False

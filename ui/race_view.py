@@ -1,0 +1,356 @@
+"""What the race shows, as pure functions of the lanes' traces: each lane's header and text, the summary table with
+the speed-up line and plain-language notes, the lossless check and the KV view.
+
+Every number comes from one `LaneFigures` per lane, taken once per refresh from the lane's trace (the engine's final
+stats once the lane has finished or stopped, its streamed events before that), so the lane header, the summary table
+and the speed-up line always show the same numbers. What each figure measures is in `FIGURES`, shown as a tooltip on
+its row and in the note under the table; every speed-up clause names the lane that wins and the two numbers it is
+computed from, so it cannot point the wrong way.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+from inference_core import Engine, FinishEvent, GenerationStats
+from ui.figures import LANE_COLOURS
+from ui.kv_view import pool_counts, render_pool
+from ui.settings import KV_MODE_LABELS, SPEC_METHOD_LABELS, LaneSettings
+from ui.speculation import AcceptanceCount, HighlightedText, legend_html, speculation_summary_rows
+
+FINISH_REASONS = {"length": "max new tokens reached", "eos": "end of text", "stop": "stop string",
+                  "stopped": "stopped"}
+# (row label, what it measures): the summary's tooltips and the note under it.
+FIGURES = {
+    "TTFT": "time to first token: the lane's own device time from the start of its request to its first token "
+            "(prompt processing and the first sampling); lower is better",
+    "prompt tokens": "the prompt's tokens: those whose KV came from the lane's prefix cache (kept from earlier "
+                     "requests, no compute) and those computed in the prefill step",
+    "prompt tokens/s": "all prompt tokens, cached or computed, divided by TTFT; higher is better",
+    "decode tokens/s": "tokens after the first, divided by the lane's own device time from its first token to its "
+                       "last; higher is better",
+    "tokens generated": "tokens the lane produced, and why it ended",
+    "device time": "the lane's own busy time for its whole request: only its own steps count, never the other "
+                   "lane's",
+    "KV memory in use": "the KV cache holding this request's tokens when it ended",
+    "KV memory reserved": "KV memory set aside for this request: its blocks (paged) or a whole context (contiguous)",
+}
+LOW_ACCEPTANCE = 0.25  # a speculating lane below this share of accepted drafts gets a note on why it loses
+WHY_DRAFTS_FAIL = {
+    "early-exit": "this model's first layers were not trained to predict its output, so they rarely agree with "
+                  "the full model (early exit pays off on models trained for it)",
+    "ngram": "prompt lookup only finds drafts where the answer repeats the prompt (try a grounded prompt)",
+    "draft": "the draft model rarely agrees with the target",
+}
+
+
+@dataclass(frozen=True)
+class LaneFigures:
+    """One lane's numbers at one moment; None where not measured yet."""
+
+    tokens: int
+    state: str  # "waiting", "running", "not started", or a finish reason (FINISH_REASONS)
+    prompt_tokens: int
+    cached_prompt_tokens: int | None
+    ttft_ms: float | None
+    decode_tokens_per_s: float | None
+    device_s: float | None
+    last_step_ms: float | None
+    stats: GenerationStats | None
+
+    @property
+    def ended(self) -> bool:
+        return self.state not in ("waiting", "running")
+
+    @property
+    def prompt_tokens_per_s(self) -> float | None:
+        return self.prompt_tokens / (self.ttft_ms / 1e3) if self.ttft_ms else None
+
+
+@dataclass
+class LaneTrace:
+    """What one lane has produced so far: plain values only."""
+
+    name: str
+    settings: LaneSettings
+    engine: Engine
+    prompt_tokens: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    times_s: list[float] = field(default_factory=list)  # own-clock time of each token
+    step_ms: list[float] = field(default_factory=list)  # the step that produced each token (0: same step as before)
+    cached_prompt_tokens: int | None = None
+    stats: GenerationStats | None = None
+    over: bool = False  # the race has ended for this lane (set also when it never took a step)
+    kv_html: str = ""
+    highlighted: HighlightedText | None = None  # speculating lanes only, like `acceptance`
+    acceptance: AcceptanceCount | None = None
+    shown: LaneFigures | None = None  # the figures of the latest panel refresh: what the page shows
+
+    def __post_init__(self) -> None:
+        if self.settings.speculates:
+            self.highlighted = HighlightedText(self.engine.tokenizer.decode)
+            self.acceptance = AcceptanceCount()
+
+    def add(self, event) -> None:
+        if isinstance(event, FinishEvent):
+            self.text, self.token_ids, self.stats = event.text, list(event.token_ids), event.stats
+            self.over = True
+            if self.highlighted is not None:
+                self.highlighted.finish(event.text)
+                self.acceptance.finish(event.stats.spec)
+            return
+        self.text += event.text
+        self.token_ids.append(event.token_id)
+        self.times_s.append(event.time_s)
+        self.step_ms.append(event.step_ms)
+        if event.cached_prompt_tokens is not None:
+            self.cached_prompt_tokens = event.cached_prompt_tokens
+        if self.highlighted is not None:
+            self.highlighted.add(event)
+            self.acceptance.add(event)
+
+    def figures(self) -> LaneFigures:
+        """The lane's numbers now: the engine's stats once it has them, else measured from the streamed events."""
+        steps = [ms for ms in self.step_ms if ms > 0]
+        common = dict(tokens=len(self.token_ids), prompt_tokens=self.prompt_tokens,
+                      last_step_ms=steps[-1] if steps else None, stats=self.stats)
+        if self.stats is not None:
+            s = self.stats
+            return LaneFigures(state=s.finish_reason, cached_prompt_tokens=s.cached_prompt_tokens, ttft_ms=s.ttft_ms,
+                               decode_tokens_per_s=s.decode_tokens_per_s or None, device_s=s.total_ms / 1e3,
+                               **common)
+        decode = None
+        if len(self.times_s) >= 2 and self.times_s[-1] > self.times_s[0]:
+            decode = (len(self.times_s) - 1) / (self.times_s[-1] - self.times_s[0])
+        state = ("not started" if self.over else "waiting") if not self.times_s else "running"
+        return LaneFigures(state=state, cached_prompt_tokens=self.cached_prompt_tokens,
+                           ttft_ms=self.times_s[0] * 1e3 if self.times_s else None, decode_tokens_per_s=decode,
+                           device_s=self.times_s[-1] if self.times_s else None, **common)
+
+    def refresh(self) -> LaneFigures:
+        self.shown = self.figures()
+        return self.shown
+
+    def snapshot_kv(self) -> None:
+        snapshot = self.engine.kv_snapshot()
+        if snapshot is not None:
+            labels = {request["seq_id"]: f"Lane {self.name}" for request in snapshot["requests"]}
+            when = "at its last token" if self.stats else "after the race" if self.over else "live"
+            self.kv_html = render_pool(snapshot, self.engine.tokenizer.decode,
+                                       f"Lane {self.name} paged pool ({when})", labels)
+
+    def note_pool_after(self) -> None:
+        """After the race: add to the KV view how the pool stands now that the request has returned its blocks."""
+        snapshot = self.engine.kv_snapshot()
+        if snapshot is not None and self.kv_html:
+            held, cached, free = pool_counts(snapshot)
+            self.kv_html += (f'<p class="kv-after">Since then lane {self.name}\'s request returned its blocks: the '
+                             f"pool now has {held} blocks held, {cached} cached for reuse and {free} free.</p>")
+
+
+def _state_words(figures: LaneFigures) -> str:
+    if figures.state == "waiting":
+        return "waiting for its first step"
+    if figures.state == "running":
+        return "running"
+    if figures.state == "not started":
+        return "stopped before its first step"
+    return f"done ({FINISH_REASONS[figures.state]})" if figures.state != "stopped" else "stopped"
+
+
+def lane_html(trace: LaneTrace | None, name: str, message: str = "") -> str:
+    """A lane's header (its configuration and the numbers of the latest panel refresh) over its text, which scrolls
+    in a box that stays at the newest line."""
+    colour = LANE_COLOURS[name]
+    if trace is None:
+        return f'<div class="lane" style="border-left:4px solid {colour};padding-left:8px"><b>Lane {name}</b>' \
+               f'<div class="lane-text" style="color:#64748b">{html.escape(message)}</div></div>'
+    figures = trace.shown or trace.refresh()
+    numbers = [f"{figures.tokens} tokens"]
+    if figures.ttft_ms is not None:
+        numbers.append(f"TTFT {figures.ttft_ms:.0f} ms")
+    if figures.decode_tokens_per_s:
+        numbers.append(f"{figures.decode_tokens_per_s:.1f} tok/s")
+    numbers.append(_acceptance_note(trace) + _state_words(figures))
+    legend, text = "", html.escape(trace.text)
+    if trace.highlighted is not None:
+        legend, text = legend_html(), trace.highlighted.html()
+    return (f'<div class="lane" data-done="{"true" if figures.ended else "false"}" data-state="{figures.state}" '
+            f'style="border-left:4px solid {colour};padding-left:8px"><b>Lane {name}</b>: '
+            f'{html.escape(trace.settings.describe())}<div class="lane-numbers" style="font-size:12px;'
+            f'color:#475569">{", ".join(numbers)}</div>{legend}'
+            # column-reverse keeps the box scrolled to its newest line as text streams in
+            f'<div class="lane-text" style="white-space:pre-wrap;margin-top:6px;max-height:340px;overflow-y:auto;'
+            f'display:flex;flex-direction:column-reverse"><div>{text}</div></div></div>')
+
+
+def _acceptance_note(trace: LaneTrace) -> str:
+    """The header clause giving a lane's share of drafts accepted; empty until it has drafted something."""
+    if trace.acceptance is None or not trace.acceptance.drafted:
+        return ""
+    return f"{trace.acceptance.shown()['acceptance_rate']:.0%} of drafts accepted, "
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def _prompt_cell(f: LaneFigures) -> str:
+    if f.cached_prompt_tokens is None:
+        return f"{f.prompt_tokens}" if f.ended else f"{f.prompt_tokens} (split at the first token)"
+    computed = f.prompt_tokens - f.cached_prompt_tokens
+    return f"{f.prompt_tokens} = {f.cached_prompt_tokens} from prefix cache + {computed} computed"
+
+
+def _kv_cell(f: LaneFigures, attribute: str) -> str:
+    if f.stats is None:
+        return "-" if f.ended else "when the lane ends"
+    return f"{getattr(f.stats, attribute) / 2 ** 20:.2f} MiB"
+
+
+SUMMARY_ROWS = [
+    ("TTFT", lambda t, f: _ms(f.ttft_ms)),
+    ("prompt tokens", lambda t, f: _prompt_cell(f)),
+    ("prompt tokens/s", lambda t, f: f"{f.prompt_tokens_per_s:.0f}" if f.prompt_tokens_per_s else "-"),
+    ("decode tokens/s", lambda t, f: f"{f.decode_tokens_per_s:.1f}" if f.decode_tokens_per_s else "-"),
+    ("tokens generated", lambda t, f: f"{f.tokens}" + (f" ({f.state})" if f.stats else "")),
+    ("device time", lambda t, f: "-" if f.device_s is None else f"{f.device_s:.2f} s"),
+    ("KV memory in use", lambda t, f: _kv_cell(f, "kv_bytes_in_use")),
+    ("KV memory reserved", lambda t, f: _kv_cell(f, "kv_bytes_reserved")),
+]
+
+
+def summary_html(traces: list[LaneTrace]) -> str:
+    """The summary table (from each lane's shown figures), the speed-up line, the notes, and what each figure means."""
+    figures = [trace.shown or trace.refresh() for trace in traces]
+
+    def row(label: str, cells: list[str], note: str | None) -> str:
+        tip = f' title="{html.escape(note)}" style="text-decoration:underline dotted;cursor:help"' if note else ""
+        return f"<tr><td{tip}>{label}</td>{''.join(f'<td>{cell}</td>' for cell in cells)}</tr>"
+
+    rows = [row("configuration", [html.escape(t.settings.describe()) for t in traces], None)]
+    rows += [row(label, [value(t, f) for t, f in zip(traces, figures)], FIGURES[label])
+             for label, value in SUMMARY_ROWS]
+    if any(t.acceptance is not None for t in traces):
+        rows += [row(label, [value(t) for t in traces], None) for label, value in speculation_summary_rows()]
+    head = "".join(f'<th style="color:{LANE_COLOURS[t.name]}">Lane {t.name}</th>' for t in traces)
+    notes = "".join(f'<li data-note="{kind}">{text}</li>' for kind, text in race_notes(traces, figures))
+    meaning = "; ".join(f"<b>{label}</b>: {note}" for label, note in FIGURES.items())
+    return (f'<table class="race-summary"><tr><th></th>{head}</tr>{"".join(rows)}</table>'
+            f"{speedup_html(figures)}" + (f'<ul class="race-notes">{notes}</ul>' if notes else "")
+            + f'<details style="font-size:12px;color:#475569"><summary>What each figure measures</summary>'
+              f"{meaning}.</details>")
+
+
+def _compare(what: str, ratio: float, better: str, worse: str, numbers: str, kind: str) -> str:
+    """One clause of the speed-up line: `ratio` > 1 means lane A wins."""
+    if round(ratio, 2) == 1.0:
+        verdict = "the same"
+    elif ratio > 1:
+        verdict = f"{ratio:.2f}x {better}"
+    else:
+        verdict = f"{1 / ratio:.2f}x {worse}"
+    return f'<span data-figure="{kind}" data-ratio="{ratio:.4f}">{what} <b>{verdict}</b> ({numbers})</span>'
+
+
+def speedup_html(figures: list[LaneFigures]) -> str:
+    a, b = figures
+    clauses = []
+    if a.ttft_ms and b.ttft_ms:
+        clauses.append(_compare("first token", b.ttft_ms / a.ttft_ms, "sooner", "later",
+                                f"{a.ttft_ms:.0f} vs {b.ttft_ms:.0f} ms", "ttft"))
+    if a.decode_tokens_per_s and b.decode_tokens_per_s:
+        clauses.append(_compare("decode", a.decode_tokens_per_s / b.decode_tokens_per_s, "faster", "slower",
+                                f"{a.decode_tokens_per_s:.1f} vs {b.decode_tokens_per_s:.1f} tok/s", "decode"))
+    if not clauses:
+        return ""
+    return f'<p class="race-speedup">Lane A against lane B: {"; ".join(clauses)}.</p>'
+
+
+def race_notes(traces: list[LaneTrace], figures: list[LaneFigures]) -> list[tuple[str, str]]:
+    """Plain sentences on why a lane wins or loses, each from measured numbers: (kind, HTML)."""
+    notes = []
+    for index, trace in enumerate(traces):
+        other, f, g = traces[1 - index], figures[index], figures[1 - index]
+        name, other_name = trace.name, other.name
+        if f.cached_prompt_tokens:
+            notes.append(("prefix-cache", f"Lane {name} found {f.cached_prompt_tokens} of its {f.prompt_tokens} "
+                          "prompt tokens in its prefix cache (KV kept from earlier requests on this lane, the app's "
+                          "start-up warm-up included), so its prefill computed only "
+                          f"{f.prompt_tokens - f.cached_prompt_tokens}."))
+        elif (f.cached_prompt_tokens == 0 and trace.settings.kv_mode == "paged" and trace.settings.prefix_cache
+              and not (other.settings.kv_mode == "paged" and other.settings.prefix_cache)):
+            notes.append(("prefix-cache-empty", f"Lane {name}'s prefix cache held none of this prompt yet: it keeps "
+                          "what earlier requests on this lane computed. Run the race again, or pick another question "
+                          f"with the same system prompt, and lane {name} reuses those blocks."))
+        if trace.acceptance is not None and f.ended:
+            counts = trace.acceptance.shown()
+            slower = f.decode_tokens_per_s and g.decode_tokens_per_s and f.decode_tokens_per_s < g.decode_tokens_per_s
+            if counts["drafted"] >= 10 and counts["acceptance_rate"] < LOW_ACCEPTANCE and slower:
+                method = trace.settings.spec_method
+                notes.append(("low-acceptance", f"Lane {name} loses because only {counts['acceptance_rate']:.0%} of "
+                              f"its {SPEC_METHOD_LABELS.get(method, method)} drafts were accepted "
+                              f"({counts['accepted']} of {counts['drafted']}): every step paid for drafting and "
+                              f"verifying yet kept about one token, and {WHY_DRAFTS_FAIL.get(method, '')}."))
+        if (trace.settings.kv_mode == "none" and other.settings.kv_mode != "none" and f.last_step_ms
+                and g.last_step_ms and f.last_step_ms > 2 * g.last_step_ms):
+            notes.append(("recompute", f"Lane {name} has {KV_MODE_LABELS['none']}: every new token recomputes the "
+                          f"whole text so far ({f.prompt_tokens + max(f.tokens - 1, 0)} tokens by its last step), so "
+                          f"its last step took {f.last_step_ms:.0f} ms against {g.last_step_ms:.0f} ms for lane "
+                          f"{other_name}; the longer the text, the wider the gap."))
+    return notes
+
+
+def identical_html(traces: list[LaneTrace], finished: bool) -> str:
+    first, second = traces
+    reason = not_comparable(first.settings, second.settings)
+    if reason:
+        return (f'<p data-verdict="not-checked">Lossless check: not applicable, {reason}. Set both temperatures to 0, '
+                "or give both lanes the same temperature, top-p and seed without speculation, to compare token "
+                "ids.</p>")
+    how = "greedy lanes" if first.settings.greedy else f"lanes sampling with seed {int(first.settings.seed)}"
+    a, b = first.token_ids, second.token_ids
+    common = min(len(a), len(b))
+    mismatch = next((i for i in range(common) if a[i] != b[i]), None)
+    decode = first.engine.tokenizer.decode
+    if mismatch is not None:
+        return (f'<p data-verdict="different">Lossless check: <b>different</b>. The token ids first differ at '
+                f"position {mismatch}: lane A {a[mismatch]} {html.escape(repr(decode([a[mismatch]])))}, lane B "
+                f"{b[mismatch]} {html.escape(repr(decode([b[mismatch]])))}.</p>")
+    if not finished:
+        return f'<p data-verdict="pending">Lossless check: identical so far ({common} tokens compared).</p>'
+    stopped = any(t.stats is None or t.stats.finish_reason == "stopped" for t in traces)
+    if len(a) != len(b) and not stopped:
+        return (f'<p data-verdict="different">Lossless check: <b>different</b> at position {common}: one lane '
+                f"stopped after {common} tokens, the other went on to {max(len(a), len(b))}.</p>")
+    if stopped:
+        return (f'<p data-verdict="identical-so-far">Lossless check: identical as far as both got: the {how} agree '
+                f"on all {common} token ids they both produced before the race was stopped.</p>")
+    return f'<p data-verdict="identical">Lossless check: <b>identical</b>. Both {how} produced the same {common} ' \
+           "token ids.</p>"
+
+
+def not_comparable(a: LaneSettings, b: LaneSettings) -> str | None:
+    """Why the two lanes' token ids say nothing about losslessness, or None when they should match: both greedy, or
+    both sampling with the same temperature, top-p and seed without speculation (the same draws from the same seeded
+    generator; speculative sampling keeps the distribution but draws differently)."""
+    if a.greedy and b.greedy:
+        return None
+    if a.greedy != b.greedy:
+        return "one lane is greedy and the other samples"
+    if a.seed in (None, "") or b.seed in (None, ""):
+        return "a lane samples without a seed"
+    if (float(a.temperature), float(a.top_p), int(a.seed)) != (float(b.temperature), float(b.top_p), int(b.seed)):
+        return "the lanes sample with different temperatures, top-p or seeds"
+    if a.speculates or b.speculates:
+        return "speculative sampling keeps the model's distribution but not the exact draws of plain sampling"
+    return None
+
+
+def kv_view_html(traces: list[LaneTrace]) -> str:
+    views = [trace.kv_html for trace in traces if trace.kv_html]
+    if not views and not any(trace.settings.kv_mode == "paged" for trace in traces):
+        return "<p>Neither lane uses the paged KV cache; set a lane's KV mode to paged to watch its block pool.</p>"
+    return "".join(views) or "<p>The paged pool appears here once the race starts.</p>"

@@ -1,0 +1,63 @@
+"""The race setups a newcomer picks from: each sets both lanes and, where it shows something off, the preset prompt,
+and says in a sentence what the race shows and what to look for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from inference_core.prompts import load_prompts
+from ui.settings import LaneSettings
+
+
+@dataclass(frozen=True)
+class RaceSetup:
+    lanes: dict[str, LaneSettings]
+    prompt_id: str | None  # a benchmark prompt id, or None to keep the prompt as it is
+    about: str
+
+
+DEFAULT_LANES = {"A": LaneSettings(kv_mode="paged"), "B": LaneSettings(kv_mode="none")}
+RACE_SETUPS = {
+    "paged KV cache vs no KV cache": RaceSetup(
+        DEFAULT_LANES, None,
+        "A KV cache keeps the keys and values of every token, so a step computes only the new one; with no KV cache "
+        "(lane B) every step recomputes the whole text, and lane B slows down as the text grows."),
+    "paged vs contiguous KV cache, long prompt": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged"), "B": LaneSettings(kv_mode="contiguous")}, "long-2",
+        "Both caches keep every token and decode at about the same speed; they differ in memory: the contiguous "
+        "cache reserves a whole context for one request, the paged pool only the blocks it fills (compare 'KV memory "
+        "reserved' and the KV view)."),
+    "prefix cache on vs off, shared system prompt": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged"), "B": LaneSettings(kv_mode="paged", prefix_cache=False)},
+        "shared-prefix-2",
+        "Lane A reuses the KV blocks of earlier requests on its engine that began with the same tokens. Run the race, "
+        "then pick another shared-prefix question (same system prompt) or run it again: lane A computes only what "
+        "is new, and its TTFT drops."),
+    "speculation: prompt lookup (k=5) vs plain decoding, grounded prompt": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged", spec_method="ngram", spec_k=5), "B": LaneSettings(kv_mode="paged")},
+        "grounded-4",
+        "The answer copies from the prompt, so prompt lookup's drafts are mostly accepted and lane A emits several "
+        "tokens per step; the output stays exactly that of plain decoding (see the lossless check)."),
+    "speculation: early exit vs prompt lookup, grounded prompt": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged", spec_method="early-exit", spec_k=4),
+         "B": LaneSettings(kv_mode="paged", spec_method="ngram", spec_k=5)},
+        "grounded-4",
+        "Two draft sources on one prompt. Early exit drafts with the model's own first layers, which this model was "
+        "not trained for: nearly every draft is rejected and lane A pays for drafting and verifying anyway. Prompt "
+        "lookup copies from the prompt and wins."),
+}
+
+
+def presets() -> dict[str, dict]:
+    """The preset prompts by their dropdown label ('kind: id'), plain-completion rows left out (the race chats)."""
+    return {f"{row['kind']}: {row['id']}": row for row in load_prompts() if row["kind"] != "completion"}
+
+
+def setup_values(setup: RaceSetup, prompts: dict[str, dict], fields: tuple[str, ...]) -> list:
+    """A setup's widget values: the preset key, prompt and system (left as they are without a prompt), the setup's
+    description, then lane A's and lane B's settings in `fields` order."""
+    key = next((key for key, row in prompts.items() if row["id"] == setup.prompt_id), None)
+    head = [key, prompts[key]["prompt"], prompts[key].get("system", "")] if key else [gr.skip()] * 3
+    return head + [setup.about] + [getattr(setup.lanes[name], field) for name in "AB" for field in fields]

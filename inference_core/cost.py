@@ -3,11 +3,12 @@ request from holding a shared device for minutes.
 
 `StepCosts` times real forward passes of the loaded model, each the first time an estimate needs it: a full forward
 over n tokens with no KV cache (once per length bucket: 64, 128, 256, ... tokens) and a cached decode step (a short
-request on a small contiguous cache). A request's device time is then the sum of its steps: with a KV cache, a prefill over
-the prompt plus one cached step per further token; with no KV cache, a forward over the whole text so far for every
-token. A length between buckets is costed at the per-token time of the bucket above it, which over-estimates short
-forwards (their fixed cost is spread over fewer tokens) and never under-estimates a long one. Speculative decoding
-is costed as plain decoding. These are estimates, shown as such; the measured numbers are the request's own stats.
+request on a small contiguous cache). A request's device time is then the sum of its steps: with a KV cache, a
+prefill over the prompt plus one cached step per further token; with no KV cache, a forward over the whole text so
+far for every token. A length between buckets is costed at the per-token time of the bucket above it, which
+over-estimates short forwards (their fixed cost is spread over fewer tokens) and never under-estimates a long one.
+Speculative decoding is costed as plain decoding. These are estimates, shown as such; the measured numbers are the
+request's own stats.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@ of device time, and measures that the share is fair.
 
 `interleave` always advances the lane that has used the least busy time so far (each lane's own clock, from its
 events), one model step at a time; the lane that takes the very first step is the caller's choice (the playground
-alternates it between races, so no lane always meets whatever a first step still costs). Because every request times only its own steps (see `engine`), a lane's reported
-TTFT and tokens/s are what the same configuration gives alone, and on screen both lanes move at a pace that reflects
-their own speed. `measure_fairness` checks exactly that: each configuration alone, then all of them in a race, and
-the ratio of their decode tokens/s (`python -m inference_core race`).
+alternates it between races, so no lane always meets whatever a first step still costs). Because every request times
+only its own steps (see `engine`), a lane's reported TTFT and tokens/s are what the same configuration gives alone,
+and on screen both lanes move at a pace that reflects their own speed. `measure_fairness` checks exactly that: each
+configuration alone, then all of them in a race, and the ratio of their decode tokens/s
+(`python -m inference_core race`).
 """
 
 from __future__ import annotations

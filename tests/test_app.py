@@ -45,6 +45,16 @@ def test_draft_model_with_another_tokenizer_exits_with_a_message(tmp_path, capsy
     assert "has a different tokenizer from 'bundled'" in capsys.readouterr().err
 
 
+def test_max_run_seconds_flag_and_environment(monkeypatch, capsys):
+    monkeypatch.delenv("PLAYGROUND_MAX_RUN_SECONDS", raising=False)
+    assert app.parse_args([]).max_run_seconds == 180.0
+    monkeypatch.setenv("PLAYGROUND_MAX_RUN_SECONDS", "600")
+    assert app.parse_args([]).max_run_seconds == 600.0
+    assert app.parse_args(["--max-run-seconds", "30"]).max_run_seconds == 30.0
+    assert app.main(["--max-run-seconds", "0", "--device", "cpu"]) == 2
+    assert "--max-run-seconds must be positive, got 0" in capsys.readouterr().err
+
+
 def test_bad_settings_exit_with_a_message(capsys):
     assert app.main(["--dtype", "float8"]) == 2
     assert "unknown dtype 'float8'" in capsys.readouterr().err

@@ -1,10 +1,11 @@
-"""End-to-end: the playground served in this process, driven by Playwright in Debian's Chromium.
+"""End-to-end: the playground driven by Playwright in Debian's Chromium.
 
-The app is the one `app.py` serves (same builder, same queue limits) over the session's bundled model, so a test can
-also look at the engines behind the page (for example that a closed tab's request let go of its KV blocks). Chromium
-comes from Debian's `chromium` package; set-up installs it when it is missing and the test runs as root, and skips
-otherwise (fails under CI, where the browser tests must run). `UPDATE_DOCS_SCREENSHOT=1` writes the finished races'
-screenshots to docs/race-tab.png and docs/speculative-race.png (the README shows them).
+Most tests use the app `app.py` builds (same builder, same queue limits) served in this process over the session's
+bundled model, so a test can also look at the engines behind the page (for example that a closed tab's request let
+go of its KV blocks); the first-race test starts `python app.py` afresh in its own process, as a visitor meets it.
+Chromium comes from Debian's `chromium` package; set-up installs it when it is missing and the test runs as root, and
+skips otherwise (fails under CI, where the browser tests must run). `UPDATE_DOCS_SCREENSHOT=1` writes the
+screenshots the README shows: docs/race-tab.png, docs/speculative-race.png and docs/chat-tab.png.
 """
 
 from __future__ import annotations
@@ -200,6 +201,10 @@ def test_race_with_default_settings_fills_every_panel(served, browser, tmp_path)
     # The start-up warm-up ran this race's prompt on lane A's engine: its full blocks come from the prefix cache.
     assert shown["A"]["prompt"] == "41 = 32 from prefix cache + 9 computed"
     assert shown["B"]["prompt"] == "41 = 0 from prefix cache + 41 computed"
+    # Lane text scrolls in a box of its own instead of growing the page; no lane speculates: no acceptance chart.
+    box = page.locator("#lane-b-output .lane-text")
+    assert box.evaluate("e => [getComputedStyle(e).overflowY, getComputedStyle(e).maxHeight]") == ["auto", "340px"]
+    expect(page.locator("#race-acceptance")).to_be_hidden()
     # The KV view shows lane A's pool: held blocks, a block table, and the memory numbers with a tooltip per cell.
     cells = page.locator("#kv-view .kv-cell")
     assert cells.count() == 2048 // 16
@@ -270,12 +275,15 @@ def test_two_chat_turns_reuse_the_prefix_cache(served, browser):
     rows = page.locator("#chat-stats tr")
     first, second = (rows.nth(i).locator("td") for i in (1, 2))
     second_prompt, second_cached = int(second.nth(2).inner_text()), int(second.nth(3).inner_text())
-    assert int(first.nth(3).inner_text()) == 0  # the chat's engine is new in this module: nothing cached yet
+    # The start-up warm-up's chat turn left the chat template's first block (the default system prompt) cached.
+    assert int(first.nth(3).inner_text()) == 16
     # The second turn's prompt starts with the whole first turn: at least the first prompt's full blocks are reused.
     assert second_cached >= (int(first.nth(2).inner_text()) // 16) * 16 > 0
     assert second_cached < second_prompt
     expect(page.locator("#chat-log")).to_contain_text("Which of them is warmest?")
     expect(page.locator("#chat-kv-view .kv-cell")).to_have_count(2048 // 16)
+    if os.environ.get("UPDATE_DOCS_SCREENSHOT"):
+        page.screenshot(path=str(DOCS / "chat-tab.png"), full_page=True)
     page.close()
     _wait_idle(pool)
 

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from inference_core import FinishEvent, SamplingParams, TokenEvent
+from inference_core import FinishEvent, SamplingParams, StopGeneration, TokenEvent
 from inference_core.sequence import Sequence
+from inference_core.speculative import SpecConfig
 
 from conftest import assert_nothing_held, make_engine
 
@@ -97,6 +98,53 @@ def test_closed_after_three_tokens_releases_everything(bundled, kv_mode):
     assert_nothing_held(engine)
     # The engine is usable again: the slot (contiguous) or blocks (paged) are really back.
     assert len(engine.complete(LEAK_PROMPT, SamplingParams(max_new_tokens=2)).token_ids) == 2
+    assert_nothing_held(engine)
+
+
+@pytest.mark.parametrize("kv_mode", KV_MODES)
+def test_stop_after_three_tokens_ends_with_stats_and_releases_everything(bundled, kv_mode):
+    engine = new_engine(bundled, kv_mode)
+    generator = engine.generate(LEAK_PROMPT, SamplingParams(max_new_tokens=50))
+    streamed = [next(generator) for _ in range(3)]
+    assert streamed[0].cached_prompt_tokens == 0 and streamed[1].cached_prompt_tokens is None
+    finish = generator.throw(StopGeneration)  # a plain step has no tokens pending: the final event comes at once
+    assert isinstance(finish, FinishEvent)
+    assert finish.token_ids == [event.token_id for event in streamed]
+    assert finish.text == "".join(event.text for event in streamed)
+    stats = finish.stats
+    assert (stats.finish_reason, stats.generated_tokens) == ("stopped", 3)
+    assert stats.ttft_ms == streamed[0].time_s * 1e3 and stats.total_ms >= streamed[-1].time_s * 1e3
+    assert_holding_one_request(engine)  # held while the caller looks at the final event, like any finished request
+    generator.close()
+    assert_nothing_held(engine)
+
+
+def test_stop_in_the_middle_of_a_speculative_step_delivers_its_tokens_first(bundled, bench_prompts):
+    engine = new_engine(bundled, "paged")
+    generator = engine.generate(bench_prompts["grounded-1"]["prompt"], SamplingParams(max_new_tokens=100),
+                                spec=SpecConfig("ngram", k=5))
+    streamed = [next(generator)]
+    while streamed[-1].draft != "accepted":  # stop right after an accepted draft: the rest of its step is pending
+        streamed.append(next(generator))
+    event = generator.throw(StopGeneration)
+    while not isinstance(event, FinishEvent):
+        assert event.draft in ("accepted", "replaced", "bonus")  # the step's own tokens; no new forward ran
+        streamed.append(event)
+        event = next(generator)
+    assert streamed[-1].draft in ("replaced", "bonus")  # the step ran to its end
+    assert event.stats.finish_reason == "stopped" and event.token_ids == [e.token_id for e in streamed]
+    spec = event.stats.spec  # the engine's count covers exactly the delivered steps
+    assert spec["accepted"] == sum(e.draft == "accepted" for e in streamed)
+    assert spec["steps"] == sum(e.draft in ("replaced", "bonus") for e in streamed)
+    generator.close()
+    assert_nothing_held(engine)
+
+
+def test_stop_before_the_first_step_runs_nothing(bundled):
+    engine = new_engine(bundled, "paged")
+    generator = engine.generate(LEAK_PROMPT, SamplingParams(max_new_tokens=50))
+    with pytest.raises(StopGeneration):
+        generator.throw(StopGeneration)
     assert_nothing_held(engine)
 
 

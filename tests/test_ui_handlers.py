@@ -91,7 +91,8 @@ def test_race_streams_to_identical_greedy_lanes(pool):
 
 
 def test_sampling_lane_skips_the_lossless_check(pool):
-    last = _outputs(list(run_race(pool, None, "Hi", "", 8, *lane("paged"), *lane("paged", temperature=0.8, seed=1)))[-1])
+    last = _outputs(list(run_race(pool, None, "Hi", "", 8, *lane("paged"),
+                                  *lane("paged", temperature=0.8, seed=1)))[-1])
     assert 'data-verdict="not-checked"' in last["identical"]
 
 
@@ -269,8 +270,8 @@ def test_draft_model_lane_and_its_choice_in_the_page(bundled):
 
 
 def test_chat_turn_with_speculation_reports_acceptance(pool):
-    for values in chat_turn(pool, None, "Repeat exactly: the cat sat on the mat, the cat sat on the mat.", [], [], "", 32,
-                            *lane("paged", spec_method="ngram", spec_k=4)):
+    message = "Repeat exactly: the cat sat on the mat, the cat sat on the mat."
+    for values in chat_turn(pool, None, message, [], [], "", 32, *lane("paged", spec_method="ngram", spec_k=4)):
         out = dict(zip(CHAT_OUTPUTS, values))
     spec = out["turn_stats"][0]["spec"]
     assert spec is not None and spec["drafted"] > 0

@@ -155,8 +155,9 @@ def _build_chat_tab(pool: EnginePool) -> None:
         max_new_tokens = gr.Slider(8, 512, value=128, step=8, label="max new tokens")
         with gr.Row():
             settings = _settings_widgets(pool, LaneSettings(kv_mode="paged"), "Chat", "chat")
-    # No toolbar: its buttons sat over the newest message.
-    chat_log = gr.Chatbot(elem_id="chat-log", height=380, label="Conversation", buttons=[])
+    # No label and no toolbar buttons: they were drawn over the messages. The one icon Gradio always shows, the
+    # trash can, does what "New chat" does.
+    chat_log = gr.Chatbot(elem_id="chat-log", height=380, show_label=False, buttons=[])
     with gr.Row():
         message = gr.Textbox(placeholder="Type a message and press Enter", show_label=False, scale=5,
                              elem_id="chat-input", max_length=MAX_PROMPT_CHARS)
@@ -176,7 +177,8 @@ def _build_chat_tab(pool: EnginePool) -> None:
     events = [trigger(arm_chat, control, status, **QUICK).then(handler, inputs, chat_outputs, **GENERATION)
               for trigger in (send.click, message.submit)]
     stop.click(stop_chat, control, None, **QUICK)
-    clear.click(clear_chat, None, [chat_log, history, turn_stats, stats_table, kv_view, status], cancels=events,
+    for trigger in (clear.click, chat_log.clear):
+        trigger(clear_chat, None, [chat_log, history, turn_stats, stats_table, kv_view, status], cancels=events,
                 **QUICK)
 
 

@@ -96,7 +96,7 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
               f"tokens per lane. Estimated device time (from steps measured on this device): lane A "
               f"{duration(estimates[0])}, lane B {duration(estimates[1])}. The lane that has used less device time "
               f"steps next; lane {first} takes the first step this time (it alternates between races).")
-    sent = {}  # what was last sent, by output (HTML, or the acceptance chart's version): unchanged panels are not resent
+    sent = {}  # what was last sent by output (HTML, or the acceptance chart's version): unchanged panels are not resent
 
     def start_frame() -> tuple:
         for trace in traces:

@@ -281,7 +281,7 @@ def race_notes(traces: list[LaneTrace], figures: list[LaneFigures]) -> list[tupl
                           "start-up warm-up included), so its prefill computed only "
                           f"{f.prompt_tokens - f.cached_prompt_tokens}."))
         elif (f.cached_prompt_tokens == 0 and trace.settings.kv_mode == "paged" and trace.settings.prefix_cache
-              and not (other.settings.kv_mode == "paged" and other.settings.prefix_cache)):
+              and other.settings.kv_mode == "paged" and not other.settings.prefix_cache):
             notes.append(("prefix-cache-empty", f"Lane {name}'s prefix cache held none of this prompt yet: it keeps "
                           "what earlier requests on this lane computed. Run the race again, or pick another question "
                           f"with the same system prompt, and lane {name} reuses those blocks."))

@@ -1,0 +1,277 @@
+"""The playground's numbers mean what they say, in every state, without a browser: the speed-up line names the lane
+that wins each figure, cached and computed prompt tokens are shown apart, the lane header and the table agree, Stop
+and the device-time limit end a race or a chat turn with every panel final, a race estimated to hold the device for
+minutes is refused with a message in the page's words, a losing configuration is explained in a sentence, and the
+lossless check compares same-seed sampling lanes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import ui
+from inference_core import FinishEvent, GenerationStats, TokenEvent
+from inference_core.speculative import SpecStats
+from ui.chat import CHAT_OUTPUTS, chat_turn
+from ui.control import RunControl
+from ui.kv_view import render_pool
+from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, run_race
+from ui.race_view import LaneTrace, not_comparable, summary_html
+from ui.settings import EnginePool, LaneSettings
+from ui.setups import RACE_SETUPS, presets, setup_values
+
+GREEDY = dict(block_size=16, prefix_cache=True, temperature=0.0, top_p=1.0, seed=0, spec_method="none", spec_k=4,
+              spec_adaptive=False, draft_layers=None)
+
+
+def lane(kv_mode: str, **overrides) -> list:
+    values = {"kv_mode": kv_mode, **GREEDY, **overrides}
+    return [values[name] for name in LANE_SETTING_FIELDS]
+
+
+@pytest.fixture(scope="module")
+def pool(bundled):
+    return EnginePool(bundled, max_seq_len=512)
+
+
+def _outputs(values: tuple) -> dict:
+    return dict(zip(RACE_OUTPUTS, values))
+
+
+def _text(html_text: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html_text))
+
+
+def _finished(pool: EnginePool, name: str, settings: LaneSettings, *, prompt: int = 41, cached: int = 0,
+              tokens: int = 10, ttft_ms: float = 100.0, decode: float = 20.0, step_ms: float = 50.0,
+              spec_steps: list[tuple[int, int]] = (), reason: str = "length") -> LaneTrace:
+    """A lane that streamed `tokens` tokens (the first at `ttft_ms`, then one every 1/`decode` s, each step
+    `step_ms`; speculating lanes: the (drafted, accepted) verification steps) and finished with matching stats."""
+    trace = LaneTrace(name, settings, pool.get(f"test-{name}", settings), prompt)
+    times = [ttft_ms / 1e3 + index / decode for index in range(tokens)]
+    spec = SpecStats(k=settings.spec_k) if settings.speculates else None
+    kinds = []
+    for drafted, accepted in spec_steps:
+        spec.record(drafted, accepted)
+        kinds += ["accepted"] * accepted + ["replaced" if accepted < drafted else "bonus"]
+    kinds = [None] * (tokens - len(kinds)) + kinds
+    for index, (time_s, kind) in enumerate(zip(times, kinds)):
+        rejected = (7,) * (1 if kind == "replaced" else 0)
+        trace.add(TokenEvent(index, "x", index, time_s, step_ms, kind, rejected, cached if index == 0 else None))
+    stats = GenerationStats(settings.kv_mode, prompt, cached, tokens, reason, ttft_ms, 1.0,
+                            (tokens - 1) / (times[-1] - times[0]), times[-1] * 1e3, 0, 0,
+                            spec.as_dict() if spec else None)
+    trace.add(FinishEvent("x" * tokens, list(range(tokens)), stats))
+    return trace
+
+
+def test_speed_up_line_names_the_winner_and_prompt_tokens_are_split(pool):
+    # The case seen in the page: lane A took 32 of 41 prompt tokens from the prefix cache and reached its first token
+    # sooner; its compute-only prefill rate (9 tokens / 87 ms) was lower than lane B's, and made A look slower.
+    a = _finished(pool, "A", LaneSettings("paged"), cached=32, ttft_ms=87, decode=25.5)
+    b = _finished(pool, "B", LaneSettings("none"), cached=0, ttft_ms=177, decode=4.1)
+    summary = _text(summary_html([a, b]))
+    assert "prompt tokens 41 = 32 from prefix cache + 9 computed 41 = 0 from prefix cache + 41 computed" in summary
+    assert "prompt tokens/s 471 232" in summary  # all prompt tokens over TTFT: the faster lane has the higher rate
+    assert "first token 2.03x sooner (87 vs 177 ms)" in summary and "decode 6.22x faster (25.5 vs 4.1 tok/s)" in summary
+    reverse = _text(summary_html([b, a]))
+    assert "first token 2.03x later (177 vs 87 ms)" in reverse and "decode 6.22x slower (4.1 vs 25.5 tok/s)" in reverse
+    same = _finished(pool, "B", LaneSettings("contiguous"), ttft_ms=87.2, decode=25.5)
+    assert "first token the same (87 vs 87 ms)" in _text(summary_html([a, same]))
+    # Every figure says what it measures, as a tooltip on its row.
+    assert summary_html([a, b]).count('title="') >= 8 and "What each figure measures" in summary
+
+
+def test_notes_explain_a_losing_configuration(pool):
+    early_exit = LaneSettings("paged", spec_method="early-exit", spec_k=4)
+    losing = _finished(pool, "A", early_exit, tokens=14, decode=5.0, spec_steps=[(1, 0)] * 12)
+    lookup = _finished(pool, "B", LaneSettings("paged", spec_method="ngram", spec_k=5), decode=26.5)
+    notes = dict(re.findall(r'data-note="([\w-]+)">(.*?)</li>', summary_html([losing, lookup])))
+    assert notes["low-acceptance"].startswith("Lane A loses because only 0% of its early exit drafts were accepted "
+                                              "(0 of 12)")
+    assert "not trained to predict its output" in notes["low-acceptance"]
+    # No cache: its last step recomputed the whole text, 10x lane A's step.
+    recompute = _finished(pool, "B", LaneSettings("none"), step_ms=555.0, decode=4.0)
+    notes = dict(re.findall(r'data-note="([\w-]+)">(.*?)</li>',
+                            summary_html([_finished(pool, "A", LaneSettings("paged"), step_ms=56.0), recompute])))
+    assert notes["recompute"].startswith("Lane B has no KV cache (recompute): every new token recomputes the whole "
+                                         "text so far (50 tokens by its last step), so its last step took 555 ms "
+                                         "against 56 ms for lane A")
+    # Prefix cache on vs off with nothing cached yet says how to see it work; a hit says what it saved.
+    cold = summary_html([_finished(pool, "A", LaneSettings("paged")),
+                         _finished(pool, "B", LaneSettings("paged", prefix_cache=False))])
+    assert 'data-note="prefix-cache-empty"' in cold and "Run the race again" in cold
+    warm = summary_html([_finished(pool, "A", LaneSettings("paged"), cached=32),
+                         _finished(pool, "B", LaneSettings("paged", prefix_cache=False))])
+    assert "Lane A found 32 of its 41 prompt tokens in its prefix cache" in warm and "prefix-cache-empty" not in warm
+    # Two configurations that tie get no notes.
+    tie = summary_html([_finished(pool, "A", LaneSettings("paged")), _finished(pool, "B", LaneSettings("contiguous"))])
+    assert "race-notes" not in tie
+
+
+def test_lossless_check_compares_same_seed_sampling_lanes(pool):
+    sample = dict(temperature=0.8, top_p=0.9, seed=3)
+    assert not_comparable(LaneSettings("paged", **sample), LaneSettings("contiguous", **sample)) is None
+    assert not_comparable(LaneSettings("paged"), LaneSettings("none")) is None
+    assert "different temperatures, top-p or seeds" in not_comparable(
+        LaneSettings("paged", **sample), LaneSettings("paged", **{**sample, "seed": 4}))
+    assert "without a seed" in not_comparable(LaneSettings("paged", **sample),
+                                              LaneSettings("paged", **{**sample, "seed": None}))
+    assert "one lane is greedy" in not_comparable(LaneSettings("paged"), LaneSettings("paged", **sample))
+    assert "speculative sampling" in not_comparable(
+        LaneSettings("paged", **sample), LaneSettings("paged", spec_method="ngram", **sample))
+    last = _outputs(list(run_race(pool, None, "Name a fruit.", "", 12, *lane("paged", **sample),
+                                  *lane("contiguous", **sample)))[-1])
+    assert 'data-verdict="identical"' in last["identical"] and "lanes sampling with seed 3" in last["identical"]
+
+
+def _header_numbers(lane_html: str) -> str:
+    return re.search(r'class="lane-numbers"[^>]*>([^<]*)<', lane_html)[1]
+
+
+def _table_numbers(summary: str, column: int) -> tuple[str, str]:
+    text = _text(summary)
+    ttft = re.search(r"TTFT (\S+(?: ms)?) (\S+(?: ms)?) prompt", text).groups()[column]
+    tokens = re.search(r"tokens generated (\d+)(?: \(\w+\))? (\d+)", text).groups()[column]
+    return tokens, ttft
+
+
+def test_stop_ends_the_race_with_every_panel_final_and_the_numbers_agreeing(pool):
+    control = RunControl()
+    control.arm()
+    updates, shown_summary, compared = [], None, 0
+    for values in run_race(pool, control, "Write a poem about the sea.", "", 200, *lane("paged"), *lane("contiguous")):
+        update = _outputs(values)
+        updates.append(update)
+        if isinstance(update["summary"], str):
+            shown_summary = update["summary"]
+        # Whenever a lane's header is sent, it shows the numbers of the table on the page.
+        for column, name in enumerate(("lane_a", "lane_b")):
+            if isinstance(update[name], str) and shown_summary and "TTFT" in _header_numbers(update[name]):
+                tokens, ttft = _table_numbers(shown_summary, column)
+                assert _header_numbers(update[name]).startswith(f"{tokens} tokens, TTFT {ttft}")
+                compared += 1
+        if len(updates) == 4:
+            control.request_stop()
+    last = updates[-1]
+    assert compared >= 4  # both headers of the first update and of the last, at least
+    assert last["status"].startswith("Stopped. Lane A: ") and "returned their KV blocks" in last["status"]
+    assert last["run_button"]["interactive"] is True and not control.armed
+    for name in ("lane_a", "lane_b"):
+        assert 'data-state="stopped"' in last[name]
+    summary = _text(last["summary"])
+    assert summary.count("(stopped)") == 2 and "when the lane ends" not in summary
+    assert "(at its last token)" in last["kv_view"] and "(live)" not in last["kv_view"]
+    assert "the pool now has 0 blocks held" in last["kv_view"]
+    assert 'data-verdict="identical-so-far"' in last["identical"]
+    tokens_a = int(_table_numbers(last["summary"], 0)[0])
+    assert 4 <= tokens_a < 200 and f"Lane A: {tokens_a} tokens" in last["status"]
+    assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
+
+
+def test_stop_pressed_while_the_race_waits_runs_nothing(pool):
+    control = RunControl()
+    control.arm()
+    control.request_stop()
+    updates = [_outputs(values) for values in run_race(pool, control, "Hi", "", 8, *lane("paged"), *lane("none"))]
+    assert len(updates) == 1 and updates[0]["status"].startswith("Stopped before the race started")
+    assert not control.armed and not control.stop_requested  # the next Run starts afresh
+    assert RunControl().request_stop() is False  # Stop with nothing running does nothing
+
+
+def test_the_first_step_alternates_between_races(bundled):
+    alternating = EnginePool(bundled, max_seq_len=512)
+    statuses = [_outputs(run_race(alternating, None, "Hi", "", 8, *lane("paged"), *lane("contiguous")).__next__())
+                ["status"] for _ in range(2)]
+    assert "lane A takes the first step" in statuses[0] and "lane B takes the first step" in statuses[1]
+    assert alternating.first_lane() == "A"
+
+
+def test_a_race_over_the_device_time_limit_is_refused_in_the_page_words(bundled):
+    limited = EnginePool(bundled, max_seq_len=512, max_run_s=5.0)
+    prompt = "Summarize this: " + "the tide comes in and the tide goes out; " * 15
+    last = _outputs(list(run_race(limited, None, prompt, "", 160, *lane("paged"), *lane("none")))[-1])
+    status = last["status"]
+    assert status.startswith("**Cannot start the race:** this race would hold the shared device for")
+    assert "over this app's limit of 5 s per race" in status and "give lane B a KV cache" in status
+    assert "--" not in status
+    fits = int(re.search(r"lower 'max new tokens' to (\d+) or less", status)[1])
+    prompt_tokens = len(limited.get("lane-A", LaneSettings("paged")).prompt_ids(prompt))
+    settings = [LaneSettings("paged"), LaneSettings("none")]
+    assert sum(limited.estimate_s(settings, prompt_tokens, fits)) <= 5.0
+    assert sum(limited.estimate_s(settings, prompt_tokens, fits + 1)) > 5.0
+    assert limited.active_requests() == 0
+
+
+def test_a_race_that_runs_over_the_limit_is_stopped_at_it(bundled, monkeypatch):
+    limited = EnginePool(bundled, max_seq_len=512, max_run_s=0.6)
+    monkeypatch.setattr(limited, "estimate_s", lambda settings, prompt, new: [0.0, 0.0])  # an estimate gone wrong
+    last = _outputs(list(run_race(limited, None, "Write a poem about the sea.", "", 200, *lane("paged"),
+                                  *lane("contiguous")))[-1])
+    assert last["status"].startswith("Stopped at this app's limit of 0.6 s of device time per race.")
+    device_s = [float(s) for s in re.findall(r"device time ([\d.]+) s ([\d.]+) s", _text(last["summary"]))[0]]
+    assert 0.6 < sum(device_s) < 0.6 + 1.0  # stopped within a step or so of the limit
+    assert limited.active_requests() == 0 and limited.blocks_in_use() == 0
+
+
+@pytest.mark.parametrize("prompt, max_new_tokens, message", [
+    ("word " * 600, 16, "shorten the prompt by at least"),
+    ("Hi", 600, "set 'max new tokens' to"),
+])
+def test_messages_name_what_to_change_on_the_page(pool, prompt, max_new_tokens, message):
+    status = _outputs(list(run_race(pool, None, prompt, "", max_new_tokens, *lane("paged"), *lane("paged")))[-1])[
+        "status"]
+    assert message in status and "--" not in status
+
+
+def test_stopped_chat_turn_keeps_its_answer_and_its_row(pool):
+    control = RunControl()
+    control.arm()
+    outputs = []
+    for values in chat_turn(pool, control, "Tell me a long story.", [], [], "", 200, *lane("paged")):
+        outputs.append(dict(zip(CHAT_OUTPUTS, values)))
+        if len(outputs) == 3:
+            control.request_stop()
+    last = outputs[-1]
+    row = last["turn_stats"][0]
+    assert row["finish_reason"] == "stopped" and 0 < row["generated_tokens"] < 200
+    assert f"{row['generated_tokens']} (stopped)" in last["stats_table"]
+    assert last["history"][-1]["role"] == "assistant" and last["history"][-1]["content"]
+    assert last["status"].startswith(f"Stopped after {row['generated_tokens']} tokens")
+    assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
+
+
+def test_chat_turn_over_the_limit_is_refused(bundled):
+    limited = EnginePool(bundled, max_seq_len=512, max_run_s=1.0)
+    status = dict(zip(CHAT_OUTPUTS, list(chat_turn(limited, None, "Tell me a story.", [], [], "", 400,
+                                                   *lane("none")))[-1]))["status"]
+    assert status.startswith("**Cannot send:** this turn would hold the shared device for")
+    assert "give it a KV cache" in status and "--" not in status
+
+
+def test_setups_are_valid_and_say_what_they_show(pool):
+    prompts = presets()
+    ids = {row["id"] for row in prompts.values()}
+    for name, setup in RACE_SETUPS.items():
+        assert setup.prompt_id is None or setup.prompt_id in ids, name
+        assert len(setup.about) > 80, name
+        for settings in setup.lanes.values():
+            settings.spec(), settings.engine_config(512)  # valid: raises ConfigError otherwise
+        values = setup_values(setup, prompts, LANE_SETTING_FIELDS)
+        assert values[3] == setup.about and len(values) == 4 + 2 * len(LANE_SETTING_FIELDS)
+    assert {"paged vs contiguous KV cache, long prompt", "prefix cache on vs off, shared system prompt",
+            "speculation: early exit vs prompt lookup, grounded prompt"} <= set(RACE_SETUPS)
+
+
+def test_header_names_the_model_and_cached_blocks_keep_their_text_private(pool):
+    header = next(block.value for block in ui.build_demo(pool).blocks.values()
+                  if getattr(block, "value", None) and str(block.value).startswith("## Inference Playground"))
+    assert "Model **SmolLM2-135M-Instruct (the bundled Q4_1 GGUF)** on **cpu**" in header
+    snapshot = {
+        "block_size": 4, "num_blocks": 2, "bytes_per_token": 1024, "context_length": 64, "requests": [],
+        "blocks": [{"id": 0, "ref_count": 0, "num_filled": 4, "owners": [], "state": "cached",
+                    "token_ids": [9, 8, 7, 6]},
+                   {"id": 1, "ref_count": 0, "num_filled": 0, "owners": [], "state": "free", "token_ids": []}]}
+    page = render_pool(snapshot, lambda ids: "secret", "pool")
+    assert "secret" not in page and "9, 8, 7, 6" not in page and "may be another visitor" in page

@@ -10,8 +10,8 @@ Typical use:
 
 from inference_core.config import ConfigError, EngineConfig, ModelConfig
 from inference_core.engine import (Engine, FinishEvent, GenerationStats, LoadedModel, StopGeneration, TokenEvent,
-                                   load_model)
+                                   load_model, wake_device)
 from inference_core.sampling import SamplingParams
 
 __all__ = ["ConfigError", "Engine", "EngineConfig", "FinishEvent", "GenerationStats", "LoadedModel", "ModelConfig",
-           "SamplingParams", "StopGeneration", "TokenEvent", "load_model"]
+           "SamplingParams", "StopGeneration", "TokenEvent", "load_model", "wake_device"]

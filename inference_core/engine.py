@@ -131,6 +131,16 @@ def load_model(model: str = "bundled", device: str | None = "auto", dtype: str =
     return LoadedModel(model, config, network.eval(), tokenizer, torch_device, torch_dtype)
 
 
+@torch.inference_mode()
+def wake_device(loaded: LoadedModel) -> None:
+    """One untimed single-token forward, to run just before timed work. After the device has sat idle for a second
+    or more, its first forward runs slower: on a 2-core CPU, a race lane's first step took 30-60 ms longer (on a TTFT
+    of about 100 ms) after 1.5 s idle, whichever lane ran it, and one forward beforehand removed the difference."""
+    ModelRunner(loaded.model, None, loaded.device).run([Sequence([0])])
+    if loaded.device.type == "cuda":
+        torch.cuda.synchronize(loaded.device)
+
+
 def check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
     """Refuse a draft model that cannot draft for `target`: its token ids must mean the same text (the same
     tokenizer vocabulary), and it must live on the same device."""

@@ -66,14 +66,16 @@ def test_zero_gpu_wraps_generation_in_spaces_gpu(monkeypatch):
     import sys
     import types
 
-    from ui.layout import _gpu_task
+    from ui.layout import _gpu_task, _stop_cancels
 
     def handler():
         yield "token"
 
     assert _gpu_task(handler) is handler  # no `spaces` package: used as it is
+    assert _stop_cancels(["event"]) == {}  # Stop reaches the run through the visitor's RunControl
     calls = []
     fake = types.ModuleType("spaces")
     fake.GPU = lambda duration: (lambda fn: calls.append((duration, fn)) or fn)
     monkeypatch.setitem(sys.modules, "spaces", fake)
     assert _gpu_task(handler) is handler and calls == [(120, handler)]
+    assert _stop_cancels(["event"]) == {"cancels": ["event"]}  # another process: Stop cancels the event instead

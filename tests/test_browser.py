@@ -5,7 +5,8 @@ bundled model, so a test can also look at the engines behind the page (for examp
 go of its KV blocks); the first-race test starts `python app.py` afresh in its own process, as a visitor meets it.
 Chromium comes from Debian's `chromium` package; set-up installs it when it is missing and the test runs as root, and
 skips otherwise (fails under CI, where the browser tests must run). `UPDATE_DOCS_SCREENSHOT=1` writes the
-screenshots the README shows: docs/race-tab.png, docs/speculative-race.png and docs/chat-tab.png.
+screenshots the README shows: docs/race-tab.png, docs/speculative-race.png, docs/race-chart-ttft-labels.png and
+docs/chat-tab.png.
 """
 
 from __future__ import annotations
@@ -234,6 +235,7 @@ def test_first_race_after_a_fresh_start_measures_like_the_second(fresh_app, brow
     status = page.locator("#race-status")
     ttft_a, first_lanes = [], []
     for _ in range(2):
+        page.wait_for_timeout(1000)  # as a person would: the page has drawn what it shows before Run is pressed
         page.click("#race-run")
         expect(status).to_contain_text("takes the first step", timeout=60_000)
         first_lanes.append(re.search(r"lane (\w) takes the first step", status.inner_text())[1])
@@ -396,6 +398,8 @@ def test_speculative_race_highlights_every_kind_of_token(served, browser, tmp_pa
     path = DOCS / "speculative-race.png" if os.environ.get("UPDATE_DOCS_SCREENSHOT") else tmp_path / "spec.png"
     page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 50_000
+    if os.environ.get("UPDATE_DOCS_SCREENSHOT"):  # the two lanes' TTFTs are close here: their labels must not overlap
+        page.locator("#race-chart").screenshot(path=str(DOCS / "race-chart-ttft-labels.png"))
     # The draft length shows for any draft source, the early-exit depth for early exit only.
     expect(page.locator("#lane-b-spec-k")).to_be_hidden()
     page.locator("#lane-b-spec").get_by_text("early exit").click()

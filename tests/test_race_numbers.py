@@ -242,12 +242,17 @@ def test_stopped_chat_turn_keeps_its_answer_and_its_row(pool):
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
 
 
-def test_chat_turn_over_the_limit_is_refused(bundled):
+def test_chat_turn_over_the_limit_is_refused_or_stopped(bundled, monkeypatch):
     limited = EnginePool(bundled, max_seq_len=512, max_run_s=1.0)
     status = dict(zip(CHAT_OUTPUTS, list(chat_turn(limited, None, "Tell me a story.", [], [], "", 400,
                                                    *lane("none")))[-1]))["status"]
     assert status.startswith("**Cannot send:** this turn would hold the shared device for")
     assert "give it a KV cache" in status and "--" not in status
+    monkeypatch.setattr(limited, "estimate_s", lambda settings, prompt, new: [0.0])  # an estimate gone wrong
+    last = dict(zip(CHAT_OUTPUTS, list(chat_turn(limited, None, "Tell me a story.", [], [], "", 400,
+                                                 *lane("paged")))[-1]))
+    assert last["status"].startswith("Stopped at this app's limit of 1 s per turn after")
+    assert last["turn_stats"][0]["finish_reason"] == "stopped" and limited.active_requests() == 0
 
 
 def test_setups_are_valid_and_say_what_they_show(pool):

@@ -101,6 +101,7 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
     answer, last_text, last_kv, busy_s = "", time.perf_counter(), 0.0, 0.0
     # A race of one: the same Stop and time-limit handling as the race's lanes (stop after the step in flight).
     turn = interleave({"chat": request}, should_stop=lambda: control.stop_requested or busy_s > pool.max_run_s)
+    pool.settle_before_timed_work()
     try:
         for _, event in turn:
             if isinstance(event, FinishEvent):

@@ -33,14 +33,29 @@ GENERATION = {"concurrency_limit": 1, "concurrency_id": "engine"}
 QUICK = {"queue": False, "show_progress": "hidden"}
 
 
+def _zero_gpu() -> bool:
+    """Whether the `spaces` package is present (a ZeroGPU Space, or a machine that installed it)."""
+    try:
+        import spaces  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _gpu_task(handler):
     """On a ZeroGPU Space (the `spaces` package is present) GPU work must run inside `spaces.GPU`; elsewhere that
     decorator does nothing, and without the package the handler is used as it is."""
-    try:
-        import spaces
-    except ImportError:
+    if not _zero_gpu():
         return handler
+    import spaces
+
     return spaces.GPU(duration=120)(handler)
+
+
+def _stop_cancels(events: list) -> dict:
+    """Stop's fallback under `spaces.GPU`: the handler runs in another process, where the visitor's RunControl is a
+    copy that Stop cannot reach, so Stop cancels the event (ending it without a final update) instead."""
+    return {"cancels": events} if _zero_gpu() else {}
 
 
 def warm_up(pool: EnginePool) -> None:
@@ -140,10 +155,10 @@ def _build_race_tab(pool: EnginePool) -> None:
                  [preset, prompt, system, about] + lanes, **QUICK)
     outputs = {"lane_a": lane_a, "lane_b": lane_b, "chart": chart, "acceptance": acceptance, "summary": summary,
                "identical": identical, "kv_view": kv_view, "status": status, "run_button": run}
-    run.click(arm_race, control, [status, run], **QUICK).then(
+    race = run.click(arm_race, control, [status, run], **QUICK).then(
         _gpu_task(partial(run_race, pool)), [control, prompt, system, max_new_tokens] + lanes,
         [outputs[name] for name in RACE_OUTPUTS], show_progress="hidden", **GENERATION)
-    stop.click(stop_race, control, None, **QUICK)
+    stop.click(stop_race, control, None, **QUICK, **_stop_cancels([race]))
 
 
 def _build_chat_tab(pool: EnginePool) -> None:
@@ -176,7 +191,7 @@ def _build_chat_tab(pool: EnginePool) -> None:
     chat_outputs = [outputs[name] for name in CHAT_OUTPUTS]
     events = [trigger(arm_chat, control, status, **QUICK).then(handler, inputs, chat_outputs, **GENERATION)
               for trigger in (send.click, message.submit)]
-    stop.click(stop_chat, control, None, **QUICK)
+    stop.click(stop_chat, control, None, **QUICK, **_stop_cancels(events))
     for trigger in (clear.click, chat_log.clear):
         trigger(clear_chat, None, [chat_log, history, turn_stats, stats_table, kv_view, status], cancels=events,
                 **QUICK)

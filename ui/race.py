@@ -123,6 +123,7 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
     def over_limit() -> bool:
         return sum(trace.times_s[-1] for trace in traces if trace.times_s) > pool.max_run_s
 
+    pool.settle_before_timed_work()
     race = interleave(requests, first=first, should_stop=lambda: control.stop_requested or over_limit())
     try:
         for name, event in race:
@@ -192,9 +193,7 @@ def _lane_result(trace: LaneTrace) -> str:
     if figures.stats is None:
         return f"Lane {trace.name} was stopped before its first step."
     speed = f" at {figures.decode_tokens_per_s:.1f} tok/s" if figures.decode_tokens_per_s else ""
-    accepted = ""
-    if trace.acceptance is not None and trace.acceptance.drafted:
-        accepted = f", {trace.acceptance.shown()['acceptance_rate']:.0%} of drafts accepted"
+    accepted = "" if figures.acceptance_rate is None else f", {figures.acceptance_rate:.0%} of drafts accepted"
     return f"Lane {trace.name}: {figures.tokens} tokens{speed}{accepted}."
 
 

@@ -57,6 +57,7 @@ class LaneFigures:
     decode_tokens_per_s: float | None
     device_s: float | None
     last_step_ms: float | None
+    acceptance_rate: float | None  # speculating lanes, once they have drafted
     stats: GenerationStats | None
 
     @property
@@ -114,8 +115,10 @@ class LaneTrace:
     def figures(self) -> LaneFigures:
         """The lane's numbers now: the engine's stats once it has them, else measured from the streamed events."""
         steps = [ms for ms in self.step_ms if ms > 0]
+        drafted = self.acceptance is not None and self.acceptance.drafted
         common = dict(tokens=len(self.token_ids), prompt_tokens=self.prompt_tokens,
-                      last_step_ms=steps[-1] if steps else None, stats=self.stats)
+                      last_step_ms=steps[-1] if steps else None, stats=self.stats,
+                      acceptance_rate=self.acceptance.shown()["acceptance_rate"] if drafted else None)
         if self.stats is not None:
             s = self.stats
             return LaneFigures(state=s.finish_reason, cached_prompt_tokens=s.cached_prompt_tokens, ttft_ms=s.ttft_ms,
@@ -160,20 +163,19 @@ def _state_words(figures: LaneFigures) -> str:
     return f"done ({FINISH_REASONS[figures.state]})" if figures.state != "stopped" else "stopped"
 
 
-def lane_html(trace: LaneTrace | None, name: str, message: str = "") -> str:
+def lane_html(trace: LaneTrace, name: str) -> str:
     """A lane's header (its configuration and the numbers of the latest panel refresh) over its text, which scrolls
     in a box that stays at the newest line."""
     colour = LANE_COLOURS[name]
-    if trace is None:
-        return f'<div class="lane" style="border-left:4px solid {colour};padding-left:8px"><b>Lane {name}</b>' \
-               f'<div class="lane-text" style="color:#64748b">{html.escape(message)}</div></div>'
     figures = trace.shown or trace.refresh()
     numbers = [f"{figures.tokens} tokens"]
     if figures.ttft_ms is not None:
         numbers.append(f"TTFT {figures.ttft_ms:.0f} ms")
     if figures.decode_tokens_per_s:
         numbers.append(f"{figures.decode_tokens_per_s:.1f} tok/s")
-    numbers.append(_acceptance_note(trace) + _state_words(figures))
+    if figures.acceptance_rate is not None:
+        numbers.append(f"{figures.acceptance_rate:.0%} of drafts accepted")
+    numbers.append(_state_words(figures))
     legend, text = "", html.escape(trace.text)
     if trace.highlighted is not None:
         legend, text = legend_html(), trace.highlighted.html()
@@ -184,13 +186,6 @@ def lane_html(trace: LaneTrace | None, name: str, message: str = "") -> str:
             # column-reverse keeps the box scrolled to its newest line as text streams in
             f'<div class="lane-text" style="white-space:pre-wrap;margin-top:6px;max-height:340px;overflow-y:auto;'
             f'display:flex;flex-direction:column-reverse"><div>{text}</div></div></div>')
-
-
-def _acceptance_note(trace: LaneTrace) -> str:
-    """The header clause giving a lane's share of drafts accepted; empty until it has drafted something."""
-    if trace.acceptance is None or not trace.acceptance.drafted:
-        return ""
-    return f"{trace.acceptance.shown()['acceptance_rate']:.0%} of drafts accepted, "
 
 
 def _ms(value: float | None) -> str:

@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from inference_core import ConfigError, Engine, EngineConfig, LoadedModel, SamplingParams
+import time
+
+from inference_core import ConfigError, Engine, EngineConfig, LoadedModel, SamplingParams, wake_device
 from inference_core.cost import StepCosts
 from inference_core.kv_cache import PagedKVCache
 from inference_core.speculative import SpecConfig
@@ -29,6 +31,7 @@ PAGE_WORDS = {"max_new_tokens": "'max new tokens'", "spec_k": "'draft length k'"
               "draft_layers": "'early-exit draft layers'", "draft_model": "start the app with a draft model",
               "longer_context": ""}
 DEFAULT_MAX_RUN_S = 180.0  # device time one race (both lanes) or one chat turn may take
+SETTLE_S = 0.3  # see EnginePool.settle_before_timed_work
 
 
 def _whole(value):
@@ -115,6 +118,15 @@ class EnginePool:
         first step still costs (the browser drawing the race's first update on the same CPU, for one)."""
         self.races_started += 1
         return "AB"[(self.races_started - 1) % 2]
+
+    def settle_before_timed_work(self) -> None:
+        """Just before a race's or a chat turn's first step, untimed: wait SETTLE_S while the page and the server
+        finish reacting to the click on the same CPU, then wake the device with one forward (`wake_device`).
+        Measured in Chromium on a 2-core machine, 16 races per setting (default race, 32 tokens): without either,
+        the lane taking the first step had a TTFT 30-45 ms longer than when it took the second (lane A's TTFT is
+        about 130 ms, lane B's about 250); with both, 13-17 ms longer for lane A and no longer for lane B."""
+        time.sleep(SETTLE_S)
+        wake_device(self.loaded)
 
     def check_draft_model(self) -> None:
         """Run one short speculative request with the draft model, which refuses an unusable one at start-up."""

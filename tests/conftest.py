@@ -36,6 +36,31 @@ def assert_nothing_held(engine) -> None:
         assert engine.kv_cache.free_slots == [0]
 
 
+def lane(kv_mode: str, **overrides) -> list:
+    """One race lane's (or the chat's) widget values, greedy unless overridden, in the order the handlers take them."""
+    from ui.race import LANE_SETTING_FIELDS
+    from ui.settings import LaneSettings
+
+    values = {**{name: getattr(LaneSettings(), name) for name in LANE_SETTING_FIELDS}, "kv_mode": kv_mode,
+              **overrides}
+    return [values[name] for name in LANE_SETTING_FIELDS]
+
+
+def race_outputs(values: tuple) -> dict:
+    """One update of the race handler, by output name."""
+    from ui.race import RACE_OUTPUTS
+
+    return dict(zip(RACE_OUTPUTS, values))
+
+
+@pytest.fixture(scope="module")
+def pool(bundled):
+    """The playground's engines over the bundled model, with a 512-token context (small caches), one per module."""
+    from ui.settings import EnginePool
+
+    return EnginePool(bundled, max_seq_len=512)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Run a module's forwards on one torch thread, then restore the setting. On a busy 2-core machine two OpenMP

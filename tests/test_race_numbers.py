@@ -16,27 +16,12 @@ from inference_core.speculative import SpecStats
 from ui.chat import CHAT_OUTPUTS, chat_turn
 from ui.control import RunControl
 from ui.kv_view import render_pool
-from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, run_race
+from ui.race import LANE_SETTING_FIELDS, run_race
 from ui.race_view import LaneTrace, not_comparable, summary_html
 from ui.settings import EnginePool, LaneSettings
 from ui.setups import RACE_SETUPS, presets, setup_values
 
-GREEDY = dict(block_size=16, prefix_cache=True, temperature=0.0, top_p=1.0, seed=0, spec_method="none", spec_k=4,
-              spec_adaptive=False, draft_layers=None)
-
-
-def lane(kv_mode: str, **overrides) -> list:
-    values = {"kv_mode": kv_mode, **GREEDY, **overrides}
-    return [values[name] for name in LANE_SETTING_FIELDS]
-
-
-@pytest.fixture(scope="module")
-def pool(bundled):
-    return EnginePool(bundled, max_seq_len=512)
-
-
-def _outputs(values: tuple) -> dict:
-    return dict(zip(RACE_OUTPUTS, values))
+from conftest import lane, race_outputs
 
 
 def _text(html_text: str) -> str:
@@ -121,7 +106,7 @@ def test_lossless_check_compares_same_seed_sampling_lanes(pool):
     assert "one lane is greedy" in not_comparable(LaneSettings("paged"), LaneSettings("paged", **sample))
     assert "speculative sampling" in not_comparable(
         LaneSettings("paged", **sample), LaneSettings("paged", spec_method="ngram", **sample))
-    last = _outputs(list(run_race(pool, None, "Name a fruit.", "", 12, *lane("paged", **sample),
+    last = race_outputs(list(run_race(pool, None, "Name a fruit.", "", 12, *lane("paged", **sample),
                                   *lane("contiguous", **sample)))[-1])
     assert 'data-verdict="identical"' in last["identical"] and "lanes sampling with seed 3" in last["identical"]
 
@@ -142,7 +127,7 @@ def test_stop_ends_the_race_with_every_panel_final_and_the_numbers_agreeing(pool
     control.arm()
     updates, shown_summary, compared = [], None, 0
     for values in run_race(pool, control, "Write a poem about the sea.", "", 200, *lane("paged"), *lane("contiguous")):
-        update = _outputs(values)
+        update = race_outputs(values)
         updates.append(update)
         if isinstance(update["summary"], str):
             shown_summary = update["summary"]
@@ -174,7 +159,7 @@ def test_stop_pressed_while_the_race_waits_runs_nothing(pool):
     control = RunControl()
     control.arm()
     control.request_stop()
-    updates = [_outputs(values) for values in run_race(pool, control, "Hi", "", 8, *lane("paged"), *lane("none"))]
+    updates = [race_outputs(values) for values in run_race(pool, control, "Hi", "", 8, *lane("paged"), *lane("none"))]
     assert len(updates) == 1 and updates[0]["status"].startswith("Stopped before the race started")
     assert not control.armed and not control.stop_requested  # the next Run starts afresh
     assert RunControl().request_stop() is False  # Stop with nothing running does nothing
@@ -182,7 +167,7 @@ def test_stop_pressed_while_the_race_waits_runs_nothing(pool):
 
 def test_the_first_step_alternates_between_races(bundled):
     alternating = EnginePool(bundled, max_seq_len=512)
-    statuses = [_outputs(run_race(alternating, None, "Hi", "", 8, *lane("paged"), *lane("contiguous")).__next__())
+    statuses = [race_outputs(run_race(alternating, None, "Hi", "", 8, *lane("paged"), *lane("contiguous")).__next__())
                 ["status"] for _ in range(2)]
     assert "lane A takes the first step" in statuses[0] and "lane B takes the first step" in statuses[1]
     assert alternating.first_lane() == "A"
@@ -191,7 +176,7 @@ def test_the_first_step_alternates_between_races(bundled):
 def test_a_race_over_the_device_time_limit_is_refused_in_the_page_words(bundled):
     limited = EnginePool(bundled, max_seq_len=512, max_run_s=5.0)
     prompt = "Summarize this: " + "the tide comes in and the tide goes out; " * 15
-    last = _outputs(list(run_race(limited, None, prompt, "", 160, *lane("paged"), *lane("none")))[-1])
+    last = race_outputs(list(run_race(limited, None, prompt, "", 160, *lane("paged"), *lane("none")))[-1])
     status = last["status"]
     assert status.startswith("**Cannot start the race:** this race would hold the shared device for")
     assert "over this app's limit of 5 s per race" in status and "give lane B a KV cache" in status
@@ -207,7 +192,7 @@ def test_a_race_over_the_device_time_limit_is_refused_in_the_page_words(bundled)
 def test_a_race_that_runs_over_the_limit_is_stopped_at_it(bundled, monkeypatch):
     limited = EnginePool(bundled, max_seq_len=512, max_run_s=0.6)
     monkeypatch.setattr(limited, "estimate_s", lambda settings, prompt, new: [0.0, 0.0])  # an estimate gone wrong
-    last = _outputs(list(run_race(limited, None, "Write a poem about the sea.", "", 200, *lane("paged"),
+    last = race_outputs(list(run_race(limited, None, "Write a poem about the sea.", "", 200, *lane("paged"),
                                   *lane("contiguous")))[-1])
     assert last["status"].startswith("Stopped at this app's limit of 0.6 s of device time per race.")
     device_s = [float(s) for s in re.findall(r"device time ([\d.]+) s ([\d.]+) s", _text(last["summary"]))[0]]
@@ -220,7 +205,7 @@ def test_a_race_that_runs_over_the_limit_is_stopped_at_it(bundled, monkeypatch):
     ("Hi", 600, "set 'max new tokens' to"),
 ])
 def test_messages_name_what_to_change_on_the_page(pool, prompt, max_new_tokens, message):
-    status = _outputs(list(run_race(pool, None, prompt, "", max_new_tokens, *lane("paged"), *lane("paged")))[-1])[
+    status = race_outputs(list(run_race(pool, None, prompt, "", max_new_tokens, *lane("paged"), *lane("paged")))[-1])[
         "status"]
     assert message in status and "--" not in status
 

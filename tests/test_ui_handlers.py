@@ -16,27 +16,12 @@ from inference_core.speculative import SpecConfig, SpecStats
 from ui.chat import CHAT_OUTPUTS, chat_turn
 from ui.figures import acceptance_figure, rolling_tokens_per_s, speed_figure
 from ui.kv_view import render_pool
-from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, run_race
+from ui.race import LANE_SETTING_FIELDS, run_race
 from ui.settings import EnginePool, LaneSettings
 from ui.setups import RACE_SETUPS, presets, setup_values
 from ui.speculation import AcceptanceCount, HighlightedText
 
-GREEDY = dict(block_size=16, prefix_cache=True, temperature=0.0, top_p=1.0, seed=None, spec_method="none", spec_k=4,
-              spec_adaptive=False, draft_layers=None)
-
-
-def lane(kv_mode: str, **overrides) -> list:
-    values = {"kv_mode": kv_mode, **GREEDY, **overrides}
-    return [values[name] for name in LANE_SETTING_FIELDS]
-
-
-@pytest.fixture(scope="module")
-def pool(bundled):
-    return EnginePool(bundled, max_seq_len=512)
-
-
-def _outputs(values: tuple) -> dict:
-    return dict(zip(RACE_OUTPUTS, values))
+from conftest import lane, race_outputs
 
 
 def _figure(output):
@@ -75,7 +60,7 @@ def test_closing_interleave_closes_every_lane():
 
 
 def test_race_streams_to_identical_greedy_lanes(pool):
-    updates = [_outputs(values) for values in run_race(pool, None, "Why is the sky blue?", "", 24, *lane("paged"),
+    updates = [race_outputs(values) for values in run_race(pool, None, "Why is the sky blue?", "", 24, *lane("paged"),
                                                         *lane("contiguous"))]
     first, last = updates[0], updates[-1]
     assert first["run_button"]["interactive"] is False and last["run_button"]["interactive"] is True
@@ -91,7 +76,7 @@ def test_race_streams_to_identical_greedy_lanes(pool):
 
 
 def test_sampling_lane_skips_the_lossless_check(pool):
-    last = _outputs(list(run_race(pool, None, "Hi", "", 8, *lane("paged"),
+    last = race_outputs(list(run_race(pool, None, "Hi", "", 8, *lane("paged"),
                                   *lane("paged", temperature=0.8, seed=1)))[-1])
     assert 'data-verdict="not-checked"' in last["identical"]
 
@@ -116,7 +101,7 @@ def test_cancelling_a_race_frees_both_lanes(pool):
     ("Hi", 16, lane("paged", spec_method="early-exit", draft_layers=30), "must be below the model's 30 layers"),
 ])
 def test_bad_race_input_gets_a_message(pool, prompt, max_new_tokens, lane_b, message):
-    updates = [_outputs(values) for values in run_race(pool, None, prompt, "", max_new_tokens, *lane("paged"), *lane_b)]
+    updates = [race_outputs(values) for values in run_race(pool, None, prompt, "", max_new_tokens, *lane("paged"), *lane_b)]
     assert len(updates) == 1
     assert updates[0]["status"].startswith("**Cannot start the race:**") and message in updates[0]["status"]
     assert pool.active_requests() == 0
@@ -203,7 +188,7 @@ def _shown_text(lane_html: str) -> str:
 def test_speculative_race_highlights_tokens_and_counts_acceptance_like_the_engine(pool, bench_prompts):
     row = bench_prompts["grounded-4"]
     lane_a = lane("paged", spec_method="ngram", spec_k=5)
-    updates = [_outputs(values) for values in run_race(pool, None, row["prompt"], "", 128, *lane_a, *lane("paged"))]
+    updates = [race_outputs(values) for values in run_race(pool, None, row["prompt"], "", 128, *lane_a, *lane("paged"))]
     last = updates[-1]
     assert 'data-verdict="identical"' in last["identical"]  # greedy speculation is lossless
     assert {"accepted", "rejected", "replaced", "bonus"} <= _kinds(last["lane_a"])
@@ -233,7 +218,7 @@ def test_speculative_race_highlights_tokens_and_counts_acceptance_like_the_engin
 
 
 def test_race_without_speculation_hides_the_acceptance_chart(pool):
-    updates = [_outputs(values) for values in run_race(pool, None, "Hi", "", 8, *lane("paged"), *lane("contiguous"))]
+    updates = [race_outputs(values) for values in run_race(pool, None, "Hi", "", 8, *lane("paged"), *lane("contiguous"))]
     # The first and the last update hide it; none draws it.
     assert updates[0]["acceptance"]["visible"] is False and updates[-1]["acceptance"]["visible"] is False
     assert all(_figure(update["acceptance"]) is None for update in updates)
@@ -254,7 +239,7 @@ def test_cancelling_a_speculative_race_frees_both_lanes(pool, bench_prompts):
 def test_draft_model_lane_and_its_choice_in_the_page(bundled):
     # The bundled model drafting for itself: every draft is accepted, each step ending with a bonus token.
     with_draft = EnginePool(bundled, max_seq_len=512, draft=bundled)
-    last = _outputs(list(run_race(with_draft, None, "Why is the sky blue?", "", 25,
+    last = race_outputs(list(run_race(with_draft, None, "Why is the sky blue?", "", 25,
                                   *lane("paged", spec_method="draft", spec_k=3), *lane("paged")))[-1])
     assert 'data-verdict="identical"' in last["identical"]
     assert _kinds(last["lane_a"]) == {"plain", "accepted", "bonus"}

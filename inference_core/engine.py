@@ -134,8 +134,8 @@ def load_model(model: str = "bundled", device: str | None = "auto", dtype: str =
 @torch.inference_mode()
 def wake_device(loaded: LoadedModel) -> None:
     """One untimed single-token forward, to run just before timed work. After the device has sat idle for a second
-    or more, its first forward runs slower: on a 2-core CPU, a race lane's first step took 30-60 ms longer (on a TTFT
-    of about 100 ms) after 1.5 s idle, whichever lane ran it, and one forward beforehand removed the difference."""
+    or more, its first forward runs slower: on a 2-core CPU, after 1.5 s idle a race's lanes reached their first
+    token 25-70 ms later (TTFTs of 100-250 ms) than with one forward run just before."""
     ModelRunner(loaded.model, None, loaded.device).run([Sequence([0])])
     if loaded.device.type == "cuda":
         torch.cuda.synchronize(loaded.device)
@@ -306,8 +306,8 @@ class Engine:
                 delta, emitted = text[emitted:safe], max(emitted, safe)
                 busy += time.perf_counter() - resumed
                 first_token_busy = busy if first_token_busy is None else first_token_busy
+                first = seq.num_generated_tokens == 1
                 try:
-                    first = seq.num_generated_tokens == 1
                     yield TokenEvent(token, delta, seq.num_generated_tokens - 1, busy, step_s * 1e3, draft_kind,
                                      rejected_ids, cached_tokens if first else None)
                 except StopGeneration:

@@ -12,10 +12,9 @@ estimate shown before a run, the limit on a run's device time, and which lane ta
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import time
 
 from inference_core import ConfigError, Engine, EngineConfig, LoadedModel, SamplingParams, wake_device
 from inference_core.cost import StepCosts

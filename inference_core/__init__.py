@@ -6,12 +6,15 @@ Typical use:
     engine = Engine(load_model("bundled"), EngineConfig(kv_mode="paged"))
     for event in engine.generate("Why is the sky blue?", SamplingParams(max_new_tokens=64)):
         ...  # TokenEvent per token, then one FinishEvent with stats
+
+Several requests at once share the engine's steps (continuous batching): `engine.submit(...)` each, then
+`engine.step()` until `engine.has_work()` is false; from several threads, `inference_core.engine_loop.EngineLoop`.
 """
 
 from inference_core.config import ConfigError, EngineConfig, ModelConfig
-from inference_core.engine import (Engine, FinishEvent, GenerationStats, LoadedModel, StopGeneration, TokenEvent,
-                                   load_model, wake_device)
+from inference_core.engine import (Engine, FinishEvent, GenerationStats, LoadedModel, StepReport, StopGeneration,
+                                   TokenEvent, load_model, wake_device)
 from inference_core.sampling import SamplingParams
 
 __all__ = ["ConfigError", "Engine", "EngineConfig", "FinishEvent", "GenerationStats", "LoadedModel", "ModelConfig",
-           "SamplingParams", "StopGeneration", "TokenEvent", "load_model", "wake_device"]
+           "SamplingParams", "StepReport", "StopGeneration", "TokenEvent", "load_model", "wake_device"]

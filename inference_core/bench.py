@@ -92,8 +92,7 @@ class _HFRunner:
 
 
 def _run_ours(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> dict:
-    if engine.config.kv_mode == "paged":
-        engine.kv_cache.manager.reset_prefix_cache()
+    engine.reset_prefix_cache()
     stats = engine.complete(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)).stats
     return {"ttft_ms": stats.ttft_ms, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
             "decode_tokens_per_s": stats.decode_tokens_per_s}

@@ -17,8 +17,15 @@ from inference_core.sequence import Sequence
 
 
 def compute_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of one full block, chained to the hash of the block before it (None for a sequence's first block)."""
+    """Hash of one full block, chained to the hash of the block before it (`root_hash(salt)` for a sequence's first
+    block)."""
     return hash((parent_hash, token_ids))
+
+
+def root_hash(cache_salt: str | None) -> int | None:
+    """The parent hash of a sequence's first block: None without a salt, else one that only the same salt gives, so
+    block chains of different salts never meet."""
+    return None if cache_salt is None else hash(("cache_salt", cache_salt))
 
 
 @dataclass(slots=True)
@@ -31,6 +38,8 @@ class Block:
     token_ids: tuple[int, ...] | None = None
     num_filled: int = 0
     owners: set[int] = field(default_factory=set)
+    # The cache salt of the request that wrote this block (whose text it holds), for viewers who may see only their own.
+    cache_salt: str | None = None
 
 
 class BlockManager:
@@ -63,7 +72,7 @@ class BlockManager:
         if not self.enable_prefix_cache:
             return []
         hits: list[int] = []
-        parent_hash = None
+        parent_hash = root_hash(seq.cache_salt)
         num_shareable_blocks = (len(seq.token_ids) - 1) // self.block_size
         for index in range(num_shareable_blocks):
             token_ids = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
@@ -102,10 +111,10 @@ class BlockManager:
             self.evictable.pop(block_id, None)
         # 2. Fresh blocks for the rest. Their hashes are registered only by commit(), once the KV is written.
         num_fresh = self.blocks_needed(len(seq.token_ids)) - len(hits)
-        seq.block_table = hits + [self._take_fresh_block(seq.seq_id) for _ in range(num_fresh)]
+        seq.block_table = hits + [self._take_fresh_block(seq) for _ in range(num_fresh)]
         seq.num_cached_tokens = len(hits) * self.block_size
 
-    def _take_fresh_block(self, seq_id: int) -> int:
+    def _take_fresh_block(self, seq: Sequence) -> int:
         if self.free_queue:
             block_id = self.free_queue.popleft()
         else:
@@ -113,8 +122,9 @@ class BlockManager:
             self._unregister(self.blocks[block_id])
         block = self.blocks[block_id]
         block.ref_count = 1
-        block.owners = {seq_id}
+        block.owners = {seq.seq_id}
         block.num_filled = 0
+        block.cache_salt = seq.cache_salt
         return block_id
 
     def _unregister(self, block: Block) -> None:
@@ -138,7 +148,7 @@ class BlockManager:
             block.num_filled = max(block.num_filled, num_written)
         if not self.enable_prefix_cache:
             return
-        parent_hash = None
+        parent_hash = root_hash(seq.cache_salt)
         for index in range(num_computed_tokens // self.block_size):
             block = self.blocks[seq.block_table[index]]
             if block.block_hash is not None:
@@ -167,7 +177,7 @@ class BlockManager:
                 f"use a larger KV pool (more blocks) or preempt a sequence first"
             )
         for _ in range(num_missing):
-            seq.block_table.append(self._take_fresh_block(seq.seq_id))
+            seq.block_table.append(self._take_fresh_block(seq))
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Cut the KV placement of `seq` back to its first `num_tokens` tokens; the caller truncates the tokens."""

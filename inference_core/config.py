@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",  # Llama + RMSNorm on q and k (per head) before RoPE
 }
 KV_MODES = ("none", "contiguous", "paged")
+BATCHING_MODES = ("none", "static", "dynamic", "continuous")  # see inference_core.scheduler
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -30,6 +31,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 CLI_WORDS = {
     "max_new_tokens": "--max-new-tokens", "spec_k": "--spec-k", "draft_layers": "--draft-layers",
     "draft_model": "pass --draft-model", "longer_context": " (or raise --max-seq-len, up to the model's context)",
+    "kv_cache_tokens": "--kv-cache-tokens",
 }
 
 
@@ -157,17 +159,32 @@ class EngineConfig:
     prefix_cache: bool = True
     max_seq_len: int | None = None  # None: the model's context, capped at 8192 tokens
     kv_cache_tokens: int | None = None  # paged pool size in tokens; None: room for one max_seq_len sequence
+    # Batching (see inference_core.scheduler): how requests share steps, and the limits of one step.
+    batching: str = "continuous"
+    max_num_seqs: int = 8  # sequences in one step (contiguous: also the number of cache slots)
+    max_num_batched_tokens: int = 2048  # tokens one step forwards, prefill chunks and decodes together
+    chunked_prefill: bool = True  # split a long prompt into chunks that share steps with running decodes
+    batch_window_ms: float = 50.0  # dynamic batching: how long the oldest waiting request waits for company
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
             raise ConfigError(f"unknown KV mode {self.kv_mode!r}; use one of: {', '.join(KV_MODES)}.")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
+        if not _positive_int(self.block_size):
             raise ConfigError(f"block size must be a positive integer, got {self.block_size!r}.")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len must be at least 2, got {self.max_seq_len}.")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ConfigError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "
                               f"of {self.block_size} tokens.")
+        if self.batching not in BATCHING_MODES:
+            raise ConfigError(f"unknown batching mode {self.batching!r}; use one of: {', '.join(BATCHING_MODES)}.")
+        if not _positive_int(self.max_num_seqs):
+            raise ConfigError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}.")
+        if not _positive_int(self.max_num_batched_tokens):
+            raise ConfigError(f"max_num_batched_tokens must be a positive integer, got "
+                              f"{self.max_num_batched_tokens!r}.")
+        if not self.batch_window_ms >= 0:
+            raise ConfigError(f"batch_window_ms must be 0 or more, got {self.batch_window_ms!r}.")
 
     def context_length(self, model: ModelConfig) -> int:
         if self.max_seq_len is None:
@@ -180,3 +197,7 @@ class EngineConfig:
     def num_kv_blocks(self, model: ModelConfig) -> int:
         tokens = self.kv_cache_tokens or self.context_length(model)
         return math.ceil(tokens / self.block_size)
+
+
+def _positive_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1

@@ -19,6 +19,7 @@ import torch
 
 from inference_core.config import EngineConfig
 from inference_core.engine import Engine
+from inference_core.kv_cache import RecomputeKVCache
 from inference_core.runner import ModelRunner
 from inference_core.sampling import SamplingParams
 from inference_core.sequence import Sequence
@@ -59,7 +60,7 @@ class StepCosts:
         """ms of one uncached forward over `num_tokens` tokens, at its bucket's measured per-token time."""
         bucket = min(length_bucket(num_tokens), length_bucket(self.max_seq_len))
         if bucket not in self.forward_ms:
-            runner = ModelRunner(self.loaded.model, None, self.loaded.device)
+            runner = ModelRunner(self.loaded.model, RecomputeKVCache(), self.loaded.device)
             token_ids = [index % self.loaded.config.vocab_size for index in range(bucket)]
             started = time.perf_counter()
             runner.run([Sequence(token_ids)])

@@ -1,180 +1,92 @@
-"""The engine: turns a prompt into a stream of plain events, one per generated token and a final stats record.
+"""The engine: one configuration over a loaded model, serving any number of requests through one scheduler.
 
-`load_model` reads a checkpoint once (weights, config, tokenizer) onto a device and dtype; an `Engine` pairs a loaded
-model with one `EngineConfig` (KV mode, block size, prefix cache) and owns that configuration's KV cache, so two
-engines can race on one set of weights. `Engine.generate` validates the request and returns a generator; the
-generator advances one model step per `next()`, which lets a caller interleave several requests fairly, and it
-releases the request's KV memory however it ends: finished, failed, or closed early (cancelled).
+An `Engine` pairs a `LoadedModel` with one `EngineConfig` (KV mode, block size, prefix cache, batching mode and its
+limits) and owns that configuration's KV cache, runner and scheduler, so two engines can race on one set of weights.
 
-Times are the request's own: the clock runs only while the generator is working, not while the caller holds it
-suspended, so a request's numbers do not include time spent on someone else's work.
+- `submit(prompt, params, ...)` validates a request (a clear `ConfigError` for one that can never run) and queues
+  it; the returned `Request` collects its events (`Request.events`, or a `listener` callback).
+- `step()` advances every running request by one scheduler step and reads like nano-vllm's: schedule, run,
+  post-process, collect finished. It returns a `StepReport` of what ran, for timelines and benchmarks.
+- `generate(prompt, ...)` is the single-request generator on top: it queues its request on the first `next()` and
+  steps the engine until that request has an event to yield, so several generators over one engine (or the engine
+  loop's callers, `inference_core.engine_loop`) are batched together.
 
-Two ways to end a request early: `close()` cancels it at once (no final event), while
-`throw(StopGeneration)` stops it after the step in flight: the tokens that step already produced still arrive, then a
-FinishEvent with finish_reason "stopped" and the stats of what was generated.
+Ending a request early: `cancel()` (or closing its generator) frees it at once with no final event;
+`stop()` (or `throw(StopGeneration)` into its generator) ends it after the step in flight: the tokens that step
+produced still arrive, then a FinishEvent with finish_reason "stopped". A finished request's KV is released in the
+step that finishes it. A forward that fails fails the requests of that step (their generators re-raise the error)
+and releases their KV; the engine stays usable. Not thread-safe: one thread drives an engine (see `engine_loop`).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-import torch
 
-from inference_core.checkpoint import read_config, read_weights, resolve_model_dir
-from inference_core.config import ConfigError, EngineConfig, ModelConfig, parse_device, parse_dtype
-from inference_core.kv_cache import ContiguousKVCache, PagedKVCache
-from inference_core.model import WEIGHT_LAYOUTS, CausalLM
+from inference_core.config import ConfigError, EngineConfig
+from inference_core.kv_cache import ContiguousKVCache, PagedKVCache, RecomputeKVCache
+from inference_core.loader import LoadedModel, check_draft_model, load_model, wake_device
+from inference_core.request import FinishEvent, GenerationStats, Request, StopGeneration, TokenEvent
 from inference_core.runner import ModelRunner
-from inference_core.sampling import SamplingParams, make_generator, sample
-from inference_core.sequence import Sequence
-from inference_core.speculative import (DraftModelDrafter, EarlyExitDrafter, NgramDrafter, SpecConfig, SpecStats,
-                                        next_k, speculative_step)
+from inference_core.sampling import SamplingParams, sample_batch
+from inference_core.scheduler import ScheduledWork, Scheduler
+from inference_core.speculative import (DraftModelDrafter, EarlyExitDrafter, NgramDrafter, SpecConfig, next_k,
+                                        speculative_step)
 from inference_core.tokenizer import IncrementalDetokenizer, Tokenizer
 
-
-class StopGeneration(Exception):
-    """Thrown into a running request's generator to stop it with a final event (finish_reason "stopped")."""
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    token_id: int
-    text: str  # text delta; "" while an incomplete character or a possible stop string is held back
-    index: int  # 0 for the first generated token
-    time_s: float  # the request's own busy time when this token was ready
-    step_ms: float  # the forward pass + sampling that produced this token (0 for later tokens of a speculative step)
-    # Speculative decoding: "accepted" (a draft the target agreed with), "replaced" (the target's token where it
-    # rejected a draft), "bonus" (the target's token after a fully accepted draft), or None (a plain decode step).
-    draft: str | None = None
-    rejected_ids: tuple[int, ...] = ()  # on a "replaced" token: the drafts rejected from this position on
-    # The first token's event only (None on later ones): prompt tokens whose KV came from the prefix cache.
-    cached_prompt_tokens: int | None = None
+__all__ = ["Engine", "FinishEvent", "GenerationStats", "LoadedModel", "StepReport", "StopGeneration", "TokenEvent",
+           "check_draft_model", "load_model", "wake_device"]
 
 
 @dataclass(frozen=True, slots=True)
-class GenerationStats:
-    kv_mode: str
-    prompt_tokens: int
-    cached_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
-    generated_tokens: int
-    finish_reason: str  # "eos" | "stop" | "length" | "stopped" (StopGeneration)
-    ttft_ms: float  # tokenization + prefill + first sampling
-    prefill_tokens_per_s: float  # computed (not cached) prompt tokens / the prefill step's time
-    decode_tokens_per_s: float  # tokens after the first / busy time from the first token to the last
-    total_ms: float
-    kv_bytes_in_use: int  # KV of this request's tokens at its end
-    kv_bytes_reserved: int  # KV memory set aside for this request (contiguous: its whole slot; paged: its blocks)
-    spec: dict | None = None  # speculative decoding statistics (`SpecStats.as_dict`), None without speculation
+class StepReport:
+    """What one `Engine.step()` did, as plain values."""
 
-    def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self.__slots__}
-
-
-@dataclass(frozen=True, slots=True)
-class FinishEvent:
-    text: str
-    token_ids: list[int]  # generated ids (an end-of-sequence token included)
-    stats: GenerationStats
-
-
-@dataclass(slots=True)
-class LoadedModel:
-    """Weights on a device plus the tokenizer: load once, share among engines."""
-
-    name: str
-    config: ModelConfig
-    model: CausalLM
-    tokenizer: Tokenizer
-    device: torch.device
-    dtype: torch.dtype
+    index: int
+    started_at: float  # time.perf_counter() when the step began
+    duration_ms: float
+    work: tuple[tuple[int, str, int], ...]  # (request id, "prefill" | "decode" | "speculative", tokens forwarded)
+    preempted: tuple[int, ...]  # request ids sent back to the queue to free KV blocks
+    finished: tuple[int, ...]  # request ids that ended in this step
+    num_waiting: int
+    num_running: int
+    blocks_in_use: int  # paged: blocks; contiguous: slots; none: 0
 
     @property
-    def display_name(self) -> str:
-        """The model as a person knows it: the bundled GGUF's own model name rather than 'bundled'."""
-        if self.name != "bundled":
-            return self.name
-        from inference_core.bundled import BUNDLED_FILE
-
-        model, quantization = BUNDLED_FILE.removesuffix(".gguf").rsplit(".", 1)
-        return f"{model} (the bundled {quantization} GGUF)"
+    def batch_size(self) -> int:
+        return len(self.work)
 
     @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+    def num_tokens(self) -> int:
+        return sum(tokens for _, _, tokens in self.work)
 
 
-def load_model(model: str = "bundled", device: str | None = "auto", dtype: str = "float32",
-               layout: str = "auto") -> LoadedModel:
-    """Read a checkpoint onto `device` in `dtype`. `layout` picks how projection weights are stored (see
-    `model.Linear`): 'auto' takes the measured-faster one for this device and dtype."""
-    torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
-    if layout != "auto" and layout not in WEIGHT_LAYOUTS:
-        raise ConfigError(f"unknown weight layout {layout!r}; use auto, out_in or in_out.")
-    model_dir = resolve_model_dir(model)
-    config = read_config(model_dir)
-    tokenizer = Tokenizer(model_dir)
-    weights = read_weights(model_dir, config)
-    with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint below
-        network = CausalLM(config)
-    tensors = {name: w.to(device=torch_device, dtype=torch_dtype) for name, w in weights.items()}
-    missing, unexpected = network.load_state_dict(tensors, strict=False, assign=True)
-    missing = [name for name in missing if not (name == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ConfigError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}.")
-    if config.tie_word_embeddings:  # the LM head reads the embedding matrix (a copy only if it gets transposed)
-        network.lm_head.weight = network.embed_tokens.weight
-    network.configure_kernels(torch_device, torch_dtype, layout)
-    network.rope_inv_freq = network.rope_inv_freq.to(torch_device)
-    return LoadedModel(model, config, network.eval(), tokenizer, torch_device, torch_dtype)
-
-
-@torch.inference_mode()
-def wake_device(loaded: LoadedModel) -> None:
-    """One untimed single-token forward, to run just before timed work. After the device has sat idle for a second
-    or more, its first forward runs slower: on a 2-core CPU, after 1.5 s idle a race's lanes reached their first
-    token 25-70 ms later (TTFTs of 100-250 ms) than with one forward run just before."""
-    ModelRunner(loaded.model, None, loaded.device).run([Sequence([0])])
-    if loaded.device.type == "cuda":
-        torch.cuda.synchronize(loaded.device)
-
-
-def check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
-    """Refuse a draft model that cannot draft for `target`: its token ids must mean the same text (the same
-    tokenizer vocabulary), and it must live on the same device."""
-    if draft.device != target.device:
-        raise ConfigError(f"the draft model is on {draft.device} but the target is on {target.device}; load both on "
-                          "one device.")
-    if draft.tokenizer.vocabulary() != target.tokenizer.vocabulary():
-        raise ConfigError(f"the draft model {draft.name!r} has a different tokenizer from {target.name!r} "
-                          f"({draft.tokenizer.vocab_size} vs {target.tokenizer.vocab_size} tokens, or the same ids "
-                          "for different text); a draft model must share the target's tokenizer.")
-
-
-def _make_kv_cache(loaded: LoadedModel, config: EngineConfig, max_seq_len: int):
+def make_kv_cache(loaded: LoadedModel, config: EngineConfig, max_seq_len: int):
     if config.kv_mode == "contiguous":
-        return ContiguousKVCache(loaded.config, max_seq_len, 1, loaded.dtype, loaded.device)
+        return ContiguousKVCache(loaded.config, max_seq_len, config.max_num_seqs, loaded.dtype, loaded.device)
     if config.kv_mode == "paged":
         return PagedKVCache(loaded.config, config.num_kv_blocks(loaded.config), config.block_size,
                             config.prefix_cache, loaded.dtype, loaded.device)
-    return None
+    return RecomputeKVCache()
 
 
 class Engine:
-    """One configuration over a loaded model: owns its KV cache (one contiguous slot, or a paged block pool) and its
-    runner, and, with a `draft_model` for speculative decoding, the draft's own cache of the same kind. Not
-    thread-safe: drive one engine from one thread; interleave requests by alternating `next()` calls."""
+    """One configuration over a loaded model: owns its KV cache, runner and scheduler and, with a `draft_model` for
+    speculative decoding, the draft's own cache of the same kind."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  draft_model: LoadedModel | None = None):
         self.loaded = loaded
-        self.config = config or EngineConfig()
-        self.max_seq_len = self.config.context_length(loaded.config)
-        self.kv_cache = _make_kv_cache(loaded, self.config, self.max_seq_len)
+        self.config = config = config or EngineConfig()
+        self.max_seq_len = config.context_length(loaded.config)
+        self.kv_cache = make_kv_cache(loaded, config, self.max_seq_len)
         self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device)
-        self.active: dict[int, Sequence] = {}
+        self.scheduler = Scheduler(self.kv_cache, config.batching, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.chunked_prefill, config.batch_window_ms)
+        self.steps_taken = 0
         self.draft_model = draft_model
         self.draft_runner: ModelRunner | None = None  # the draft model's, built by its first request
         if draft_model is not None:
@@ -186,6 +98,8 @@ class Engine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.loaded.tokenizer
+
+    # --- requests -------------------------------------------------------------------------------------------------
 
     def prompt_ids(self, prompt: str | list[dict], system: str | None = None, chat: bool = True) -> list[int]:
         """Text (or chat messages) -> prompt token ids, through the chat template unless chat=False."""
@@ -202,18 +116,26 @@ class Engine:
                 raise ConfigError("the conversation is empty; type a message.")
         return self.tokenizer.encode_chat(messages)
 
-    def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
-                 system: str | None = None, chat: bool = True,
-                 spec: SpecConfig | None = None) -> Iterator[TokenEvent | FinishEvent]:
-        """Validate now; return a generator of events that runs one model step per next() (a speculative step
-        yields its tokens one per next() after the one forward that verified them)."""
+    def make_request(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
+                     system: str | None = None, chat: bool = True, spec: SpecConfig | None = None,
+                     priority: int = 0, cache_salt: str | None = None) -> Request:
+        """Validate and tokenize a request without queueing it (`submit` queues it). Raises ConfigError, saying what
+        to change, for a request that could never run on this engine."""
         params = params or SamplingParams()
         spec = self.resolve_spec(spec or SpecConfig())
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigError(f"priority must be an integer (lower runs first), got {priority!r}.")
         started = time.perf_counter()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             prompt_ids = list(prompt)
         else:
             prompt_ids = self.prompt_ids(prompt, system, chat)
+        self._check_fits(prompt_ids, params)
+        return Request(prompt_ids, params, spec, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
+                       eos_ids=self.loaded.eos_token_ids, device=self.loaded.device, priority=priority,
+                       cache_salt=cache_salt, tokenize_s=time.perf_counter() - started)
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise ConfigError("the prompt encodes to no tokens; type some text.")
         vocab_size = self.loaded.config.vocab_size
@@ -229,13 +151,45 @@ class Engine:
             raise ConfigError(f"{params.max_new_tokens} new tokens do not fit: the prompt has {len(prompt_ids)} tokens "
                               f"and the context holds {self.max_seq_len}; set {{max_new_tokens}} to {room} or less.")
         if isinstance(self.kv_cache, PagedKVCache):
-            # KV is written for every token but the last generated one: prompt + max_new_tokens - 1 slots.
-            pool_tokens = self.kv_cache.manager.num_blocks * self.config.block_size
+            # KV is written for every token but the last generated one: prompt + max_new_tokens - 1 slots. A request
+            # that fits the pool alone always finishes: the scheduler preempts others to make room for it.
+            pool_tokens = self.kv_cache.num_tokens
             if len(prompt_ids) + params.max_new_tokens - 1 > pool_tokens:
                 raise ConfigError(f"the KV pool holds {pool_tokens} tokens but this request needs up to "
                                   f"{len(prompt_ids) + params.max_new_tokens - 1} ({len(prompt_ids)} prompt + "
-                                  f"{params.max_new_tokens} new - 1); raise kv_cache_tokens or lower max_new_tokens.")
-        return self._run(prompt_ids, params, spec, time.perf_counter() - started)
+                                  f"{params.max_new_tokens} new - 1); raise {{kv_cache_tokens}} or lower "
+                                  "{max_new_tokens}.")
+
+    def submit(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
+               **kwargs) -> Request:
+        """Validate and queue a request (keywords as `make_request`); its events arrive as the engine steps."""
+        return self.enqueue(self.make_request(prompt, params, **kwargs))
+
+    def enqueue(self, request: Request) -> Request:
+        request.submitted_at = time.perf_counter()
+        self.scheduler.add(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """End a request now, wherever it is, with no final event; its KV goes back to the pool."""
+        if not request.finished:
+            self._release(request)
+
+    def stop(self, request: Request) -> None:
+        """End a request after the step in flight, with a final event (finish_reason "stopped")."""
+        request.stop_requested = True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def seconds_until_ready(self) -> float:
+        """0 when a step would make progress now; else how long until it would (dynamic batching's window), or inf
+        when only another request or `drain()` can start it (a static batch that is not full)."""
+        return 0.0 if self.scheduler.running else self.scheduler.seconds_until_admission()
+
+    def drain(self) -> None:
+        """No more requests are coming (static batching may start a partial batch)."""
+        self.scheduler.drain()
 
     def resolve_spec(self, spec: SpecConfig) -> SpecConfig:
         """Settle what the speculative settings leave to the model (early exit's default depth), or refuse them."""
@@ -253,6 +207,131 @@ class Engine:
                                   f"{num_layers - 1}), got {spec.draft_layers}.")
         return spec
 
+    # --- the step -------------------------------------------------------------------------------------------------
+
+    def step(self) -> StepReport:
+        """Schedule, run, post-process, collect finished. Returns what ran; the tokens go to each request's events."""
+        started = time.perf_counter()
+        finished: list[Request] = []
+        # 1. Requests asked to stop end before anything else runs (after the step that was in flight for them).
+        for request in [r for r in self.scheduler.running + self.scheduler.waiting if r.stop_requested]:
+            self._finish(request, finished)
+        # 2. Schedule. Dynamic batching may have to wait for its window: sleep until then, untimed by any request.
+        if 0 < (wait_s := self.seconds_until_ready()) < math.inf:
+            time.sleep(wait_s)
+        output = self.scheduler.schedule()
+        for request in output.preempted:
+            self._close_drafter(request)
+        plain = [w for w in output.work if w.kind != "speculative"]
+        speculative = [w for w in output.work if w.kind == "speculative"]
+        # 3. One forward for every plain sequence (prefill chunks and decodes), then each speculative request in a
+        # step of its own (draft, verify, roll back).
+        if plain:
+            self._run_plain(plain, len(output.work), finished)
+        for work in speculative:
+            if not work.request.finished:
+                self._run_speculative(work.request, len(output.work), finished)
+        self.steps_taken += 1
+        return StepReport(self.steps_taken, started, (time.perf_counter() - started) * 1e3,
+                          tuple((w.request.request_id, w.kind, w.num_tokens) for w in output.work),
+                          tuple(r.request_id for r in output.preempted), tuple(r.request_id for r in finished),
+                          len(self.scheduler.waiting), len(self.scheduler.running), self.kv_cache.blocks_in_use())
+
+    def _run_plain(self, work: list[ScheduledWork], batch_size: int, finished: list[Request]) -> None:
+        requests = [w.request for w in work]
+        for request in requests:
+            self._mark_scheduled(request)
+        step_start = time.perf_counter()
+        try:
+            logits = self.runner.run([r.seq for r in requests], [w.num_tokens for w in work])
+            # Sequences whose whole text is now computed get a new token; a prefill chunk that is not the prompt's
+            # last waits for the next step.
+            done = [i for i, request in enumerate(requests) if self._completes(request)]
+            tokens = sample_batch(logits[done], [requests[i].params for i in done],
+                                  [requests[i].generator for i in done]) if done else []
+        except BaseException as error:
+            for request in requests:
+                self._fail(request, error)
+            raise
+        step_s = time.perf_counter() - step_start
+        sampled = dict(zip(done, tokens))
+        for index, (request, item) in enumerate(zip(requests, work)):
+            prompt_tokens = item.num_tokens if request.seq.num_generated_tokens == 0 else 0
+            request.account_step(step_s, batch_size, prompt_tokens)
+            if index in sampled:
+                self._emit_token(request, sampled[index], step_s, batch_size, finished)
+
+    def _completes(self, request: Request) -> bool:
+        """After a forward: whether it reached the end of the request's text (so a new token is sampled). Mode none
+        always forwards the whole text."""
+        seq = request.seq
+        return isinstance(self.kv_cache, RecomputeKVCache) or seq.num_computed_tokens == len(seq)
+
+    def _run_speculative(self, request: Request, batch_size: int, finished: list[Request]) -> None:
+        seq = request.seq
+        self._mark_scheduled(request)
+        step_start = time.perf_counter()
+        try:
+            if request.drafter is None:
+                request.drafter = self._drafter(request.spec)
+            # Drafts need KV room too: shorten the draft to what the free blocks hold (0: a plain step).
+            room = request.room() - 1
+            k = min(request.draft_k, room)
+            while k > 0 and not self.kv_cache.can_append(seq, len(seq) + k):
+                k -= 1
+            tokens = []
+            if k > 0:
+                tokens = speculative_step(self.runner, seq, request.drafter, k, request.spec_stats, request.params,
+                                          request.generator, request.eos_ids)
+            if tokens and request.spec.adaptive:
+                accepted = len(tokens) - 1
+                request.draft_k = next_k(request.draft_k, accepted + len(tokens[-1][2]), accepted,
+                                         request.spec.max_k)
+            if not tokens:  # nothing drafted or no room: a plain decode step of its own
+                logits = self.runner.run([seq])
+                tokens = [(sample_batch(logits, [request.params], [request.generator])[0], None, ())]
+        except BaseException as error:
+            self._fail(request, error)
+            raise
+        step_s = time.perf_counter() - step_start
+        request.account_step(step_s, batch_size, 0)
+        for index, (token, kind, rejected) in enumerate(tokens):
+            self._emit_token(request, token, step_s if index == 0 else 0.0, batch_size, finished, kind, rejected)
+            if request.finished:
+                break
+
+    def _mark_scheduled(self, request: Request) -> None:
+        if request.first_scheduled_at is None:
+            request.first_scheduled_at = time.perf_counter()
+        if request.cached_prompt_tokens is None:
+            request.cached_prompt_tokens = request.seq.num_cached_tokens
+
+    def _emit_token(self, request: Request, token: int, step_s: float, batch_size: int, finished: list[Request],
+                    draft: str | None = None, rejected: tuple[int, ...] = ()) -> None:
+        request.emit(request.record(token, step_s, batch_size, draft, rejected))
+        if request.finish_reason is not None:
+            self._finish(request, finished)
+
+    def _finish(self, request: Request, finished: list[Request]) -> None:
+        """The request's final event (with its KV usage at the end), then its KV goes back."""
+        request.emit(request.finish_event(self.config.kv_mode, self.kv_cache.usage(request.seq)))
+        self._release(request)
+        finished.append(request)
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        request.error = error
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.scheduler.remove(request)
+        self._close_drafter(request)
+        request.state = "finished"
+
+    def _close_drafter(self, request: Request) -> None:
+        if request.drafter is not None:
+            request.drafter.close()
+            request.drafter = None
+
     def _drafter(self, spec: SpecConfig):
         if spec.method == "ngram":
             return NgramDrafter(spec)
@@ -261,101 +340,40 @@ class Engine:
         if self.draft_runner is None:
             draft_config = replace(self.config, max_seq_len=self.max_seq_len)
             self.draft_runner = ModelRunner(self.draft_model.model,
-                                             _make_kv_cache(self.draft_model, draft_config, self.max_seq_len),
+                                             make_kv_cache(self.draft_model, draft_config, self.max_seq_len),
                                              self.draft_model.device)
         return DraftModelDrafter(self.draft_runner, self.loaded.config.vocab_size)
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig, busy: float):
-        seq = Sequence(list(prompt_ids))
-        eos_ids = () if params.ignore_eos else self.loaded.eos_token_ids
-        generator = make_generator(params, self.loaded.device)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        longest_stop = max((len(s) for s in params.stop), default=0)
-        text, emitted, finish_reason, stopping = "", 0, None, False
-        drafter = self._drafter(spec) if spec.enabled else None
-        resumed = time.perf_counter()
+    # --- single-request use ---------------------------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
+                 **kwargs) -> Iterator[TokenEvent | FinishEvent]:
+        """Validate now (keywords as `make_request`); return a generator of this request's events that queues the
+        request on its first next() and steps the engine whenever it has no event to give. Other requests on this
+        engine advance in the same steps."""
+        return self._stream(self.make_request(prompt, params, **kwargs))
+
+    def _stream(self, request: Request) -> Iterator[TokenEvent | FinishEvent]:
+        self.enqueue(request)
         try:
-            # 1. Place the prompt's KV (paged: reuse cached prefix blocks), then prefill and sample the first token.
-            if self.kv_cache is not None:
-                self.kv_cache.allocate(seq)
-            self.active[seq.seq_id] = seq
-            cached_tokens = seq.num_cached_tokens
-            step_start = time.perf_counter()
-            token = sample(self.runner.run([seq])[0], params, generator)
-            prefill_s = time.perf_counter() - step_start
-            step_s = prefill_s
-            first_token_busy = None
-            spec_stats = SpecStats(spec.max_k) if spec.enabled else None
-            k = spec.k  # the current draft length (changes step to step when adaptive)
-            # Tokens a step produced and not yet recorded: (token, draft kind, rejected drafts).
-            pending: deque[tuple[int, str | None, tuple[int, ...]]] = deque([(token, None, ())])
             while True:
-                # 2. Record the token, extend the text, check the stop conditions.
-                token, draft_kind, rejected_ids = pending.popleft()
-                seq.append(token)
-                delta = "" if token in eos_ids else detokenizer.add(token)
-                text += delta
-                if token in eos_ids:
-                    finish_reason = "eos"
-                elif params.stop and (hit := _find_stop(text, params.stop, max(0, emitted - longest_stop))) >= 0:
-                    text, finish_reason = text[:hit], "stop"
-                elif seq.num_generated_tokens >= params.max_new_tokens:
-                    finish_reason = "length"
-                # Hold back a tail that could still become a stop string.
-                safe = len(text) if finish_reason else len(text) - _stop_prefix_len(text, params.stop)
-                delta, emitted = text[emitted:safe], max(emitted, safe)
-                busy += time.perf_counter() - resumed
-                first_token_busy = busy if first_token_busy is None else first_token_busy
-                first = seq.num_generated_tokens == 1
-                try:
-                    yield TokenEvent(token, delta, seq.num_generated_tokens - 1, busy, step_s * 1e3, draft_kind,
-                                     rejected_ids, cached_tokens if first else None)
-                except StopGeneration:
-                    stopping = True
-                resumed = time.perf_counter()
-                step_s = 0.0
-                if finish_reason:
-                    break
-                if pending:  # more tokens of the same speculative step: no forward needed
-                    continue
-                if stopping:  # asked to stop: the step in flight has delivered all its tokens
-                    finish_reason = "stopped"
-                    break
-                # 3. One step: speculative (draft, verify, roll back) or plain (forward one token, sample).
-                step_start = time.perf_counter()
-                room = params.max_new_tokens - seq.num_generated_tokens - 1
-                tokens = []
-                if drafter is not None and room > 0:
-                    tokens = speculative_step(self.runner, seq, drafter, min(k, room), spec_stats, params, generator,
-                                              eos_ids)
-                if tokens:
-                    pending.extend(tokens)
-                    if spec.adaptive:
-                        accepted = len(tokens) - 1
-                        k = next_k(k, accepted + len(tokens[-1][2]), accepted, spec.max_k)
-                else:  # a plain step: no speculation, no room for a draft, or nothing drafted
-                    pending.append((sample(self.runner.run([seq])[0], params, generator), None, ()))
-                step_s = time.perf_counter() - step_start
-            in_use, reserved = self.kv_cache.usage(seq) if self.kv_cache is not None else (0, 0)
-            busy += time.perf_counter() - resumed
-            decode_tokens = seq.num_generated_tokens - 1
-            decode_s = busy - first_token_busy
-            computed_prompt = len(prompt_ids) - cached_tokens
-            stats = GenerationStats(
-                kv_mode=self.config.kv_mode, prompt_tokens=len(prompt_ids), cached_prompt_tokens=cached_tokens,
-                generated_tokens=seq.num_generated_tokens, finish_reason=finish_reason,
-                ttft_ms=first_token_busy * 1e3, prefill_tokens_per_s=computed_prompt / prefill_s,
-                decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
-                total_ms=busy * 1e3, kv_bytes_in_use=in_use, kv_bytes_reserved=reserved,
-                spec=spec_stats.as_dict() if spec_stats is not None else None)
-            yield FinishEvent(text, seq.generated_token_ids, stats)
+                while request.events:
+                    event = request.events.popleft()
+                    try:
+                        yield event
+                    except StopGeneration:
+                        self.stop(request)
+                    if isinstance(event, FinishEvent):
+                        return
+                if request.error is not None:
+                    raise request.error
+                if request.finished:  # cancelled from elsewhere
+                    return
+                if self.seconds_until_ready() == math.inf:
+                    self.drain()  # a static batch waits for more requests, and this caller is not sending any
+                self.step()
         finally:
-            # Finished, failed or closed by the caller: the request's KV memory goes back either way.
-            self.active.pop(seq.seq_id, None)
-            if self.kv_cache is not None:
-                self.kv_cache.free(seq)
-            if drafter is not None:
-                drafter.close()
+            self.cancel(request)  # closed early or failed: its KV goes back (nothing to do once finished)
 
     def complete(self, prompt, params: SamplingParams | None = None, **kwargs) -> FinishEvent:
         """Run a request to the end and return its final event."""
@@ -363,16 +381,33 @@ class Engine:
             pass
         return event
 
+    # --- asking, not reaching -------------------------------------------------------------------------------------
+
+    def num_requests(self) -> int:
+        """Requests queued or running (0 whenever nothing is generating)."""
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def blocks_in_use(self) -> int:
+        """KV held right now: paged blocks (the draft model's too) or contiguous slots; 0 in mode none."""
+        draft = self.draft_runner.kv_cache.blocks_in_use() if self.draft_runner is not None else 0
+        return self.kv_cache.blocks_in_use() + draft
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (paged KV; nothing to do in the other modes)."""
+        if isinstance(self.kv_cache, PagedKVCache):
+            self.kv_cache.manager.reset_prefix_cache()
+
     def kv_snapshot(self) -> dict | None:
         """The paged pool as plain values for drawing (None for the other KV modes): the block manager's snapshot
         (each block's state, owners, reference count and fill; each sequence's block table; free list and eviction
         order), each block's `token_ids` (what its filled slots hold, also for cached blocks no request owns), and
-        `requests`: per active request its prompt length, tokens whose KV is stored and prompt tokens from the cache.
+        `requests`: per running request its prompt length, tokens whose KV is stored and prompt tokens from the
+        cache, and its `cache_salt` (whose request it is, for a viewer that may only see its own text).
         `bytes_per_token` and `context_length` let a caller compare with what a contiguous cache would reserve."""
         if not isinstance(self.kv_cache, PagedKVCache):
             return None
         manager, block_size = self.kv_cache.manager, self.config.block_size
-        seqs = list(self.active.values())
+        seqs = [request.seq for request in self.scheduler.running]
         snapshot = manager.snapshot(seqs)
         held = {}  # block id -> tokens of its owning request (a shared block holds the same tokens for every owner)
         for seq in seqs:
@@ -381,26 +416,12 @@ class Engine:
         for block, info in zip(manager.blocks, snapshot["blocks"]):
             tokens = held.get(block.block_id, block.token_ids or ())
             info["token_ids"] = list(tokens[:block.num_filled])
+            info["cache_salt"] = block.cache_salt
         snapshot["requests"] = [
             {"seq_id": seq.seq_id, "prompt_tokens": seq.num_prompt_tokens, "stored_tokens": seq.num_computed_tokens,
-             "cached_prompt_tokens": seq.num_cached_tokens, "block_table": list(seq.block_table)}
+             "cached_prompt_tokens": seq.num_cached_tokens, "block_table": list(seq.block_table),
+             "cache_salt": seq.cache_salt}
             for seq in seqs]
         snapshot["bytes_per_token"] = self.kv_cache.bytes_per_token
         snapshot["context_length"] = self.max_seq_len
         return snapshot
-
-
-def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:
-    hits = [i for s in stops if (i := text.find(s, search_from)) >= 0]
-    return min(hits) if hits else -1
-
-
-def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is the start of a stop string."""
-    best = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:size]):
-                best = size
-                break
-    return best

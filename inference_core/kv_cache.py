@@ -1,24 +1,104 @@
 """KV cache storage: where the keys and values of past tokens live between forward passes.
 
-Two layouts, each behind the same two verbs the attention layer calls, `store` (write this step's k/v) and `load`
-(read one sequence's whole context):
+Every KV mode is an object with the same small protocol (`KVCache`), so neither the runner, the model nor the
+scheduler asks which mode it has:
 
-- `ContiguousKVCache`: one preallocated buffer of `max_seq_len` positions per sequence slot, written in place (never
-  grown by concatenation). Reading a context is a view, no copy.
+- placement (the scheduler's side): `can_allocate` / `allocate` a sequence's room, `can_append` / `ensure_capacity`
+  as it grows, `commit` what a forward wrote, `rollback` rejected speculative tokens, `free` at the end, `usage`;
+- tensors (the model's side): `prepare` a forward batch's index tensors, `store` this step's k/v, `load` one
+  sequence's whole context (prefill chunks) and `load_decodes` the padded contexts of all single-token decodes at
+  once ([decodes, kv_heads, longest context, head_dim], masked by length).
+
+The modes:
+- `RecomputeKVCache` (mode `none`): stores nothing; every step forwards each sequence's whole text, and attention
+  reads this step's own k/v. `commit` leaves `num_computed_tokens` at 0, which is what makes the runner recompute.
+- `ContiguousKVCache`: `num_slots` preallocated buffers of `max_seq_len` positions, one per running sequence,
+  written in place (never grown by concatenation). Reading one context is a view, no copy.
 - `PagedKVCache`: one pool of fixed-size blocks shared by all sequences. A sequence's block table (kept by the
-  `BlockManager`) maps its logical blocks to physical ones; reads gather the blocks through that table. Memory is held
-  per block actually used, and full blocks with the same token prefix are shared across requests (prefix caching).
-
-Mode `none` has no cache object at all: every step recomputes the whole sequence.
+  `BlockManager`) maps its logical blocks to physical ones; reads gather the blocks through the batch's padded
+  int32 block tables. Memory is held per block actually used, and full blocks with the same token prefix (and the
+  same cache salt) are shared across requests (prefix caching).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
 from inference_core.block_manager import BlockManager
 from inference_core.config import ModelConfig
 from inference_core.sequence import Sequence
+
+
+class KVCache(Protocol):
+    kv_mode: str
+    bytes_per_token: int
+
+    def can_allocate(self, seq: Sequence) -> bool: ...
+    def allocate(self, seq: Sequence) -> None: ...
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool: ...
+    def ensure_capacity(self, seq: Sequence) -> None: ...
+    def commit(self, seq: Sequence, num_computed_tokens: int) -> None: ...
+    def rollback(self, seq: Sequence, num_tokens: int) -> None: ...
+    def free(self, seq: Sequence) -> None: ...
+    def usage(self, seq: Sequence) -> tuple[int, int]: ...
+    def blocks_in_use(self) -> int: ...
+    def prepare(self, seqs: list[Sequence], batch) -> None: ...
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None: ...
+    def load(self, layer: int, index: int, batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def load_decodes(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RecomputeKVCache:
+    """Mode `none`: no memory between steps. Attention reads the k/v this very forward computed."""
+
+    kv_mode = "none"
+    bytes_per_token = 0
+
+    def __init__(self):
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return True
+
+    def allocate(self, seq: Sequence) -> None:
+        seq.num_computed_tokens = 0
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        return True
+
+    def ensure_capacity(self, seq: Sequence) -> None:
+        pass
+
+    def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
+        seq.num_computed_tokens = 0  # nothing kept: the next step forwards the whole text again
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        pass
+
+    def free(self, seq: Sequence) -> None:
+        pass
+
+    def usage(self, seq: Sequence) -> tuple[int, int]:
+        return 0, 0
+
+    def blocks_in_use(self) -> int:
+        return 0
+
+    def prepare(self, seqs: list[Sequence], batch) -> None:
+        pass
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None:
+        self._k, self._v = k, v  # [tokens, kv_heads, head_dim]; read back by load() in the same layer
+
+    def load(self, layer: int, index: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = batch.query_ranges[index]
+        return self._k[start:end].transpose(0, 1), self._v[start:end].transpose(0, 1)
+
+    def load_decodes(self, layer: int, batch):
+        raise AssertionError("mode none has no cached decodes: every sequence is forwarded whole")
 
 
 class ContiguousKVCache:
@@ -29,21 +109,31 @@ class ContiguousKVCache:
         self.bytes_per_token = config.kv_bytes_per_token(dtype)
         shape = (config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim)
         # k, v: [layers, slots, kv_heads, max_seq_len, head_dim]; head-major so one slot's context is a plain view.
+        # torch.empty: pages of slots never used are never touched, so they take no resident memory.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # views, so a step indexes less
+        self.num_slots = num_slots
         self.free_slots = list(range(num_slots))
+        self.device = device
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return bool(self.free_slots)
 
     def allocate(self, seq: Sequence) -> None:
         if not self.free_slots:
             raise RuntimeError("all contiguous KV slots are in use; finish or cancel a running request first.")
         seq.cache_slot = self.free_slots.pop(0)
+        seq.num_computed_tokens = 0
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        return num_tokens <= self.max_seq_len
 
     def ensure_capacity(self, seq: Sequence) -> None:
         """The slot was sized for max_seq_len up front; the engine never lets a sequence grow past that."""
 
-    def commit(self, seq: Sequence) -> None:
-        seq.num_computed_tokens = len(seq)
+    def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
+        seq.num_computed_tokens = num_computed_tokens
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Keep the KV of the first `num_tokens` tokens only (later positions are simply overwritten next time)."""
@@ -55,24 +145,43 @@ class ContiguousKVCache:
             self.free_slots.sort()
             seq.cache_slot = -1
 
+    def usage(self, seq: Sequence) -> tuple[int, int]:
+        """(bytes holding this sequence's tokens, bytes reserved for it)."""
+        return seq.num_computed_tokens * self.bytes_per_token, self.max_seq_len * self.bytes_per_token
+
+    def blocks_in_use(self) -> int:
+        """Slots in use (a contiguous cache's unit of memory)."""
+        return self.num_slots - len(self.free_slots)
+
     def prepare(self, seqs: list[Sequence], batch) -> None:
         batch.cache_slots = [seq.cache_slot for seq in seqs]
+        if batch.num_decodes > 1:
+            batch.decode_slots = torch.tensor(batch.cache_slots[:batch.num_decodes], dtype=torch.long,
+                                              device=self.device)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None:
         # k, v: [tokens, kv_heads, head_dim] for all sequences of the batch, in batch.query_ranges order.
-        for slot, (start, end), (first_pos, last_pos) in zip(batch.cache_slots, batch.query_ranges,
-                                                            batch.position_ranges):
-            self.k_layers[layer][slot, :, first_pos:last_pos] = k[start:end].transpose(0, 1)
-            self.v_layers[layer][slot, :, first_pos:last_pos] = v[start:end].transpose(0, 1)
+        k_layer, v_layer = self.k_layers[layer], self.v_layers[layer]
+        num_decodes = batch.num_decodes
+        if num_decodes > 1:  # every decode writes one position: one scatter for all of them
+            slots, positions = batch.decode_slots, batch.positions[:num_decodes]
+            k_layer[slots, :, positions] = k[:num_decodes]
+            v_layer[slots, :, positions] = v[:num_decodes]
+        first = num_decodes if num_decodes > 1 else 0
+        for slot, (start, end), (first_pos, last_pos) in zip(batch.cache_slots[first:], batch.query_ranges[first:],
+                                                            batch.position_ranges[first:]):
+            k_layer[slot, :, first_pos:last_pos] = k[start:end].transpose(0, 1)
+            v_layer[slot, :, first_pos:last_pos] = v[start:end].transpose(0, 1)
 
     def load(self, layer: int, index: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         slot, context = batch.cache_slots[index], batch.context_lens[index]
         return self.k_layers[layer][slot, :, :context], self.v_layers[layer][slot, :, :context]
 
-    def usage(self, seq: Sequence) -> tuple[int, int]:
-        """(bytes holding this sequence's tokens, bytes reserved for it)."""
-        return seq.num_computed_tokens * self.bytes_per_token, self.max_seq_len * self.bytes_per_token
-
+    def load_decodes(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """[decodes, kv_heads, longest context, head_dim]: the decoding slots' buffers up to the longest context."""
+        longest = batch.max_decode_context
+        return (self.k_layers[layer][:, :, :longest].index_select(0, batch.decode_slots),
+                self.v_layers[layer][:, :, :longest].index_select(0, batch.decode_slots))
 
 
 class PagedKVCache:
@@ -92,17 +201,30 @@ class PagedKVCache:
         self.v_slots = [layer.flatten(0, 1) for layer in self.v_layers]
         self.device = device
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the whole pool holds."""
+        return self.manager.num_blocks * self.block_size
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.manager.can_allocate(seq)
+
     def allocate(self, seq: Sequence) -> None:
         self.manager.allocate(seq)
-        # Prompt tokens found in the prefix cache need no computing: their KV is already in the shared blocks.
+        # Tokens found in the prefix cache need no computing: their KV is already in the shared blocks.
         seq.num_computed_tokens = seq.num_cached_tokens
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the free blocks can grow `seq`'s table to hold `num_tokens` tokens."""
+        missing = self.manager.blocks_needed(num_tokens) - len(seq.block_table)
+        return missing <= self.manager.num_free_blocks
 
     def ensure_capacity(self, seq: Sequence) -> None:
         self.manager.ensure_capacity(seq)
 
-    def commit(self, seq: Sequence) -> None:
-        seq.num_computed_tokens = len(seq)
-        self.manager.commit(seq, len(seq))
+    def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
+        seq.num_computed_tokens = num_computed_tokens
+        self.manager.commit(seq, num_computed_tokens)
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Keep the KV of the first `num_tokens` tokens; blocks past them go back to the pool."""
@@ -112,18 +234,28 @@ class PagedKVCache:
     def free(self, seq: Sequence) -> None:
         self.manager.free(seq)
 
+    def usage(self, seq: Sequence) -> tuple[int, int]:
+        return (seq.num_computed_tokens * self.bytes_per_token,
+                len(seq.block_table) * self.block_size * self.bytes_per_token)
+
+    def blocks_in_use(self) -> int:
+        return self.manager.num_used_blocks
+
     def prepare(self, seqs: list[Sequence], batch) -> None:
-        """Per-forward index tensors: each new token's flat write slot, and each sequence's needed blocks."""
+        """Per-forward index tensors: each new token's flat write slot, and the block tables as one int32 tensor
+        [sequences, most blocks any of them needs], padded with block 0 (reads past a context are masked)."""
         block_size = self.block_size
-        slot_mapping, block_tables = [], []
-        for seq, (first_pos, last_pos), context in zip(seqs, batch.position_ranges, batch.context_lens):
+        slot_mapping = []
+        for seq, (first_pos, last_pos) in zip(seqs, batch.position_ranges):
             table = seq.block_table
             slot_mapping.extend(table[pos // block_size] * block_size + pos % block_size
                                 for pos in range(first_pos, last_pos))
-            num_blocks = -(-context // block_size)
-            block_tables.append(torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device))
+        needed = [-(-context // block_size) for context in batch.context_lens]
+        width = max(needed)
+        rows = [seq.block_table[:count] + [0] * (width - count) for seq, count in zip(seqs, needed)]
         batch.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
-        batch.block_tables = block_tables
+        batch.block_tables = torch.tensor(rows, dtype=torch.int32, device=self.device)
+        batch.num_blocks = needed
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None:
         # k, v: [tokens, kv_heads, head_dim] -> the pool seen as [blocks * block_size, kv_heads, head_dim].
@@ -132,11 +264,16 @@ class PagedKVCache:
 
     def load(self, layer: int, index: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather one sequence's blocks through its block table: [kv_heads, context, head_dim] each."""
-        table, context = batch.block_tables[index], batch.context_lens[index]
+        table, context = batch.block_tables[index, :batch.num_blocks[index]], batch.context_lens[index]
         k = self.k_layers[layer].index_select(0, table).flatten(0, 1)[:context].transpose(0, 1)
         v = self.v_layers[layer].index_select(0, table).flatten(0, 1)[:context].transpose(0, 1)
         return k, v
 
-    def usage(self, seq: Sequence) -> tuple[int, int]:
-        return (seq.num_computed_tokens * self.bytes_per_token,
-                len(seq.block_table) * self.block_size * self.bytes_per_token)
+    def load_decodes(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One gather for every decoding sequence: [decodes, kv_heads, longest context, head_dim] each."""
+        num_decodes, longest = batch.num_decodes, batch.max_decode_context
+        tables = batch.block_tables[:num_decodes, :-(-longest // self.block_size)]  # [decodes, blocks] int32
+        shape = (num_decodes, -1) + self.k_layers[layer].shape[2:]  # [decodes, max_blocks * block_size, kv_heads, d]
+        k = self.k_layers[layer].index_select(0, tables.flatten()).view(shape)[:, :longest].transpose(1, 2)
+        v = self.v_layers[layer].index_select(0, tables.flatten()).view(shape)[:, :longest].transpose(1, 2)
+        return k, v

@@ -3,7 +3,8 @@ RMSNorm on q and k before RoPE), all with grouped-query attention.
 
 The model owns the weights and the arithmetic, nothing else. It takes a flat batch of tokens from one or more
 sequences (`input_ids` and `positions`, both [num_tokens]) plus a `ForwardBatch` that says which tokens belong to
-which sequence and where each sequence's KV lives; the KV cache object (or None: recompute everything) is passed in.
+which sequence and where each sequence's KV lives; the KV cache object is passed in (`inference_core.kv_cache`;
+mode `none` is a cache that keeps nothing).
 Numerics follow Hugging Face transformers step for step (fp32 RMSNorm, fp32 RoPE tables cast to the model dtype,
 SDPA), because transformers is our correctness oracle. q/k/v and gate/up projections are fused into one matrix each
 (fewer, larger matmuls: on a CPU the per-op overhead, not the arithmetic, decides small-model decode speed). For
@@ -124,23 +125,32 @@ class Attention(nn.Module):
         else:  # q and k are adjacent in qkv: rotate both in one pass
             qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        if kv_cache is not None:
-            kv_cache.store(self.layer_index, k, v, batch)
+        kv_cache.store(self.layer_index, k, v, batch)
         outputs = []
-        for i, (start, end) in enumerate(batch.query_ranges):
+        num_decodes = batch.num_decodes
+        first = 0
+        if num_decodes > 1:
+            # All single-token decodes at once: their contexts gathered into one padded buffer, masked by length.
+            k_d, v_d = kv_cache.load_decodes(self.layer_index, batch)  # [decodes, kv_heads, longest, head_dim]
+            q_d = q[:num_decodes].unsqueeze(2)  # [decodes, heads, 1, head_dim]
+            outputs.append(self._attend(q_d, k_d, v_d, batch.decode_mask, False).reshape(num_decodes, self.q_size))
+            first = num_decodes
+        for i in range(first, len(batch.query_ranges)):  # prefill chunks (and a lone decode), one at a time
+            start, end = batch.query_ranges[i]
             q_i = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, new_tokens, head_dim]
-            if kv_cache is None:
-                k_i, v_i = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-            else:
-                k_i, v_i = kv_cache.load(self.layer_index, i, batch)  # [kv_heads, context, head_dim]
-            if q_i.dtype != self.attention_dtype:
-                q_i, k_i, v_i = q_i.to(self.attention_dtype), k_i.to(self.attention_dtype), v_i.to(self.attention_dtype)
-            out = F.scaled_dot_product_attention(
-                q_i, k_i.unsqueeze(0), v_i.unsqueeze(0), attn_mask=batch.attention_masks[i],
-                is_causal=batch.is_causal[i], scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-            outputs.append(out[0].transpose(0, 1).reshape(end - start, self.q_size).to(x.dtype))
-        attended = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            k_i, v_i = kv_cache.load(self.layer_index, i, batch)  # [kv_heads, context, head_dim]
+            out = self._attend(q_i, k_i.unsqueeze(0), v_i.unsqueeze(0), batch.attention_masks[i], batch.is_causal[i])
+            outputs.append(out[0].transpose(0, 1).reshape(end - start, self.q_size))
+        attended = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).to(x.dtype)
         return self.o_proj.forward(attended)
+
+    def _attend(self, q, k, v, mask, is_causal: bool) -> torch.Tensor:
+        """SDPA in the attention dtype; q: [batch, heads, queries, head_dim], k and v: [batch, kv_heads, keys,
+        head_dim]."""
+        if q.dtype != self.attention_dtype:
+            q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -222,7 +232,7 @@ class CausalLM(nn.Module):
             self._rope_cache = cached = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
         return cached
 
-    def forward(self, batch, kv_cache=None, num_layers: int | None = None) -> torch.Tensor:
+    def forward(self, batch, kv_cache, num_layers: int | None = None) -> torch.Tensor:
         """batch.input_ids, batch.positions: [tokens]. Returns fp32 logits [len(batch.logits_indices), vocab].
         `num_layers` < the model's runs only the first layers before the final norm and LM head (an early-exit
         draft; only those layers' KV is written)."""

@@ -74,10 +74,10 @@ def measure_fairness(engines: dict[str, Engine], prompt_ids: list[int], params: 
         engine.complete(prompt_ids, SamplingParams(max_new_tokens=4))
     for _ in range(repeats):
         for name, engine in engines.items():
-            _reset_prefix_cache(engine)
+            engine.reset_prefix_cache()
             alone[name].append(engine.complete(prompt_ids, params).stats.decode_tokens_per_s)
         for engine in engines.values():
-            _reset_prefix_cache(engine)
+            engine.reset_prefix_cache()
         for name, event in race_to_end(engines, prompt_ids, params).items():
             raced[name].append(event.stats.decode_tokens_per_s)
     rows = []
@@ -87,11 +87,6 @@ def measure_fairness(engines: dict[str, Engine], prompt_ids: list[int], params: 
                      "race_decode_tokens_per_s": round(race_median, 2),
                      "race_vs_alone": round(race_median / alone_median, 3), "runs": repeats})
     return rows
-
-
-def _reset_prefix_cache(engine: Engine) -> None:
-    if engine.config.kv_mode == "paged":
-        engine.kv_cache.manager.reset_prefix_cache()
 
 
 def run_race_bench(args) -> int:

@@ -1,8 +1,15 @@
 """The model runner: the one place where Python lists of sequences become tensors for a forward pass.
 
-Every forward, batch of one or many, goes through `ModelRunner.run(seqs)`: each sequence contributes the tokens it has
-not computed yet (all of them in KV mode `none`, only the new ones with a cache), at its own positions, with its own
-block table or cache slot. The runner returns one row of fp32 logits per sequence (for its last token).
+Every forward, batch of one or many, goes through `ModelRunner.run(seqs, num_new_tokens)`: each sequence contributes
+its next `num_new_tokens` uncomputed tokens (a prefill chunk, a single decode token, or a speculative verification),
+at its own positions, with its own block table or cache slot. In KV mode `none` the cache keeps nothing, so every
+sequence contributes its whole text every time.
+
+The flat batch puts single-token decodes first: attention handles all of them with one gather and one SDPA call
+(`KVCache.load_decodes`, padded to the longest context and masked by length), and loops only over the prefill
+chunks. The batch's index tensors (positions, write slots, int32 block tables padded to `[batch, max_blocks]`,
+context lengths, cumulative query lengths) have shapes that depend only on the batch size, the number of tokens and
+the longest context, so a decode step can later be padded to buckets and compiled.
 """
 
 from __future__ import annotations
@@ -11,49 +18,63 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference_core.kv_cache import KVCache
 from inference_core.model import CausalLM
 from inference_core.sequence import Sequence
 
 
 @dataclass(slots=True)
 class ForwardBatch:
-    """Tensors and per-sequence ranges for one forward pass over a flat batch of tokens."""
+    """Tensors and per-sequence ranges for one forward pass over a flat batch of tokens (decodes first)."""
 
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
-    logits_indices: torch.Tensor  # [sequences * num_logits]: flat indices of each sequence's last num_logits tokens
+    logits_indices: torch.Tensor  # [logit rows]: flat indices of the tokens whose logits are returned, caller's order
+    query_start_loc: torch.Tensor  # [sequences + 1] int32: cumulative query lengths
+    context_lens_tensor: torch.Tensor  # [sequences] int32: tokens each attends to after this step
+    num_decodes: int  # the first num_decodes sequences forward one token each against their cache
     query_ranges: list[tuple[int, int]]  # per sequence: its new tokens' [start, end) in the flat batch
     position_ranges: list[tuple[int, int]]  # per sequence: positions [first, last) being computed
     context_lens: list[int]  # per sequence: tokens it attends to after this step (cached + new)
     is_causal: list[bool]  # per sequence: SDPA's own causal mask fits (queries and keys start together)
     attention_masks: list[torch.Tensor | None]  # per sequence: [new, context] bool mask where SDPA's does not fit
+    max_decode_context: int = 0  # the longest context among the decodes
+    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_decode_context] bool: key j < context length
     # Filled by the KV cache's prepare(): contiguous slots, or paged write slots and block tables.
     cache_slots: list[int] = field(default_factory=list)
-    slot_mapping: torch.Tensor | None = None
-    block_tables: list[torch.Tensor] = field(default_factory=list)
+    decode_slots: torch.Tensor | None = None  # [decodes] contiguous slots of the decodes
+    slot_mapping: torch.Tensor | None = None  # [tokens] flat write slot of each new token (paged)
+    block_tables: torch.Tensor | None = None  # [sequences, max_blocks] int32, padded with block 0 (paged)
+    num_blocks: list[int] = field(default_factory=list)  # per sequence: blocks its context spans (paged)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache, device: torch.device):
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device):
         self.model = model
-        self.kv_cache = kv_cache  # None in KV mode `none`
+        self.kv_cache = kv_cache
         self.device = device
 
-    def prepare(self, seqs: list[Sequence], num_logits: int = 1) -> ForwardBatch:
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int], num_logits: int = 1) -> ForwardBatch:
+        """`seqs[i]` forwards tokens [num_computed, num_computed + num_new_tokens[i]). The flat batch orders the
+        single-token decodes (with cached context) first; logits rows follow the caller's order."""
+        firsts = [seq.num_computed_tokens for seq in seqs]
+        is_decode = [count == 1 and first > 0 for first, count in zip(firsts, num_new_tokens)]
+        order = [i for i in range(len(seqs)) if is_decode[i]] + [i for i in range(len(seqs)) if not is_decode[i]]
+        num_decodes = sum(is_decode)
         input_ids: list[int] = []
         positions: list[int] = []
-        query_ranges, position_ranges, context_lens, is_causal, masks, last = [], [], [], [], [], []
-        for seq in seqs:
-            first = 0 if self.kv_cache is None else seq.num_computed_tokens
-            context = len(seq)
-            new_tokens = context - first
+        query_ranges, position_ranges, context_lens, is_causal, masks = [], [], [], [], []
+        logit_rows: dict[int, list[int]] = {}
+        for index in order:
+            seq, first, new_tokens = seqs[index], firsts[index], num_new_tokens[index]
+            context = first + new_tokens
             start = len(input_ids)
-            input_ids.extend(seq.token_ids[first:])
+            input_ids.extend(seq.token_ids[first:context])
             positions.extend(range(first, context))
             query_ranges.append((start, start + new_tokens))
             position_ranges.append((first, context))
             context_lens.append(context)
-            last.extend(range(start + new_tokens - min(num_logits, new_tokens), start + new_tokens))
+            logit_rows[index] = list(range(start + new_tokens - min(num_logits, new_tokens), start + new_tokens))
             if new_tokens == 1 or new_tokens == context:
                 # One query sees everything before it; or queries and keys start together (plain causal).
                 is_causal.append(new_tokens > 1)
@@ -63,27 +84,35 @@ class ModelRunner:
                 masks.append(torch.ones(new_tokens, context, dtype=torch.bool, device=self.device)
                              .tril(diagonal=first))
                 is_causal.append(False)
+        starts = [start for start, _ in query_ranges] + [len(input_ids)]
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            logits_indices=torch.tensor(last, dtype=torch.long, device=self.device),
-            query_ranges=query_ranges, position_ranges=position_ranges, context_lens=context_lens,
-            is_causal=is_causal, attention_masks=masks)
-        if self.kv_cache is not None:
-            self.kv_cache.prepare(seqs, batch)
+            logits_indices=torch.tensor([row for index in range(len(seqs)) for row in logit_rows[index]],
+                                        dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            num_decodes=num_decodes, query_ranges=query_ranges, position_ranges=position_ranges,
+            context_lens=context_lens, is_causal=is_causal, attention_masks=masks)
+        if num_decodes > 1:
+            batch.max_decode_context = max(context_lens[:num_decodes])
+            keys = torch.arange(batch.max_decode_context, device=self.device)
+            batch.decode_mask = (keys[None, :] < batch.context_lens_tensor[:num_decodes, None])[:, None, None, :]
+        self.kv_cache.prepare([seqs[index] for index in order], batch)
         return batch
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_logits: int = 1) -> torch.Tensor:
-        """Forward the uncomputed tokens of `seqs`; returns fp32 logits for each sequence's last `num_logits` tokens,
-        [len(seqs) * num_logits, vocab] (more than 1 for speculative verification). Commits the new KV."""
-        if self.kv_cache is not None:
-            for seq in seqs:
-                self.kv_cache.ensure_capacity(seq)
-        logits = self.model.forward(self.prepare(seqs, num_logits), self.kv_cache)
-        if self.kv_cache is not None:
-            for seq in seqs:
-                self.kv_cache.commit(seq)
+    def run(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None, num_logits: int = 1) -> torch.Tensor:
+        """Forward the next `num_new_tokens[i]` uncomputed tokens of each sequence (default: all of them); returns
+        fp32 logits for each sequence's last `num_logits` forwarded tokens, [len(seqs) * num_logits, vocab] (more than
+        1 for speculative verification). Commits the new KV."""
+        if num_new_tokens is None:
+            num_new_tokens = [len(seq) - seq.num_computed_tokens for seq in seqs]
+        for seq in seqs:
+            self.kv_cache.ensure_capacity(seq)
+        logits = self.model.forward(self.prepare(seqs, num_new_tokens, num_logits), self.kv_cache)
+        for seq, count in zip(seqs, num_new_tokens):
+            self.kv_cache.commit(seq, seq.num_computed_tokens + count)
         return logits
 
     @torch.inference_mode()
@@ -92,6 +121,6 @@ class ModelRunner:
         (writing only their KV) and return the last token's fp32 logits [1, vocab]. Nothing is committed: the caller
         moves `seq.num_computed_tokens` itself and puts it back before the full-depth pass, which rewrites every
         layer's KV at those positions."""
-        if self.kv_cache is not None:
-            self.kv_cache.ensure_capacity(seq)
-        return self.model.forward(self.prepare([seq]), self.kv_cache, num_layers)
+        self.kv_cache.ensure_capacity(seq)
+        batch = self.prepare([seq], [len(seq) - seq.num_computed_tokens])
+        return self.model.forward(batch, self.kv_cache, num_layers)

@@ -1,7 +1,8 @@
 """Choosing the next token from logits: greedy, temperature, top-k, top-p, with a per-request seeded generator.
 
 `SamplingParams` holds one request's settings and validates them; `sample` turns a [vocab] fp32 logits row into a
-token id. Greedy is `temperature == 0` and is an argmax, so it is exactly what Hugging Face `generate` picks with
+token id, and `sample_batch` a [batch, vocab] block of rows, each with its own request's settings and generator.
+Greedy is `temperature == 0` and is an argmax, so it is exactly what Hugging Face `generate` picks with
 `do_sample=False`.
 """
 
@@ -85,3 +86,20 @@ def sample_with_probabilities(logits: torch.Tensor, params: SamplingParams,
         return int(logits.argmax()), None
     distribution = probabilities(logits, params)
     return int(torch.multinomial(distribution, 1, generator=generator)), distribution
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[int]:
+    """logits: [batch, vocab] fp32, one row per request. Greedy rows take one argmax over the whole block; sampled
+    rows are grouped by identical settings, so each group's distribution is one batched `probabilities` call, and
+    each row is drawn with its own request's seeded generator (the same draw as `sample` on that row alone)."""
+    chosen = logits.argmax(dim=-1).tolist()  # one host sync for the whole batch
+    groups: dict[tuple, list[int]] = {}
+    for row, row_params in enumerate(params):
+        if not row_params.greedy:
+            groups.setdefault((row_params.temperature, row_params.top_k, row_params.top_p), []).append(row)
+    for rows in groups.values():
+        distributions = probabilities(logits[rows], params[rows[0]])  # [rows, vocab]
+        for distribution, row in zip(distributions, rows):
+            chosen[row] = int(torch.multinomial(distribution, 1, generator=generators[row]))
+    return chosen

@@ -28,6 +28,9 @@ class Sequence:
     num_cached_tokens: int = 0
     # Tokens whose KV has been written to the cache (everything before this position can be attended to).
     num_computed_tokens: int = 0
+    # Mixed into the prefix cache's block hashes: only sequences with the same salt can share cached blocks (one
+    # salt per visitor of a shared engine, so that nobody's cache hit reveals another visitor's prompt).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

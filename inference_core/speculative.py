@@ -157,12 +157,11 @@ class DraftModelDrafter:
         kv_cache = self.runner.kv_cache
         if self.seq is None:
             self.seq = Sequence(list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens)
-            if kv_cache is not None:
-                kv_cache.allocate(self.seq)
+            kv_cache.allocate(self.seq)
         else:
             shared = common_prefix_length(self.seq.token_ids, seq.token_ids)
-            if kv_cache is not None:  # keep the last token uncomputed: its logits give the first draft
-                kv_cache.rollback(self.seq, min(self.seq.num_computed_tokens, shared, len(seq) - 1))
+            # Keep the last token uncomputed: its logits give the first draft.
+            kv_cache.rollback(self.seq, min(self.seq.num_computed_tokens, shared, len(seq) - 1))
             self.seq.token_ids = list(seq.token_ids)
         drafts, probs = [], []
         for _ in range(max_drafts):
@@ -173,7 +172,7 @@ class DraftModelDrafter:
         return drafts, None if params.greedy else torch.stack(probs)
 
     def close(self) -> None:
-        if self.seq is not None and self.runner.kv_cache is not None:
+        if self.seq is not None:
             self.runner.kv_cache.free(self.seq)
         self.seq = None
 
@@ -299,8 +298,7 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
         accepted, final_token = accept_sampled(drafts, draft_probs, target_probs, generator)
     # Keep the KV of the last token and the accepted drafts; the tokens themselves are re-appended by the caller.
     del seq.token_ids[num_before:]
-    if runner.kv_cache is not None:
-        runner.kv_cache.rollback(seq, num_before + accepted)
+    runner.kv_cache.rollback(seq, num_before + accepted)
     stats.record(len(drafts), accepted)
     stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
     tokens = [(token, "accepted", ()) for token in drafts[:accepted]]

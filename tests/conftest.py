@@ -28,12 +28,9 @@ def make_engine(loaded, kv_mode: str = "paged", **settings) -> Engine:
 
 
 def assert_nothing_held(engine) -> None:
-    """No request in flight and every KV block or slot back (prefix-cached blocks count as free: ref count 0)."""
-    assert engine.active == {}
-    if engine.config.kv_mode == "paged":
-        assert engine.kv_cache.manager.num_used_blocks == 0
-    elif engine.config.kv_mode == "contiguous":
-        assert engine.kv_cache.free_slots == [0]
+    """No request queued or running and every KV block or slot back (prefix-cached blocks count as free)."""
+    assert engine.num_requests() == 0
+    assert engine.blocks_in_use() == 0
 
 
 def lane(kv_mode: str, **overrides) -> list:

@@ -54,8 +54,7 @@ def test_greedy_ids_equal_transformers(bundled, prompts, reference, kv_mode, pre
         assert event.token_ids == expected
         cached.append(event.stats.cached_prompt_tokens)
     assert cached == ([0, 0, 16, 16, 16] if prefix_cache else [0] * 5)
-    if kv_mode == "paged":
-        assert engine.kv_cache.manager.num_used_blocks == 0
+    assert engine.blocks_in_use() == 0
 
 
 def test_fully_cached_long_prompt_equals_transformers(bundled, prompts, reference):

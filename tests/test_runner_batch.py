@@ -8,8 +8,6 @@ import pytest
 import torch
 
 from inference_core import SamplingParams
-from inference_core.kv_cache import ContiguousKVCache
-from inference_core.runner import ModelRunner
 from inference_core.sequence import Sequence
 
 from conftest import make_engine
@@ -20,8 +18,7 @@ STEPS = 24
 def _decode_batch(engine, prompts: list[list[int]]) -> list[list[int]]:
     seqs = [Sequence(list(p)) for p in prompts]
     for seq in seqs:
-        if engine.kv_cache is not None:
-            engine.kv_cache.allocate(seq)
+        engine.kv_cache.allocate(seq)
     try:
         for _ in range(STEPS):
             logits = engine.runner.run(seqs)  # [len(seqs), vocab]: one row per sequence
@@ -31,23 +28,18 @@ def _decode_batch(engine, prompts: list[list[int]]) -> list[list[int]]:
         return [seq.generated_token_ids for seq in seqs]
     finally:
         for seq in seqs:
-            if engine.kv_cache is not None:
-                engine.kv_cache.free(seq)
+            engine.kv_cache.free(seq)
 
 
 @pytest.mark.parametrize("kv_mode", ["paged", "contiguous", "none"])
 def test_batch_equals_one_at_a_time(bundled, kv_mode):
-    engine = make_engine(bundled, kv_mode, block_size=8)
-    if kv_mode == "contiguous":  # one slot per sequence of the batch
-        engine.kv_cache = ContiguousKVCache(bundled.config, engine.max_seq_len, 3, bundled.dtype, bundled.device)
-        engine.runner = ModelRunner(bundled.model, engine.kv_cache, bundled.device)
+    engine = make_engine(bundled, kv_mode, block_size=8)  # contiguous: one slot per sequence (max_num_seqs)
     prompts = [engine.prompt_ids(text) for text in ("Why is the sky blue?", "Write a haiku about autumn rain.",
                                                      "Name three prime numbers and explain why each is prime.")]
     assert len({len(p) for p in prompts}) == 3  # different lengths, so positions and tables differ per sequence
     alone = [engine.complete(p, SamplingParams(max_new_tokens=STEPS, ignore_eos=True)).token_ids for p in prompts]
     assert _decode_batch(engine, prompts) == alone
-    if kv_mode == "paged":
-        assert engine.kv_cache.manager.num_used_blocks == 0
+    assert engine.blocks_in_use() == 0
 
 
 def test_prefix_hit_inside_a_batch(bundled):
@@ -65,4 +57,4 @@ def test_prefix_hit_inside_a_batch(bundled):
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
     engine.kv_cache.free(first)
     engine.kv_cache.free(second)
-    assert engine.kv_cache.manager.num_used_blocks == 0
+    assert engine.blocks_in_use() == 0

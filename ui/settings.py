@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from inference_core import ConfigError, Engine, EngineConfig, LoadedModel, SamplingParams, wake_device
 from inference_core.cost import StepCosts
-from inference_core.kv_cache import PagedKVCache
 from inference_core.speculative import SpecConfig
 
 KV_MODE_LABELS = {"paged": "paged KV cache", "contiguous": "contiguous KV cache", "none": "no KV cache (recompute)"}
@@ -149,14 +148,12 @@ class EnginePool:
         return engine
 
     def active_requests(self) -> int:
-        """Requests holding KV memory right now, over every engine (0 whenever nothing is generating)."""
-        return sum(len(engine.active) for engine in self.engines.values())
+        """Requests queued or running right now, over every engine (0 whenever nothing is generating)."""
+        return sum(engine.num_requests() for engine in self.engines.values())
 
     def blocks_in_use(self) -> int:
-        """Paged KV blocks held over every engine, the draft model's own caches included."""
-        caches = [engine.kv_cache for engine in self.engines.values()]
-        caches += [engine.draft_runner.kv_cache for engine in self.engines.values() if engine.draft_runner is not None]
-        return sum(cache.manager.num_used_blocks for cache in caches if isinstance(cache, PagedKVCache))
+        """KV blocks (paged) and slots (contiguous) held over every engine, the draft model's own caches included."""
+        return sum(engine.blocks_in_use() for engine in self.engines.values())
 
 
 def duration(seconds: float) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from inference_core import ConfigError, Engine, EngineConfig, LoadedModel, SamplingParams, wake_device
 from inference_core.cost import StepCosts
+from inference_core.engine_loop import EngineLoop
 from inference_core.speculative import SpecConfig
 
 KV_MODE_LABELS = {"paged": "paged KV cache", "contiguous": "contiguous KV cache", "none": "no KV cache (recompute)"}
@@ -107,6 +108,8 @@ class EnginePool:
         self.costs = StepCosts(loaded, self.max_seq_len)
         self.max_run_s = max_run_s
         self.races_started = 0
+        # The one thread that owns the device: every tab's requests go through it, batched per engine.
+        self.loop = EngineLoop()
 
     def _engine(self, config: EngineConfig) -> Engine:
         return Engine(self.loaded, config, draft_model=self.draft)

@@ -314,12 +314,16 @@ class Engine:
 
     def _finish(self, request: Request, finished: list[Request]) -> None:
         """The request's final event (with its KV usage at the end), then its KV goes back."""
+        if request.keep_final_kv_snapshot:
+            request.final_kv_snapshot = self.kv_snapshot()
         request.emit(request.finish_event(self.config.kv_mode, self.kv_cache.usage(request.seq)))
         self._release(request)
         finished.append(request)
 
     def _fail(self, request: Request, error: BaseException) -> None:
         request.error = error
+        if request.listener is not None:  # the engine loop's caller re-raises it from the request's events
+            request.listener(request, error)
         self._release(request)
 
     def _release(self, request: Request) -> None:

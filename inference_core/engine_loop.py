@@ -3,7 +3,9 @@ the chat, the race, an HTTP API) can submit and stream at the same time.
 
 `EngineLoop.submit(engine, prompt, params, ...)` validates the request in the caller's thread (a `ConfigError`
 comes back at once), queues it on `engine`, and returns a `LoopHandle`, an iterator of that request's events that
-blocks until the loop thread produces them. Requests on the same engine are batched together by its scheduler; the
+blocks until the loop thread produces them. Whatever another thread asks of the loop (queue a request, cancel one,
+read an engine's state with `call`) runs in the loop thread between two steps, so engines need no locks and a
+caller waits at most one step. Requests on the same engine are batched together by its scheduler; the
 loop steps one engine at a time. Between engines (two configurations, say a race's two lanes) it shares the device
 by busy time: it steps the engine with work that has used the least device time since it last became busy, so two
 busy engines each get half of it, step by step.
@@ -22,7 +24,9 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Callable, Iterator
 
 from inference_core.engine import Engine, FinishEvent, StepReport, TokenEvent
@@ -83,11 +87,16 @@ class LoopHandle:
 
 class EngineLoop:
     def __init__(self):
-        self._lock = threading.Condition()
+        # Everything another thread asks of the loop is a command run by the loop thread between two steps, so no
+        # engine is ever touched by two threads and a caller waits at most one step.
+        self._commands: queue.Queue[tuple[Callable, Future]] = queue.Queue()
         self._busy_s: dict[Engine, float] = {}  # device time used since the engine last became busy (fair share)
+        self._busy_since: dict[Engine, int] = {}  # ties go to the engine that became busy first
+        self._became_busy = 0
         self._recent_ms: dict[Engine, deque[float]] = {}
         self._step_listeners: dict[Engine, list[Callable[[StepReport], None]]] = {}
         self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
         self._closed = False
 
     # --- callers' side --------------------------------------------------------------------------------------------
@@ -96,74 +105,89 @@ class EngineLoop:
                **kwargs) -> LoopHandle:
         """Validate (raises ConfigError here, in the caller's thread) and queue a request on `engine`; keywords as
         `Engine.make_request`. `sink`: a queue shared with other handles, read with `merge`."""
-        request = engine.make_request(prompt, params, **kwargs)
+        return self.enqueue(engine, engine.make_request(prompt, params, **kwargs), tag=tag, sink=sink)
+
+    def enqueue(self, engine: Engine, request: Request, *, tag=None, sink: queue.Queue | None = None) -> LoopHandle:
+        """Queue a request already made (and so validated) by `engine.make_request`."""
         handle = LoopHandle(self, engine, request, tag, sink)
         request.listener = handle._deliver
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the engine loop has been closed")
-            if not engine.has_work():  # newly busy: start level with the engines already busy, not far behind
-                busy = [self._busy_s[e] for e in self._busy_s if e.has_work()]
-                self._busy_s[engine] = min(busy, default=0.0)
-            engine.enqueue(request)
-            self._start()
-            self._lock.notify_all()
+        self.call(self._enqueue, engine, request)
         return handle
 
+    def _enqueue(self, engine: Engine, request: Request) -> None:
+        if not engine.has_work():  # newly busy: start level with the engines already busy, not far behind
+            busy = [self._busy_s[e] for e in self._busy_s if e.has_work()]
+            self._busy_s[engine] = min(busy, default=0.0)
+            self._became_busy += 1
+            self._busy_since[engine] = self._became_busy
+        engine.enqueue(request)
+
     def cancel(self, handle: LoopHandle) -> None:
-        with self._lock:
-            handle.engine.cancel(handle.request)
-            handle.done = True
+        self.call(handle.engine.cancel, handle.request)
+        handle.done = True
 
     def drain(self, engine: Engine) -> None:
         """No more requests are coming to `engine` (a static batch may start partial)."""
-        with self._lock:
-            engine.drain()
-            self._lock.notify_all()
+        self.call(engine.drain)
 
     def wake(self) -> None:
-        with self._lock:
-            self._lock.notify_all()
+        self.call(lambda: None)
+
+    def call(self, function: Callable, *args):
+        """Run `function(*args)` in the loop thread between two steps and return its result (or raise its error):
+        how another thread reads an engine's state, changes its queues, or uses the device alone."""
+        if threading.current_thread() is self._thread:
+            return function(*args)
+        if self._closed:
+            raise RuntimeError("the engine loop has been closed")
+        future: Future = Future()
+        self._commands.put((lambda: function(*args), future))
+        self._start()
+        return future.result()
 
     def on_step(self, engine: Engine, listener: Callable[[StepReport], None]) -> Callable[[], None]:
         """Call `listener(report)` (in the loop thread) after every step of `engine`; returns a function that stops."""
-        with self._lock:
-            self._step_listeners.setdefault(engine, []).append(listener)
+        self.call(lambda: self._step_listeners.setdefault(engine, []).append(listener))
 
         def remove() -> None:
-            with self._lock:
-                listeners = self._step_listeners.get(engine, [])
-                if listener in listeners:
-                    listeners.remove(listener)
+            listeners = self._step_listeners.get(engine, [])
+            self.call(lambda: listener in listeners and listeners.remove(listener))
         return remove
 
     def status(self) -> list[dict]:
-        """Per engine with work: requests queued and running, and the mean of its recent step times (ms)."""
-        with self._lock:
-            return [{"engine": engine, "waiting": len(engine.scheduler.waiting),
-                     "running": len(engine.scheduler.running),
-                     "mean_step_ms": (sum(self._recent_ms[engine]) / len(self._recent_ms[engine])
-                                      if self._recent_ms.get(engine) else None)}
-                    for engine in self._busy_s if engine.has_work()]
+        """Per engine with work: requests queued and running, the mean of its recent step times (ms), and the fewest
+        steps until one of its running requests may end (its max_new_tokens reached)."""
+        return self.call(self._status)
+
+    def _status(self) -> list[dict]:
+        return [{"engine": engine, "waiting": len(engine.scheduler.waiting), "running": len(engine.scheduler.running),
+                 "mean_step_ms": self._mean_step_ms(engine),
+                 "steps_until_a_slot": min((r.room() for r in engine.scheduler.running), default=0)}
+                for engine in self._busy_s if engine.has_work()]
 
     def mean_step_ms(self, engine: Engine) -> float | None:
-        with self._lock:
-            recent = self._recent_ms.get(engine)
-            return sum(recent) / len(recent) if recent else None
+        return self.call(self._mean_step_ms, engine)
+
+    def _mean_step_ms(self, engine: Engine) -> float | None:
+        recent = self._recent_ms.get(engine)
+        return sum(recent) / len(recent) if recent else None
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
+            self.call(self._close)
             self._thread.join(timeout=5)
+        self._closed = True
+
+    def _close(self) -> None:
+        self._closed = True
 
     # --- the loop thread ------------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-            self._thread.start()
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+                self._thread.start()
 
     def _next_engine(self) -> tuple[Engine | None, float]:
         """The busy engine with the least device time used that can step now, or None and how long to wait."""
@@ -176,41 +200,59 @@ class EngineLoop:
                 wait_s = min(wait_s, until)
         if not ready:
             return None, wait_s
-        return min(ready, key=lambda engine: self._busy_s[engine]), 0.0
+        return min(ready, key=lambda engine: (self._busy_s[engine], self._busy_since[engine])), 0.0
+
+    def _run_commands(self, timeout: float | None) -> None:
+        """Run every queued command; wait up to `timeout` seconds for the first (0: do not wait, None: forever)."""
+        try:
+            command, future = self._commands.get(timeout=timeout) if timeout != 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                future.set_result(command())
+            except BaseException as error:  # the caller gets it; the loop goes on
+                future.set_exception(error)
+            try:
+                command, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                engine, wait_s = self._next_engine()
-                while engine is None and not self._closed:
-                    self._lock.wait(None if wait_s == math.inf else wait_s)
-                    engine, wait_s = self._next_engine()
-                if self._closed:
-                    return
-                try:
-                    report = engine.step()
-                except Exception:  # the requests of the failed step already got the error; the loop goes on
-                    log.exception("engine step failed")
-                    continue
-                self._busy_s[engine] += report.duration_ms / 1e3
-                self._recent_ms.setdefault(engine, deque(maxlen=RECENT_STEPS)).append(report.duration_ms)
-                listeners = list(self._step_listeners.get(engine, ()))
-            for listener in listeners:  # outside the lock: a listener may be slow, or ask for status()
+        while not self._closed:
+            # 1. What callers asked for, between steps. 2. One step of the engine whose turn it is.
+            engine, wait_s = self._next_engine()
+            self._run_commands(0 if engine is not None else (None if wait_s == math.inf else wait_s))
+            if self._closed:
+                return
+            engine, _ = self._next_engine()
+            if engine is None:
+                continue
+            try:
+                report = engine.step()
+            except Exception:  # the requests of the failed step already got the error; the loop goes on
+                log.exception("engine step failed")
+                continue
+            self._busy_s[engine] += report.duration_ms / 1e3
+            self._recent_ms.setdefault(engine, deque(maxlen=RECENT_STEPS)).append(report.duration_ms)
+            for listener in list(self._step_listeners.get(engine, ())):
                 try:
                     listener(report)
                 except Exception:
                     log.exception("step listener failed")
 
 
-def merge(handles: list[LoopHandle], should_stop: Callable[[], bool] | None = None,
-          poll_s: float = 0.05) -> Iterator[tuple[LoopHandle, TokenEvent | FinishEvent]]:
+def merge(handles: list[LoopHandle], should_stop: Callable[[], bool] | None = None, poll_s: float = 0.05,
+          heartbeat_s: float | None = None) -> Iterator[tuple[LoopHandle | None, TokenEvent | FinishEvent | None]]:
     """(handle, event) from handles that share one sink queue, as they arrive, until every one has finished. Once
     `should_stop()` is true (asked at least every `poll_s`), every handle is stopped: it ends after its step in
-    flight, with a final event. Closing this iterator cancels every handle that has not finished."""
+    flight, with a final event. With `heartbeat_s`, (None, None) comes whenever that long passed without an event
+    (a caller that waits can say so). Closing this iterator cancels every handle that has not finished."""
     sink = handles[0].queue if handles else None
     if any(handle.queue is not sink for handle in handles):
         raise ValueError("merge() needs handles submitted with one shared sink queue")
     stopped = False
+    last_event = time.perf_counter()
     try:
         while not all(handle.done for handle in handles):
             if not stopped and should_stop is not None and should_stop():
@@ -220,7 +262,11 @@ def merge(handles: list[LoopHandle], should_stop: Callable[[], bool] | None = No
             try:
                 handle, event = sink.get(timeout=poll_s)
             except queue.Empty:
+                if heartbeat_s is not None and time.perf_counter() - last_event >= heartbeat_s:
+                    last_event = time.perf_counter()
+                    yield None, None
                 continue
+            last_event = time.perf_counter()
             yield handle, handle.received(event)
     finally:
         for handle in handles:

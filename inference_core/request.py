@@ -100,6 +100,10 @@ class Request:
         self.stop_requested = False  # StopGeneration: end after the step in flight, with a final event
         self.finish_reason: str | None = None
         self.error: BaseException | None = None  # set when a step failed: the handle re-raises it
+        # A viewer that draws the KV pool asks for its picture at the request's last token (taken by the step that
+        # finishes the request, just before its blocks go back).
+        self.keep_final_kv_snapshot = False
+        self.final_kv_snapshot: dict | None = None
         self.text, self.emitted = "", 0
         # Speculative decoding: the draft source (built at first admission), stats, and the current draft length.
         self.drafter = None

@@ -14,6 +14,7 @@ from inference_core import Engine, EngineConfig, FinishEvent, GenerationStats, S
 from inference_core.race import interleave
 from inference_core.speculative import SpecConfig, SpecStats
 from ui.chat import CHAT_OUTPUTS, chat_turn
+from ui.control import RunControl
 from ui.figures import acceptance_figure, rolling_tokens_per_s, speed_figure
 from ui.kv_view import render_pool
 from ui.race import LANE_SETTING_FIELDS, run_race
@@ -110,8 +111,9 @@ def test_bad_race_input_gets_a_message(pool, prompt, max_new_tokens, lane_b, mes
 def test_chat_second_turn_reuses_the_first_from_the_prefix_cache(pool):
     settings = lane("paged")
     history, turn_stats = [], []
+    visitor = RunControl()  # one visitor's session: the prefix cache is salted per visitor
     for text in ("Name a fruit.", "What colour is it?"):
-        for values in chat_turn(pool, None, text, history, turn_stats, "", 24, *settings):
+        for values in chat_turn(pool, visitor, text, history, turn_stats, "", 24, *settings):
             out = dict(zip(CHAT_OUTPUTS, values))
         history, turn_stats = out["history"], out["turn_stats"]
     assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
@@ -122,6 +124,39 @@ def test_chat_second_turn_reuses_the_first_from_the_prefix_cache(pool):
     assert second["cached_prompt_tokens"] >= first["prompt_tokens"] // 16 * 16 > 0
     assert "from prefix cache" in out["stats_table"] and out["kv_view"].count('class="kv-cell"') == 32
     assert pool.active_requests() == 0
+
+
+def test_prefix_cache_is_private_to_each_visitor(pool):
+    """The same message from the same visitor hits the cache; from another visitor it does not (the block hashes are
+    salted per visitor), so a cache hit's timing cannot reveal someone else's prompt."""
+    message = "Describe the water cycle step by step for a ten-year-old."
+    first, second = RunControl(), RunControl()
+    cached = []
+    for visitor in (first, first, second):
+        for values in chat_turn(pool, visitor, message, [], [], "", 4, *lane("paged")):
+            out = dict(zip(CHAT_OUTPUTS, values))
+        cached.append(out["turn_stats"][0]["cached_prompt_tokens"])
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0
+
+
+def test_kv_view_shows_other_requests_anonymously():
+    snapshot = {
+        "block_size": 4, "num_blocks": 3, "bytes_per_token": 1024, "context_length": 64,
+        "blocks": [
+            {"id": 0, "ref_count": 1, "num_filled": 4, "owners": [7], "state": "used", "token_ids": [1, 2, 3, 4]},
+            {"id": 1, "ref_count": 1, "num_filled": 3, "owners": [8], "state": "used", "token_ids": [5, 6, 7]},
+            {"id": 2, "ref_count": 0, "num_filled": 0, "owners": [], "state": "free", "token_ids": []},
+        ],
+        "requests": [{"seq_id": 7, "prompt_tokens": 4, "stored_tokens": 4, "cached_prompt_tokens": 0,
+                      "block_table": [0]},
+                     {"seq_id": 8, "prompt_tokens": 3, "stored_tokens": 3, "cached_prompt_tokens": 0,
+                      "block_table": [1]}],
+    }
+    page = render_pool(snapshot, lambda ids: "text" + "-".join(map(str, ids)), "pool", {7: "this turn"})
+    assert "block 0: held by this turn" in page and "text1-2-3-4" in page
+    assert "block 1: in use by another request" in page
+    assert "5, 6, 7" not in page and "text5-6-7" not in page
+    assert "another request (its text is not shown)" in page
 
 
 def test_chat_empty_message_and_cancel(pool):

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import html
 import logging
+import queue
 import time
 
 import gradio as gr
 
 from inference_core import ConfigError, FinishEvent
-from inference_core.race import interleave
+from inference_core.engine_loop import merge
 from ui.control import RunControl
 from ui.kv_view import render_pool
-from ui.race import PANEL_REFRESH_S, TEXT_REFRESH_S
-from ui.settings import PAGE_WORDS, EnginePool, LaneSettings, check_run_cost, duration
+from ui.race import PANEL_REFRESH_S, TEXT_REFRESH_S, WAIT_NOTE_S
+from ui.settings import PAGE_WORDS, EnginePool, LaneSettings, check_run_cost, duration, waiting_note
 
 CHAT_OUTPUTS = ("chat_log", "history", "turn_stats", "stats_table", "kv_view", "input", "status")
 log = logging.getLogger(__name__)
@@ -55,12 +56,21 @@ def stats_table_html(turn_stats: list[dict]) -> str:
             + ("<th>drafts accepted</th>" if speculated else "") + "</tr>" + rows + "</table>")
 
 
-def _kv_html(engine) -> str:
-    snapshot = engine.kv_snapshot()
+def _kv_html(pool: EnginePool, engine, seq_id: int) -> str:
+    """The chat engine's pool, read between the loop's steps. Only this turn's blocks show their text; other
+    visitors' requests batched on the same engine appear anonymously."""
+    snapshot = pool.loop.call(engine.kv_snapshot)
     if snapshot is None:
         return "<p>This configuration has no paged KV pool; pick the paged KV mode to watch its blocks.</p>"
-    labels = {request["seq_id"]: "this turn" for request in snapshot["requests"]}
-    return render_pool(snapshot, engine.tokenizer.decode, "Chat paged pool", labels)
+    return render_pool(snapshot, engine.tokenizer.decode, "Chat paged pool", {seq_id: "this turn"})
+
+
+def _shared_note(stats) -> str:
+    """How many requests this turn's steps served on average, when it was not alone."""
+    if stats.batch_size_mean <= 1.0:
+        return ""
+    return (f" Its steps were shared with other requests (mean batch {stats.batch_size_mean:.1f} sequences), so "
+            "its times include theirs.")
 
 
 def chat_turn(pool: EnginePool, control: RunControl | None, message: str, history: list[dict],
@@ -87,7 +97,8 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
             raise ConfigError("the message is empty; type something first.")
         conversation = ([{"role": "system", "content": system.strip()}] if (system or "").strip() else []) \
             + history + [{"role": "user", "content": message}]
-        request = engine.generate(conversation, settings.sampling(max_new_tokens), spec=settings.spec())
+        request = engine.make_request(conversation, settings.sampling(max_new_tokens), spec=settings.spec(),
+                                      cache_salt=control.visitor)
         check_run_cost(pool, {"chat": settings}, len(engine.prompt_ids(conversation)), int(max_new_tokens), "turn")
     except ConfigError as error:  # bad settings or message, or too much work: say what to change on the page
         words = {**PAGE_WORDS, "longer_context": " (or press 'New chat')"}
@@ -99,14 +110,21 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
     history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
     yield (history, history, turn_stats, gr.skip(), gr.skip(), "", "Generating...")
     answer, last_text, last_kv, busy_s = "", time.perf_counter(), 0.0, 0.0
-    # A race of one: the same Stop and time-limit handling as the race's lanes (stop after the step in flight).
-    turn = interleave({"chat": request}, should_stop=lambda: control.stop_requested or busy_s > pool.max_run_s)
+    seq_id, kv_html = request.seq.seq_id, gr.skip()
     pool.settle_before_timed_work()
+    # Through the shared engine loop: other visitors' turns on the same configuration share its steps. The same
+    # Stop and time-limit handling as the race's lanes (stop after the step in flight).
+    handle = pool.loop.enqueue(engine, request, sink=queue.Queue())
+    turn = merge([handle], should_stop=lambda: control.stop_requested or busy_s > pool.max_run_s,
+                 heartbeat_s=WAIT_NOTE_S)
     try:
-        for _, event in turn:
+        for handle, event in turn:
+            if handle is None:  # nothing for a while: say what the turn waits for
+                if not answer:
+                    yield (gr.skip(),) * 6 + (waiting_note(pool, [engine]),)
+                continue
             if isinstance(event, FinishEvent):
                 answer, stats = event.text, event.stats
-                kv_html = _kv_html(engine)  # the turn still holds its blocks here
                 turn_stats = turn_stats + [{
                     "turn": len(turn_stats) + 1, "config": settings.describe(), "prompt_tokens": stats.prompt_tokens,
                     "cached_prompt_tokens": stats.cached_prompt_tokens, "ttft_ms": stats.ttft_ms,
@@ -123,6 +141,9 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
                              + status
                 if stats.spec and stats.spec["drafted"]:
                     status += f" {stats.spec['acceptance_rate']:.0%} of drafts accepted."
+                status += _shared_note(stats)
+                if not isinstance(kv_html, str):  # a turn too short for a live view: the pool as the turn left it
+                    kv_html = _kv_html(pool, engine, seq_id)
                 yield (history, history, turn_stats, stats_table_html(turn_stats), kv_html, gr.skip(), status)
                 continue
             answer, busy_s = answer + event.text, event.time_s
@@ -132,7 +153,7 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
                 history[-1] = {"role": "assistant", "content": answer}
                 kv_html = gr.skip()
                 if now - last_kv >= PANEL_REFRESH_S:
-                    kv_html, last_kv = _kv_html(engine), now
+                    kv_html, last_kv = _kv_html(pool, engine, seq_id), now
                 yield (history, history, gr.skip(), gr.skip(), kv_html, gr.skip(), gr.skip())
     except Exception as error:  # the page gets a message, the log gets the traceback
         log.exception("chat turn failed")

@@ -4,11 +4,13 @@ Each visitor's page holds a `RunControl` in a `gr.State` (Gradio hands the handl
 and no other session ever sees it). Run or Send arms it before the generation is queued; Stop asks the armed run to
 stop; the run checks before every model step and then stops after the step in flight, so it still ends with a final
 update that puts every panel in its final state. (Gradio's own cancel would end the handler mid-stream, with no final
-update and stale panels.) A Stop pressed while the run waits in the queue is seen as soon as the run starts.
+update and stale panels.) A Stop pressed while the run waits in the queue is seen as soon as the run starts. The same
+object carries the visitor's private cache salt (`visitor`).
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 
@@ -16,6 +18,17 @@ from dataclasses import dataclass
 class RunControl:
     armed: bool = False  # a run was started (Run or Send pressed) and has not ended yet
     stop_requested: bool = False
+    _visitor: str | None = None
+
+    @property
+    def visitor(self) -> str:
+        """This visitor's private id, made on first use (after Gradio has copied the State's default for the
+        session, so every session gets its own). It salts the prefix cache's block hashes: one visitor's requests
+        never hit blocks another visitor's text filled, so neither the KV view nor a cache hit's timing can reveal
+        someone else's prompt. It never leaves the server."""
+        if self._visitor is None:
+            self._visitor = uuid.uuid4().hex
+        return self._visitor
 
     def arm(self) -> None:
         self.armed, self.stop_requested = True, False

@@ -5,8 +5,9 @@ block tables and the memory they hold next to what a contiguous cache would rese
 Cell kinds: a block a request holds (its colour; the filled part darker, so a partly written last block shows its
 fill), a block reused from the prefix cache for that request (outlined) or shared by several requests (reference
 count > 1, marked xN), a cached-but-free block (no owner, still holding a reusable prefix), and a free block.
-Hovering a cell tells which tokens it holds, for blocks the drawn requests hold; a cached-but-free block's tokens are
-not shown, since on a shared deployment they may be another visitor's text.
+Hovering a cell tells which tokens it holds, for blocks the viewer's own requests hold (`request_labels`); blocks of
+other requests appear as "in use by another request", and a cached-but-free block's tokens are not shown either,
+since on a shared deployment they may be another visitor's text.
 """
 
 from __future__ import annotations
@@ -36,27 +37,34 @@ def pool_counts(snapshot: dict) -> tuple[int, int, int]:
 
 def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title: str,
                 request_labels: dict[int, str] | None = None) -> str:
-    """HTML for one paged pool. `request_labels` names requests by seq id (default: 'request N')."""
+    """HTML for one paged pool. `request_labels` names the viewer's own requests by seq id; the pool's other
+    requests are drawn anonymously, without their text. None: every request is the viewer's, as 'request N'."""
     if snapshot is None:
         return f"<p><b>{html.escape(title)}</b>: this configuration has no paged KV pool.</p>"
-    labels = request_labels or {}
     block_size = snapshot["block_size"]
     requests = snapshot["requests"]
+    labels = request_labels if request_labels is not None else {r["seq_id"]: f"request {r['seq_id']}" for r in requests}
     colour_of = {request["seq_id"]: OWNER_COLOURS[index % len(OWNER_COLOURS)] for index, request in enumerate(requests)}
     # Blocks a request got from the prefix cache: the first cached_prompt_tokens / block_size of its table.
     reused = {block_id for request in requests
               for block_id in request["block_table"][:request["cached_prompt_tokens"] // block_size]}
     cells = []
     for block in snapshot["blocks"]:
-        tokens = block["token_ids"] if block["state"] == "used" else []
+        mine = any(owner in labels for owner in block["owners"])
+        tokens = block["token_ids"] if block["state"] == "used" and mine else []
         fill_pct = 100 * block["num_filled"] // block_size
         text = decode(tokens) if tokens else ""
         if block["state"] == "used":
             owner = block["owners"][0]
             colour = colour_of.get(owner, OWNER_COLOURS[-1])
             style = f"background:linear-gradient(to top,{colour} {fill_pct}%,{colour}33 {fill_pct}%);"
-            who = ", ".join(labels.get(o, f"request {o}") for o in block["owners"])
-            state = f"held by {who}"
+            names = [labels[o] for o in block["owners"] if o in labels]
+            others = len(block["owners"]) - len(names)
+            someone_else = "another request" if others == 1 else f"{others} other requests"
+            if names:
+                state = "held by " + ", ".join(names) + (f" and {someone_else}" if others else "")
+            else:
+                state = f"in use by {someone_else}"
             if block["ref_count"] > 1:
                 state += f"; shared by {block['ref_count']} requests through the prefix cache"
             elif block["id"] in reused:
@@ -84,7 +92,7 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
             f'<span title="logical block {index} -> physical block {block_id}" style="display:inline-block;'
             f'padding:0 4px;margin:1px;border:1px solid {colour};border-radius:3px;font-size:11px">'
             f"{index}&rarr;{block_id}</span>" for index, block_id in enumerate(request["block_table"]))
-        name = html.escape(labels.get(request["seq_id"], f"request {request['seq_id']}"))
+        name = html.escape(labels.get(request["seq_id"], "another request (its text is not shown)"))
         tables.append(f'<div style="margin:4px 0"><b style="color:{colour}">{name}</b> block table '
                       f"(logical&rarr;physical): {chips}</div>")
     if not requests:

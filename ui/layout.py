@@ -7,8 +7,9 @@ chat-send, chat-stop, chat-log (plus race-status, chat-status, chat-stats, chat-
 with its prefix (lane-a, lane-b, chat): -kv, -block-size, -prefix-cache, -temperature, -top-p, -seed, -spec (the draft
 source), -spec-k and -spec-layers. A setting that does not apply to the chosen mode is disabled (block size and prefix
 cache without the paged cache, top-p and seed when greedy) or hidden (draft length without a draft source, the
-early-exit depth for other sources). Every generation runs through one queue slot (`concurrency_id="engine"`, limit
-1): the lanes share one device, and a second tab's request waits its turn instead of competing for it.
+early-exit depth for other sources). Every generation hands its requests to the pool's one engine loop
+(`inference_core.engine_loop`), which owns the device: a second tab's requests are batched with the first's where
+they share a configuration, and take turns with them step by step where they do not.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from ui.settings import (BLOCK_SIZES, DEFAULT_LAYERS, KV_MODE_LABELS, SPEC_METHO
 from ui.setups import DEFAULT_LANES, RACE_SETUPS, presets, setup_values
 
 MAX_PROMPT_CHARS = 20_000
-GENERATION = {"concurrency_limit": 1, "concurrency_id": "engine"}
+# Races, chat turns and lab runs only hand requests to the one engine loop and stream what it sends back, so many may
+# be in flight at once: requests on one configuration share its steps (batched), configurations take turns.
+GENERATION = {"concurrency_limit": 8, "concurrency_id": "engine"}
 QUICK = {"queue": False, "show_progress": "hidden"}
 
 

@@ -19,19 +19,22 @@ requests at once. Either way their KV blocks go back to the pool.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from dataclasses import fields
 
 import gradio as gr
 
 from inference_core import ConfigError, FinishEvent, SamplingParams
+from inference_core.engine_loop import merge
 from inference_core.race import interleave
 from ui.control import RunControl
 from ui.figures import acceptance_figure, speed_figure
 from ui.race_view import LaneTrace, identical_html, kv_view_html, lane_html, summary_html
-from ui.settings import PAGE_WORDS, EnginePool, LaneSettings, check_run_cost, duration
+from ui.settings import PAGE_WORDS, EnginePool, LaneSettings, check_run_cost, duration, waiting_note
 
 TEXT_REFRESH_S = 0.25
+WAIT_NOTE_S = 1.0  # a run that has had no event for this long says what it waits for
 PANEL_REFRESH_S = 0.45
 RACE_OUTPUTS = ("lane_a", "lane_b", "chart", "acceptance", "summary", "identical", "kv_view", "status", "run_button")
 LANE_SETTING_FIELDS = tuple(f.name for f in fields(LaneSettings))  # the widgets' values arrive in this order
@@ -79,8 +82,11 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
         settings = {"A": LaneSettings(*lane_values[:count]), "B": LaneSettings(*lane_values[count:2 * count])}
         engines = {name: pool.get(f"lane-{name}", s) for name, s in settings.items()}
         prompt_ids = engines["A"].prompt_ids(prompt or "", (system or "").strip() or None)
-        requests = {name: engines[name].generate(prompt_ids, s.sampling(max_new_tokens), spec=s.spec())
+        requests = {name: engines[name].make_request(prompt_ids, s.sampling(max_new_tokens), spec=s.spec(),
+                                                     cache_salt=control.visitor)
                     for name, s in settings.items()}
+        for request in requests.values():
+            request.keep_final_kv_snapshot = True  # the KV view's picture at the last token
         estimates = check_run_cost(pool, settings, len(prompt_ids), int(max_new_tokens), "race")
     except ConfigError as error:  # bad settings or prompt, or too much work: say what to change on the page
         yield _frame(status=f"**Cannot start the race:** {error.in_words(PAGE_WORDS)}", run_button=idle)
@@ -88,7 +94,8 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
     except (ValueError, TypeError) as error:
         yield _frame(status=f"**Cannot start the race:** {error}", run_button=idle)
         return
-    traces = [LaneTrace(name, settings[name], engines[name], len(prompt_ids)) for name in "AB"]
+    traces = [LaneTrace(name, settings[name], engines[name], len(prompt_ids), loop=pool.loop,
+                        request=requests[name]) for name in "AB"]
     by_name = {trace.name: trace for trace in traces}
     first = pool.first_lane()
     speculates = any(trace.acceptance is not None for trace in traces)
@@ -124,14 +131,22 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
         return sum(trace.times_s[-1] for trace in traces if trace.times_s) > pool.max_run_s
 
     pool.settle_before_timed_work()
-    race = interleave(requests, first=first, should_stop=lambda: control.stop_requested or over_limit())
+    sink = queue.Queue()
+    handles = [pool.loop.enqueue(engines[name], requests[name], tag=name, sink=sink)
+               for name in sorted("AB", key=lambda lane: lane != first)]
+    race = merge(handles, should_stop=lambda: control.stop_requested or over_limit(), heartbeat_s=WAIT_NOTE_S)
     try:
-        for name, event in race:
+        for handle, event in race:
+            if handle is None:  # nothing for a while: the device is busy with other visitors' work
+                if not sent:
+                    yield _frame(status=status + " " + waiting_note(pool, engines.values()))
+                continue
+            name = handle.tag
             trace = by_name[name]
             trace.add(event)
             finished = isinstance(event, FinishEvent)
             if finished:
-                trace.snapshot_kv()  # the request still holds its blocks until the race moves on
+                trace.snapshot_kv()  # the picture the engine took at the last token, before the blocks went back
             if not sent:
                 # The first update waits until both lanes have taken their first step: the browser draws it on the
                 # same CPU, and drawing it during a lane's first step would slow that lane's TTFT.

@@ -14,6 +14,8 @@ import html
 from dataclasses import dataclass, field
 
 from inference_core import Engine, FinishEvent, GenerationStats
+from inference_core.engine_loop import EngineLoop
+from inference_core.request import Request
 from ui.figures import LANE_COLOURS
 from ui.kv_view import pool_counts, render_pool
 from ui.settings import KV_MODE_LABELS, SPEC_METHOD_LABELS, LaneSettings
@@ -77,6 +79,8 @@ class LaneTrace:
     settings: LaneSettings
     engine: Engine
     prompt_tokens: int
+    loop: EngineLoop | None = None  # the engine loop that steps `engine` (its state is read between steps)
+    request: Request | None = None  # this lane's request: the only one whose text the KV view shows
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     times_s: list[float] = field(default_factory=list)  # own-clock time of each token
@@ -136,17 +140,23 @@ class LaneTrace:
         self.shown = self.figures()
         return self.shown
 
+    def _kv_snapshot(self) -> dict | None:
+        return self.loop.call(self.engine.kv_snapshot) if self.loop is not None else self.engine.kv_snapshot()
+
     def snapshot_kv(self) -> None:
-        snapshot = self.engine.kv_snapshot()
+        """Redraw the KV view: live while the request runs; once it has finished, the picture the engine took at
+        its last token (`Request.final_kv_snapshot`: the step that finished it gave its blocks back)."""
+        final = self.stats is not None and self.request is not None
+        snapshot = self.request.final_kv_snapshot if final else self._kv_snapshot()
         if snapshot is not None:
-            labels = {request["seq_id"]: f"Lane {self.name}" for request in snapshot["requests"]}
-            when = "at its last token" if self.stats else "after the race" if self.over else "live"
+            labels = {self.request.seq.seq_id: f"Lane {self.name}"} if self.request is not None else None
+            when = "at its last token" if final else "after the race" if self.over else "live"
             self.kv_html = render_pool(snapshot, self.engine.tokenizer.decode,
                                        f"Lane {self.name} paged pool ({when})", labels)
 
     def note_pool_after(self) -> None:
         """After the race: add to the KV view how the pool stands now that the request has returned its blocks."""
-        snapshot = self.engine.kv_snapshot()
+        snapshot = self._kv_snapshot()
         if snapshot is not None and self.kv_html:
             held, cached, free = pool_counts(snapshot)
             self.kv_html += (f'<p class="kv-after">Since then lane {self.name}\'s request returned its blocks: the '

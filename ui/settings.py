@@ -127,7 +127,7 @@ class EnginePool:
         the lane taking the first step had a TTFT 30-45 ms longer than when it took the second (lane A's TTFT is
         about 130 ms, lane B's about 250); with both, 13-17 ms longer for lane A and no longer for lane B."""
         time.sleep(SETTLE_S)
-        wake_device(self.loaded)
+        self.loop.call(wake_device, self.loaded)  # between the loop's steps: never on top of another visitor's
 
     def check_draft_model(self) -> None:
         """Run one short speculative request with the draft model, which refuses an unusable one at start-up."""
@@ -164,6 +164,29 @@ def duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s" if seconds >= 1 else f"{seconds:.1f} s"
     return f"{seconds / 60:.0f} minutes" if seconds % 60 == 0 else f"about {seconds / 60:.0f} minutes"
+
+
+def waiting_note(pool: EnginePool, engines) -> str:
+    """What a run that has had no event for a while is waiting for, and about how long, from the engine loop's
+    measured step times: other configurations sharing the device (the loop alternates between them step by step),
+    or a full batch on its own configuration (it waits for a running request to end)."""
+    status = pool.loop.status()
+    mine = set(engines)
+    others = [s for s in status if s["engine"] not in mine]
+    notes = []
+    if others:
+        requests = sum(s["waiting"] + s["running"] for s in others)
+        steps = [s["mean_step_ms"] for s in others if s["mean_step_ms"]]
+        took = f" (their steps take about {sum(steps) / len(steps):.0f} ms each, measured)" if steps else ""
+        notes.append(f"The device is shared with {requests} other request{'s' if requests != 1 else ''} on "
+                     f"{len(others)} other configuration{'s' if len(others) != 1 else ''}: the engine loop takes "
+                     f"turns between configurations, step by step{took}.")
+    for s in status:
+        if s["engine"] in mine and s["waiting"] and s["running"] and s["mean_step_ms"]:
+            wait_s = s["steps_until_a_slot"] * s["mean_step_ms"] / 1e3 * (1 + len(others))
+            notes.append(f"This configuration's batch is full ({s['running']} requests run together); the next "
+                         f"place frees in about {duration(wait_s)}, from its measured step time.")
+    return " ".join(notes) or "Waiting for the device..."
 
 
 def check_run_cost(pool: EnginePool, lanes: dict[str, LaneSettings], prompt_tokens: int, new_tokens: int,

@@ -1,6 +1,7 @@
 """Greedy token ids from our engine equal Hugging Face transformers `generate` on the same weights (the bundled
-SmolLM2-135M, fp32, CPU), 128 new tokens for each of five prompts from 12 to 277 tokens, in every KV mode, paged
-with the prefix cache on and off. Long outputs give any wrong KV placement time to show."""
+SmolLM2-135M, fp32, CPU), 128 new tokens for each of five prompts from 12 to 277 tokens, in every KV mode (the
+recompute mode over the first 24), paged with the prefix cache on and off. Long outputs give any wrong KV placement
+time to show."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from conftest import make_engine
 
 PROMPT_IDS = ("plain-1", "chat-short-3", "code-2", "grounded-1", "long-2")  # 12, 36, 106, 145, 277 tokens
 NEW_TOKENS = 128
+# Mode none keeps no KV, so no placement can go wrong over a long output; its steps recompute the whole text (each
+# costs a prefill), so it is checked over fewer tokens.
+RECOMPUTE_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +52,11 @@ def test_prompts_span_many_blocks(prompts):
 def test_greedy_ids_equal_transformers(bundled, prompts, reference, kv_mode, prefix_cache):
     # One engine for all prompts, as in serving: with the prefix cache on, chat prompts reuse the shared system block.
     engine = make_engine(bundled, kv_mode, prefix_cache=prefix_cache)
+    new_tokens = RECOMPUTE_TOKENS if kv_mode == "none" else NEW_TOKENS
     cached = []
     for ids, expected in zip(prompts, reference):
-        event = engine.complete(ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-        assert event.token_ids == expected
+        event = engine.complete(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        assert event.token_ids == expected[:new_tokens]
         cached.append(event.stats.cached_prompt_tokens)
     assert cached == ([0, 0, 16, 16, 16] if prefix_cache else [0] * 5)
     assert engine.blocks_in_use() == 0

@@ -152,6 +152,11 @@ def test_sampled_speculation_runs_and_leaks_nothing(bundled, bench_prompts):
     assert_nothing_held(engine)
 
 
+# Tokens per case of the lossless matrix (3 prompts x 2 draft lengths per source and KV mode), each case rolling back
+# rejected drafts many times; 64 tokens cross many 4-token blocks (the oracle tests run 128 without speculation).
+LOSSLESS_TOKENS = 64
+
+
 @pytest.fixture(scope="module")
 def lossless_prompts(bench_prompts):
     return [bench_prompts[name] for name in ("grounded-1", "code-2", "chat-short-1")]
@@ -159,9 +164,9 @@ def lossless_prompts(bench_prompts):
 
 @pytest.fixture(scope="module")
 def plain_greedy(bundled, lossless_prompts):
-    """Plain greedy ids of each lossless prompt (128 tokens), the reference every draft source must reproduce."""
+    """Plain greedy ids of each lossless prompt (LOSSLESS_TOKENS), the reference every draft source must reproduce."""
     engine = make_engine(bundled, "paged")
-    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=LOSSLESS_TOKENS, ignore_eos=True)
     return {row["id"]: engine.complete(row["prompt"], params, system=row.get("system")).token_ids
             for row in lossless_prompts}
 
@@ -183,7 +188,7 @@ def test_greedy_speculation_is_lossless(bundled, lossless_prompts, plain_greedy,
     settings, draft_layers = SOURCES[source]
     draft = first_layers_copy(bundled, draft_layers) if draft_layers else None
     engine = Engine(bundled, EngineConfig(kv_mode=kv_mode, block_size=4), draft_model=draft)
-    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=LOSSLESS_TOKENS, ignore_eos=True)
     accepted = rejected = 0
     for row in lossless_prompts:
         prompt_ids = engine.prompt_ids(row["prompt"], row.get("system"))

@@ -53,8 +53,8 @@ def speed_figure(lanes: dict[str, dict]) -> go.Figure:
         figure.add_annotation(text="Each lane's tokens/s appears here as the race runs.", xref="paper",
                               yref="paper", x=0.5, y=0.5, showarrow=False, font={"color": "#64748b"})
     figure.update_layout(
-        height=330, margin={"l": 50, "r": 20, "t": 40, "b": 80}, template="plotly_white",
-        legend={"orientation": "h", "y": -0.3, "x": 0},
+        height=270, margin={"l": 50, "r": 20, "t": 30, "b": 70}, template="plotly_white",
+        legend={"orientation": "h", "y": -0.35, "x": 0},
         xaxis_title="lane's own device time (s)", yaxis_title=f"tokens/s (last {ROLLING_TOKENS} tokens)",
         yaxis={"rangemode": "tozero"}, xaxis={"rangemode": "tozero"})
     return figure

@@ -112,46 +112,58 @@ def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
 
 
 def _build_race_tab(pool: EnginePool) -> None:
+    """The first screen (1440x900) holds the setup, the prompt with Run and Stop, each lane's settings folded into a
+    one-line summary, both lanes' streaming text and the tokens/s chart; the numbers and the KV view follow below."""
     prompts = presets()
     first = next(iter(prompts.values()))
     default_setup = next(iter(RACE_SETUPS))
     control = gr.State(RunControl())
-    with gr.Row():
+    with gr.Row(equal_height=True):
         setup = gr.Dropdown(list(RACE_SETUPS), value=default_setup, label="Race setup (sets both lanes)",
                             elem_id="race-setup", scale=2)
         preset = gr.Dropdown(list(prompts), value=next(iter(prompts)), label="Preset prompt (chat, code, grounded, "
                              "long, shared-prefix)", scale=1)
     about = gr.Markdown(RACE_SETUPS[default_setup].about, elem_id="race-setup-about")
-    prompt = gr.Textbox(first["prompt"], lines=3, max_lines=12, label="Prompt", elem_id="race-prompt",
-                        max_length=MAX_PROMPT_CHARS)
-    system = gr.Textbox(first.get("system", ""), lines=1, label="System message (optional)")
-    max_new_tokens = gr.Slider(8, 512, value=128, step=8, label="max new tokens (per lane)",
-                               elem_id="race-max-new-tokens")
-    lane_widgets = {}
-    with gr.Row():
+    with gr.Row(equal_height=True):
+        prompt = gr.Textbox(first["prompt"], lines=2, max_lines=8, label="Prompt", elem_id="race-prompt",
+                            max_length=MAX_PROMPT_CHARS, scale=5)
+        with gr.Column(scale=1, min_width=160):
+            run = gr.Button("Run race", variant="primary", elem_id="race-run")
+            stop = gr.Button("Stop", variant="stop", elem_id="race-stop")
+    lane_widgets, lane_folds = {}, {}
+    with gr.Row(equal_height=False):
         for name, defaults in DEFAULT_LANES.items():
-            with gr.Column(), gr.Accordion(f"Lane {name} settings", open=True):
+            with gr.Column(), gr.Accordion(_lane_summary(name, defaults), open=False,
+                                           elem_id=f"lane-{name.lower()}-settings") as fold:
                 lane_widgets[name] = _settings_widgets(pool, defaults, f"Lane {name}", f"lane-{name.lower()}")
+            lane_folds[name] = fold
+        with gr.Column(), gr.Accordion("System message and length: up to 128 new tokens per lane", open=False,
+                                       elem_id="race-options") as options:
+            system = gr.Textbox(first.get("system", ""), lines=1, label="System message (optional)")
+            max_new_tokens = gr.Slider(8, 512, value=128, step=8, label="max new tokens (per lane)",
+                                       elem_id="race-max-new-tokens")
     lanes = lane_widgets["A"] + lane_widgets["B"]
-    with gr.Row():
-        run = gr.Button("Run race", variant="primary", elem_id="race-run")
-        stop = gr.Button("Stop", variant="stop", elem_id="race-stop")
     status = gr.Markdown("Both lanes run the same prompt on one device, taking turns step by step so that each gets "
                          "an equal share of device time; each lane is timed by its own steps only. A race may use "
                          f"up to {duration(pool.max_run_s)} of device time.", elem_id="race-status")
     with gr.Row(equal_height=False):
         lane_a = gr.HTML("<b>Lane A</b>", elem_id="lane-a-output")
         lane_b = gr.HTML("<b>Lane B</b>", elem_id="lane-b-output")
-    with gr.Row(equal_height=False):
         # Drawn at page load, so the browser has its plotting code ready before the first race starts.
         chart = gr.Plot(speed_figure({}), label="tokens/s over each lane's own device time", elem_id="race-chart")
-        acceptance = gr.Plot(label="speculative decoding: share of drafts accepted", elem_id="race-acceptance",
-                             visible=False)
     with gr.Row(equal_height=False):
         summary = gr.HTML(elem_id="race-summary")
-        identical = gr.HTML(elem_id="race-identical")
+        with gr.Column():
+            identical = gr.HTML(elem_id="race-identical")
+            acceptance = gr.Plot(label="speculative decoding: share of drafts accepted", elem_id="race-acceptance",
+                                 visible=False)
     kv_view = gr.HTML(elem_id="kv-view")
 
+    for name, widgets in lane_widgets.items():  # each folded lane says its settings in one line
+        for widget in widgets:
+            widget.change(partial(_lane_summary_update, name), widgets, lane_folds[name], **QUICK)
+    max_new_tokens.change(lambda n: gr.update(label=f"System message and length: up to {int(n)} new tokens per "
+                                                    "lane"), max_new_tokens, options, **QUICK)
     preset.change(lambda key: (prompts[key]["prompt"], prompts[key].get("system", "")), preset, [prompt, system],
                   **QUICK)
     setup.change(lambda name: setup_values(RACE_SETUPS[name], prompts, LANE_SETTING_FIELDS), setup,
@@ -162,6 +174,17 @@ def _build_race_tab(pool: EnginePool) -> None:
         _gpu_task(partial(run_race, pool)), [control, prompt, system, max_new_tokens] + lanes,
         [outputs[name] for name in RACE_OUTPUTS], show_progress="hidden", **GENERATION)
     stop.click(stop_race, control, None, **QUICK, **_stop_cancels([race]))
+
+
+def _lane_summary(name: str, settings: LaneSettings) -> str:
+    return f"Lane {name}: {settings.describe()}"
+
+
+def _lane_summary_update(name: str, *values):
+    try:
+        return gr.update(label=_lane_summary(name, LaneSettings(*values)))
+    except (ValueError, TypeError):  # a half-typed value: keep the last summary
+        return gr.skip()
 
 
 def _build_chat_tab(pool: EnginePool) -> None:

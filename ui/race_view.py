@@ -194,7 +194,7 @@ def lane_html(trace: LaneTrace, name: str) -> str:
             f'{html.escape(trace.settings.describe())}<div class="lane-numbers" style="font-size:12px;'
             f'color:#475569">{", ".join(numbers)}</div>{legend}'
             # column-reverse keeps the box scrolled to its newest line as text streams in
-            f'<div class="lane-text" style="white-space:pre-wrap;margin-top:6px;max-height:340px;overflow-y:auto;'
+            f'<div class="lane-text" style="white-space:pre-wrap;margin-top:6px;max-height:240px;overflow-y:auto;'
             f'display:flex;flex-direction:column-reverse"><div>{text}</div></div></div>')
 
 

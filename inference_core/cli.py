@@ -1,13 +1,18 @@
 """The command line, a stable contract other tools rely on:
 
-    python -m inference_core generate --prompt TEXT [--prompt TEXT ...] [--json] ...
+    python -m inference_core generate --prompt TEXT [--prompt TEXT ...] [--batching MODE] [--json] ...
     python -m inference_core bench [--prompts FILE] [--max-new-tokens N] [--repeats R] [--json PATH] ...
+    python -m inference_core batch-bench [--requests N] [--arrival burst|poisson:RATE] [--modes ...] [--json PATH] ...
     python -m inference_core spec-bench [--source ngram|early-exit|draft] [--spec-k 3,5] [--kinds chat,code] ...
     python -m inference_core race [--lanes paged,none] [--prompt-id ID] [--repeats R] [--json PATH] ...
 
-`generate` runs its prompts one after another on one engine (so a later prompt can hit the prefix cache) and streams
-text to stdout, or with `--json` prints one JSON list with an object per prompt: `token_ids`, `text`, `stats`.
-Bad settings exit with status 2 and a one-line message that says what to change.
+`generate` with `--batching none` (the default) runs its prompts one after another on one engine (so a later prompt
+can hit the prefix cache) and streams text to stdout. With `--batching static|dynamic|continuous` it submits every
+prompt at once (`--priority` per prompt, lower first), steps the engine until all are done, then prints each prompt's
+text in prompt order. Either way `--json` prints one JSON list with an object per prompt, in prompt order: `prompt`,
+`token_ids`, `text`, `stats` (`GenerationStats.as_dict()`, with `preemptions`, `queue_ms`, `batch_size_mean`).
+Bad settings, and settings that do nothing together, exit with status 2 and a one-line message that says what to
+change.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import argparse
 import json
 import sys
 
-from inference_core.config import KV_MODES, ConfigError, EngineConfig
-from inference_core.engine import Engine, FinishEvent, load_model
+from inference_core.config import BATCHING_MODES, KV_MODES, ConfigError, EngineConfig
+from inference_core.engine import Engine, FinishEvent, GenerationStats, load_model
 from inference_core.sampling import SamplingParams
 from inference_core.speculative import SPEC_METHODS, SpecConfig
 
@@ -34,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate text for one or more prompts")
-    generate.add_argument("--prompt", action="append", required=True, help="repeat to run several prompts in turn")
+    generate.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     generate.add_argument("--system", help="system message for the chat template")
     generate.add_argument("--no-chat", action="store_true", help="plain completion: no chat template")
     _add_model_args(generate)
@@ -58,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--draft-layers", type=int, help="early-exit: layers the draft runs (default: half)")
     generate.add_argument("--draft-model", help="--spec draft: a smaller model with the same tokenizer "
                                                 "(same forms as --model)")
+    generate.add_argument("--batching", choices=BATCHING_MODES, default="none",
+                          help="none: prompts in turn, streamed; otherwise all submitted at once and batched "
+                               "(static, dynamic or continuous)")
+    generate.add_argument("--max-num-seqs", type=int, help="sequences in one step (default 8; not with --batching "
+                                                           "none)")
+    generate.add_argument("--max-batched-tokens", type=int, default=2048,
+                          help="tokens one step forwards, prefill chunks and decodes together")
+    generate.add_argument("--no-chunked-prefill", action="store_true",
+                          help="never split a prompt across steps")
+    generate.add_argument("--kv-cache-tokens", type=int,
+                          help="--kv paged: pool size in tokens (default: one --max-seq-len); small forces preemption")
+    generate.add_argument("--priority", type=int, action="append",
+                          help="one per --prompt, lower runs first (default 0 each; not with --batching none)")
     generate.add_argument("--json", action="store_true", help="print one JSON list instead of streaming text")
 
     bench = commands.add_parser("bench", help="our KV modes vs Hugging Face transformers on the same prompts")
@@ -70,6 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--json", dest="json_path", help="write the results here")
+
+    batch_bench = commands.add_parser("batch-bench",
+                                      help="batching modes vs transformers on one request set with arrival times")
+    batch_bench.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
+    batch_bench.add_argument("--requests", type=int, default=32, help="requests, cycling through the prompts")
+    _add_model_args(batch_bench)
+    batch_bench.add_argument("--max-new-tokens", type=int, default=64)
+    batch_bench.add_argument("--arrival", default="burst",
+                             help="burst (all at t=0) or poisson:RATE (RATE requests/s, seeded)")
+    batch_bench.add_argument("--modes", default="none,static,dynamic,continuous",
+                             help="our batching modes, comma-separated")
+    batch_bench.add_argument("--peers", default="hf-sequential,hf-static",
+                             help="transformers rows, comma-separated, from: hf-sequential, hf-static ('' for none)")
+    batch_bench.add_argument("--max-num-seqs", type=int, default=8, help="batch size limit (ours and hf-static)")
+    batch_bench.add_argument("--kv-cache-tokens", type=int,
+                             help="paged pool size (default: max-num-seqs requests of the longest prompt)")
+    batch_bench.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
+    batch_bench.add_argument("--json", dest="json_path", help="write the results here")
 
     spec_bench = commands.add_parser("spec-bench", help="speculative vs plain decoding by prompt kind")
     spec_bench.add_argument("--source", choices=[m for m in SPEC_METHODS if m != "none"], default="ngram",
@@ -95,11 +131,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def generate_config(args: argparse.Namespace) -> EngineConfig:
+    """`generate`'s engine settings, refusing flags that would do nothing together."""
+    batched = args.batching != "none"
+    if args.kv_cache_tokens is not None and args.kv != "paged":
+        raise ConfigError(f"--kv-cache-tokens sizes the paged KV pool; use it with --kv paged (not --kv {args.kv}).")
+    if args.max_num_seqs is not None and not batched:
+        raise ConfigError("--batching none runs one sequence at a time; --max-num-seqs needs --batching static, "
+                          "dynamic or continuous.")
+    if args.priority is not None:
+        if not batched:
+            raise ConfigError("--priority orders prompts that wait together, but --batching none runs them one after "
+                              "another as given: reorder the --prompt flags, or choose a --batching mode.")
+        if len(args.priority) != len(args.prompt):
+            raise ConfigError(f"{len(args.priority)} --priority values for {len(args.prompt)} --prompt flags; give "
+                              "one --priority per --prompt, in the same order (or none: 0 each).")
+    return EngineConfig(kv_mode=args.kv, block_size=args.block_size, prefix_cache=not args.no_prefix_cache,
+                        max_seq_len=args.max_seq_len, kv_cache_tokens=args.kv_cache_tokens, batching=args.batching,
+                        max_num_seqs=args.max_num_seqs or (8 if batched else 1),
+                        max_num_batched_tokens=args.max_batched_tokens, chunked_prefill=not args.no_chunked_prefill)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    config = EngineConfig(kv_mode=args.kv, block_size=args.block_size, prefix_cache=not args.no_prefix_cache,
-                          max_seq_len=args.max_seq_len)
+    config = generate_config(args)
     spec = SpecConfig(method=args.spec, k=args.spec_k, adaptive=args.spec_adaptive, draft_layers=args.draft_layers)
     if args.draft_model and args.spec != "draft":
         raise ConfigError("--draft-model is used only with --spec draft.")
@@ -108,26 +164,61 @@ def run_generate(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, args.device, args.dtype)
     draft = load_model(args.draft_model, args.device, args.dtype) if args.draft_model else None
     engine = Engine(loaded, config, draft_model=draft)
-    results = []
-    for prompt in args.prompt:
-        for event in engine.generate(prompt, params, system=args.system, chat=not args.no_chat, spec=spec):
-            if isinstance(event, FinishEvent):
-                results.append({"prompt": prompt, "token_ids": event.token_ids, "text": event.text,
-                                "stats": event.stats.as_dict()})
-                if not args.json:
-                    s = event.stats
-                    print(f"\n[{s.generated_tokens} tokens, {s.finish_reason}; TTFT {s.ttft_ms:.0f} ms, "
-                          f"decode {s.decode_tokens_per_s:.1f} tok/s; prompt {s.prompt_tokens} tokens, "
-                          f"{s.cached_prompt_tokens} from the prefix cache]", file=sys.stderr)
-                    if s.spec:
-                        print(f"[speculative {args.spec}, k={s.spec['k']}: {s.spec['accepted']} of "
-                              f"{s.spec['drafted']} drafts accepted ({100 * s.spec['acceptance_rate']:.0f}%), "
-                              f"{s.spec['mean_accepted_length']:.2f} tokens per verification]", file=sys.stderr)
-            elif not args.json:
-                print(event.text, end="", flush=True)
+    options = {"system": args.system, "chat": not args.no_chat, "spec": spec}
+    if args.batching == "none":
+        results = [_stream_one(engine, prompt, params, options, args) for prompt in args.prompt]
+    else:
+        results = _run_batched(engine, params, options, args)
     if args.json:
         print(json.dumps(results))
     return 0
+
+
+def _stream_one(engine: Engine, prompt: str, params: SamplingParams, options: dict, args) -> dict:
+    """One prompt alone on the engine, its text streamed unless --json."""
+    for event in engine.generate(prompt, params, **options):
+        if isinstance(event, FinishEvent):
+            if not args.json:
+                print(file=sys.stderr)  # end the streamed text's line before the stats
+                _print_stats(event.stats, args.spec)
+            return _result(prompt, event)
+        if not args.json:
+            print(event.text, end="", flush=True)
+    raise AssertionError("a generation ended without its final event")
+
+
+def _run_batched(engine: Engine, params: SamplingParams, options: dict, args) -> list[dict]:
+    """Every prompt submitted at once, the engine stepped until all are done; results in prompt order."""
+    priorities = args.priority or [0] * len(args.prompt)
+    requests = [engine.submit(prompt, params, priority=priority, **options)
+                for prompt, priority in zip(args.prompt, priorities)]
+    engine.drain()  # nothing more is coming: a static batch may start with fewer than --max-num-seqs prompts
+    while engine.has_work():
+        engine.step()
+    results = []
+    for prompt, request in zip(args.prompt, requests):
+        finish = request.events[-1]
+        assert isinstance(finish, FinishEvent), f"request {request.request_id} ended without its final event"
+        results.append(_result(prompt, finish))
+        if not args.json:
+            print(finish.text, flush=True)
+            _print_stats(finish.stats, args.spec)
+    return results
+
+
+def _result(prompt: str, finish: FinishEvent) -> dict:
+    return {"prompt": prompt, "token_ids": finish.token_ids, "text": finish.text, "stats": finish.stats.as_dict()}
+
+
+def _print_stats(s: GenerationStats, spec_method: str) -> None:
+    print(f"[{s.generated_tokens} tokens, {s.finish_reason}; TTFT {s.ttft_ms:.0f} ms, "
+          f"decode {s.decode_tokens_per_s:.1f} tok/s; prompt {s.prompt_tokens} tokens, "
+          f"{s.cached_prompt_tokens} from the prefix cache; {s.preemptions} preemptions, "
+          f"mean batch {s.batch_size_mean:.1f}]", file=sys.stderr)
+    if s.spec:
+        print(f"[speculative {spec_method}, k={s.spec['k']}: {s.spec['accepted']} of "
+              f"{s.spec['drafted']} drafts accepted ({100 * s.spec['acceptance_rate']:.0f}%), "
+              f"{s.spec['mean_accepted_length']:.2f} tokens per verification]", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "batch-bench":
+            from inference_core.batch_bench import run_batch_bench
+
+            return run_batch_bench(args)
         if args.command == "spec-bench":
             from inference_core.spec_bench import run_spec_bench
 

@@ -397,9 +397,11 @@ class Engine:
         return self.kv_cache.blocks_in_use() + draft
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (paged KV; nothing to do in the other modes)."""
-        if isinstance(self.kv_cache, PagedKVCache):
-            self.kv_cache.manager.reset_prefix_cache()
+        """Forget every cached prefix, the draft model's too (paged KV; nothing to do in the other modes)."""
+        caches = [self.kv_cache] + ([self.draft_runner.kv_cache] if self.draft_runner is not None else [])
+        for cache in caches:
+            if isinstance(cache, PagedKVCache):
+                cache.manager.reset_prefix_cache()
 
     def kv_snapshot(self) -> dict | None:
         """The paged pool as plain values for drawing (None for the other KV modes): the block manager's snapshot

@@ -94,9 +94,10 @@ class Request:
         self.detokenizer: IncrementalDetokenizer = detokenizer
         self.longest_stop = max((len(s) for s in params.stop), default=0)
         self.state = "waiting"
-        # Where events go: `listener` (the engine loop's callback) if set, else the `events` deque for the caller.
+        # Where events go: `listener` (the engine loop's callback) if set, else the `events` deque for the caller. A
+        # failed step calls the listener with the error instead of an event.
         self.events: deque[TokenEvent | FinishEvent] = deque()
-        self.listener: Callable[[Request, TokenEvent | FinishEvent], None] | None = None
+        self.listener: Callable[[Request, TokenEvent | FinishEvent | BaseException], None] | None = None
         self.stop_requested = False  # StopGeneration: end after the step in flight, with a final event
         self.finish_reason: str | None = None
         self.error: BaseException | None = None  # set when a step failed: the handle re-raises it
@@ -112,6 +113,8 @@ class Request:
         # Clocks and counters (see the module docstring).
         self.submitted_at = time.perf_counter()
         self.first_scheduled_at: float | None = None
+        self.first_token_at: float | None = None  # wall clock (perf_counter) of the first token, queueing included
+        self.finished_at: float | None = None  # wall clock of the final event
         self.busy_s = tokenize_s
         self.first_token_busy_s: float | None = None
         self.prefill_s = 0.0  # steps that computed prompt tokens (the first token's step included)
@@ -172,6 +175,7 @@ class Request:
         first = seq.num_generated_tokens == 1
         if first:
             self.first_token_busy_s = self.busy_s
+            self.first_token_at = time.perf_counter()
         return TokenEvent(token, delta, seq.num_generated_tokens - 1, self.busy_s, step_s * 1e3, draft, rejected_ids,
                           self.cached_prompt_tokens if first else None, batch_size)
 
@@ -192,6 +196,7 @@ class Request:
             queue_ms=queue_s * 1e3, batch_size_mean=self.batch_size_sum / self.steps if self.steps else 0.0)
 
     def finish_event(self, kv_mode: str, kv_usage: tuple[int, int]) -> FinishEvent:
+        self.finished_at = time.perf_counter()
         return FinishEvent(self.text, self.seq.generated_token_ids, self.stats(kv_mode, kv_usage))
 
 

@@ -124,6 +124,9 @@ class Scheduler:
                     break
             if request not in self.running:
                 continue
+            # Take the new block now, not in the forward: can_append does not reserve, so two decodes crossing a
+            # block boundary in one step with one block free would both pass and the second forward would fail.
+            self.kv_cache.ensure_capacity(seq)
             work.append(ScheduledWork(request, num_tokens, self._kind(request, remaining)))
             budget -= num_tokens
         # 2. Admit waiting requests while the mode, the sequence limit, the budget and the KV cache allow.

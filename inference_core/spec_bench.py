@@ -26,9 +26,7 @@ from inference_core.speculative import SpecConfig
 
 
 def _run(engine: Engine, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig | None):
-    for runner in (engine.runner, engine.draft_runner):
-        if runner is not None and engine.config.kv_mode == "paged":
-            runner.kv_cache.manager.reset_prefix_cache()
+    engine.reset_prefix_cache()
     return engine.complete(prompt_ids, params, spec=spec)
 
 

@@ -160,7 +160,6 @@ def test_request_larger_than_the_kv_pool_holds_nothing(bundled, prompt_tokens, m
         list(engine.generate(text_ids(bundled, prompt_tokens),
                              SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)))
     assert_nothing_held(engine)
-    assert engine.kv_cache.manager.num_free_blocks == 2
 
 
 # --- Engine settings ------------------------------------------------------------------------------------------------

@@ -1,16 +1,26 @@
-"""The command line is a contract other tools rely on: `generate --json` and `bench --json` output shapes, several
-prompts on one engine (the prefix cache carries over), and bad settings exiting with status 2 and a message."""
+"""The command line is a contract other tools rely on: `generate --json`, `bench --json` and `batch-bench --json`
+output shapes, several prompts on one engine (the prefix cache carries over), batched prompts giving the same greedy
+ids as prompts run in turn (also when a tiny KV pool forces preemption), and bad settings exiting with status 2 and a
+message."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import random
 
 import pytest
 
+from inference_core.batch_bench import ROW_KEYS, parse_arrivals, percentile, run_engine
 from inference_core.cli import main
+from inference_core.config import EngineConfig
+from inference_core.engine import Engine
 
 STATS_KEYS = {"kv_mode", "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "finish_reason", "ttft_ms",
-              "prefill_tokens_per_s", "decode_tokens_per_s", "total_ms", "kv_bytes_in_use", "kv_bytes_reserved", "spec"}
+              "prefill_tokens_per_s", "decode_tokens_per_s", "total_ms", "kv_bytes_in_use", "kv_bytes_reserved", "spec",
+              "preemptions", "queue_ms", "batch_size_mean"}
+THREE_PROMPTS = ["What is the capital of France?", "Name three rivers.", "Say hello."]
 
 
 def test_generate_json_runs_prompts_on_one_engine(bundled, capsys):
@@ -81,6 +91,15 @@ def test_generate_streams_text(bundled, capsys):
     (["generate", "--prompt", "hi", "--spec", "ngram", "--draft-model", "bundled"], "used only with --spec draft"),
     (["generate", "--prompt", "hi", "--spec", "early-exit", "--draft-layers", "30"], "below the model's 30 layers"),
     (["generate", "--prompt", "hi", "--draft-layers", "3"], "used only with --spec early-exit"),
+    (["generate", "--prompt", "a", "--prompt", "b", "--batching", "continuous", "--priority", "1"],
+     "1 --priority values for 2 --prompt flags"),
+    (["generate", "--prompt", "hi", "--priority", "1"], "--batching none runs them one after another"),
+    (["generate", "--prompt", "hi", "--max-num-seqs", "4"], "--max-num-seqs needs --batching static"),
+    (["generate", "--prompt", "hi", "--kv", "contiguous", "--kv-cache-tokens", "64"],
+     "--kv-cache-tokens sizes the paged KV pool; use it with --kv paged (not --kv contiguous)"),
+    (["generate", "--prompt", "hi", "--kv-cache-tokens", "8"], "must hold at least one block of 16 tokens"),
+    (["batch-bench", "--arrival", "poisson:0"], "use burst or poisson:RATE with RATE > 0"),
+    (["batch-bench", "--modes", "none,fast"], "unknown batch-bench row 'fast'"),
     (["bench", "--repeats", "0", "--no-hf"], "--repeats >= 1"),
     (["bench", "--prompts", "no-such-prompts.jsonl", "--no-hf"], "prompt file no-such-prompts.jsonl does not exist"),
 ])
@@ -101,3 +120,108 @@ def test_bench_json_rows(bundled, tmp_path, capsys):
     assert report["rows"][-1]["speedup_vs_hf"] == 1.0
     assert report["read_bandwidth_gb_s"] > 0
     assert "| contiguous |" in capsys.readouterr().out
+
+
+# --- batching ---------------------------------------------------------------------------------------------------------
+# These tests run on one torch thread (`one_torch_thread`): with another test run sharing this 2-core machine, the
+# batched generate of three prompts took 18.6 s on two threads and 4.8 s on one (measured from the command line).
+
+@pytest.fixture(scope="module")
+def in_turn(bundled, one_torch_thread) -> list[dict]:
+    """THREE_PROMPTS run one after another (--batching none), 8 greedy tokens each: the baseline the batched runs
+    must equal. (Module scope, so it reads stdout itself instead of through capsys.)"""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(_three_prompts("--batching", "none")) == 0
+    return json.loads(out.getvalue())
+
+
+def _three_prompts(*args: str, as_json: bool = True) -> list[str]:
+    prompts = [arg for prompt in THREE_PROMPTS for arg in ("--prompt", prompt)]
+    return ["generate", *prompts, "--max-new-tokens", "8", "--device", "cpu", *(["--json"] if as_json else []), *args]
+
+
+@pytest.mark.parametrize("spec_args", [[], ["--spec", "ngram", "--spec-k", "3"]])
+def test_batched_generate_keeps_prompt_order_and_greedy_ids(in_turn, capsys, spec_args):
+    assert main(_three_prompts("--batching", "continuous", *spec_args)) == 0
+    batched = json.loads(capsys.readouterr().out)
+    assert [r["prompt"] for r in batched] == [r["prompt"] for r in in_turn] == THREE_PROMPTS
+    assert [r["token_ids"] for r in batched] == [r["token_ids"] for r in in_turn]
+    for result in batched:
+        assert set(result["stats"]) == STATS_KEYS and result["stats"]["preemptions"] == 0
+    assert [r["stats"]["batch_size_mean"] for r in in_turn] == [1.0, 1.0, 1.0]
+    # All three are admitted in the first step and all end at token 8 (the first at its end-of-sequence), so every
+    # step holds all three.
+    assert [r["stats"]["batch_size_mean"] for r in batched] == [3.0, 3.0, 3.0]
+
+
+def test_priority_orders_admission(bundled, one_torch_thread, capsys):
+    assert main(_three_prompts("--batching", "continuous", "--max-num-seqs", "1", "--max-new-tokens", "2",
+                               "--priority", "2", "--priority", "0", "--priority", "1")) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [r["prompt"] for r in results] == THREE_PROMPTS  # output stays in prompt order
+    queued = [r["stats"]["queue_ms"] for r in results]
+    assert sorted(range(3), key=queued.__getitem__) == [1, 2, 0]  # ran in priority order, one at a time
+
+
+def test_a_tiny_kv_pool_preempts_and_keeps_greedy_ids(bundled, one_torch_thread, capsys):
+    # Four prompts of 36-38 tokens (3 blocks of 16 each; the first block, system prompt and chat scaffolding, is
+    # shared through the prefix cache) growing by 24 tokens to 4 blocks each, in a pool of 6 blocks: not all fit.
+    prompts = ["What is the capital of France?", "Name three rivers in Europe.", "Say hello to my friend.",
+               "Write a haiku about the sea."]
+    base = ["generate", *[arg for prompt in prompts for arg in ("--prompt", prompt)], "--max-new-tokens", "24",
+            "--ignore-eos", "--device", "cpu", "--json"]
+    assert main(base) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main(base + ["--batching", "continuous", "--kv-cache-tokens", "96"]) == 0
+    batched = json.loads(capsys.readouterr().out)
+    assert [r["token_ids"] for r in batched] == [r["token_ids"] for r in alone]
+    assert all(len(r["token_ids"]) == 24 for r in batched)
+    assert [r["stats"]["preemptions"] for r in alone] == [0, 0, 0, 0]
+    assert sum(r["stats"]["preemptions"] for r in batched) > 0
+
+
+def test_batched_generate_prints_texts_in_prompt_order(in_turn, capsys):
+    assert main(_three_prompts("--batching", "static", as_json=False)) == 0  # no --json
+    captured = capsys.readouterr()
+    assert captured.out == "".join(r["text"] + "\n" for r in in_turn)
+    assert captured.err.count("0 preemptions, mean batch 3.0]") == 3
+
+
+def test_batch_bench_json_rows(bundled, one_torch_thread, tmp_path, capsys):
+    path = tmp_path / "batch.json"
+    assert main(["batch-bench", "--requests", "3", "--max-new-tokens", "4", "--modes", "none,continuous", "--peers",
+                 "hf-sequential", "--device", "cpu", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert [row["name"] for row in report["rows"]] == ["none", "continuous", "hf-sequential"]
+    for row in report["rows"]:
+        assert tuple(row) == ROW_KEYS
+        assert row["requests"] == 3 and row["preemptions"] == 0 and row["output_tokens"] > 0
+        assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p95"] and row["ttft_ms_p50"] <= row["latency_ms_p50"]
+    none, continuous = report["rows"][:2]
+    assert none["output_tokens"] == continuous["output_tokens"]  # greedy: batching changes speed, not tokens
+    assert [row["mean_batch_size"] for row in report["rows"]] == [1.0, 3.0, 1.0]
+    assert report["arrivals_s"] == [0.0, 0.0, 0.0] and report["arguments"]["requests"] == 3
+    assert {"processor", "cpu_capability", "torch"} <= set(report["machine"])
+    assert "| continuous | 3 |" in capsys.readouterr().out
+
+
+def test_static_batches_wait_for_a_full_batch(bundled, one_torch_thread):
+    # max_num_seqs 2: the first request waits for the second (arriving at 0.3 s); the third runs alone once it has
+    # arrived and nothing more is coming.
+    engine = Engine(bundled, EngineConfig(kv_mode="paged", batching="static", max_num_seqs=2))
+    prompt = engine.prompt_ids("Say hello.")
+    timings, batch_sizes = run_engine(engine, [prompt] * 3, [0.0, 0.3, 0.6], max_new_tokens=2)
+    assert timings[0].first_token - timings[0].arrival >= 0.3
+    assert [t.output_tokens for t in timings] == [2, 2, 2]
+    assert batch_sizes == [2, 2, 1, 1]
+
+
+def test_arrivals_and_percentiles():
+    rng = random.Random(7)
+    gaps = [rng.expovariate(4.0) for _ in range(3)]
+    assert parse_arrivals("poisson:4", 4, seed=7) == [0.0, gaps[0], gaps[0] + gaps[1], gaps[0] + gaps[1] + gaps[2]]
+    assert parse_arrivals("burst", 2, seed=7) == [0.0, 0.0]
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([10.0, 20.0], 95) == 19.5
+    assert percentile([5.0], 95) == 5.0

@@ -54,6 +54,7 @@ class StepReport:
     num_waiting: int
     num_running: int
     blocks_in_use: int  # paged: blocks; contiguous: slots; none: 0
+    padding_rows: int = 0  # static batching: finished members' rows this step computed and threw away
 
     @property
     def batch_size(self) -> int:
@@ -226,24 +227,30 @@ class Engine:
         speculative = [w for w in output.work if w.kind == "speculative"]
         # 3. One forward for every plain sequence (prefill chunks and decodes), then each speculative request in a
         # step of its own (draft, verify, roll back).
+        padding_rows = len(self.scheduler.padding) if plain else 0
         if plain:
             self._run_plain(plain, len(output.work), finished)
         for work in speculative:
             if not work.request.finished:
                 self._run_speculative(work.request, len(output.work), finished)
+        if not self.scheduler.running:
+            self.scheduler.free_padding()  # a static batch has ended: its padding rows' KV goes back
         self.steps_taken += 1
         return StepReport(self.steps_taken, started, (time.perf_counter() - started) * 1e3,
                           tuple((w.request.request_id, w.kind, w.num_tokens) for w in output.work),
                           tuple(r.request_id for r in output.preempted), tuple(r.request_id for r in finished),
-                          len(self.scheduler.waiting), len(self.scheduler.running), self.kv_cache.blocks_in_use())
+                          len(self.scheduler.waiting), len(self.scheduler.running), self.kv_cache.blocks_in_use(),
+                          padding_rows)
 
     def _run_plain(self, work: list[ScheduledWork], batch_size: int, finished: list[Request]) -> None:
         requests = [w.request for w in work]
         for request in requests:
             self._mark_scheduled(request)
         step_start = time.perf_counter()
+        padding = self.scheduler.pad_rows()  # static batching: finished members' rows, computed and thrown away
         try:
-            logits = self.runner.run([r.seq for r in requests], [w.num_tokens for w in work])
+            logits = self.runner.run([r.seq for r in requests] + padding,
+                                     [w.num_tokens for w in work] + [len(s) - s.num_computed_tokens for s in padding])
             # Sequences whose whole text is now computed get a new token; a prefill chunk that is not the prompt's
             # last waits for the next step.
             done = [i for i, request in enumerate(requests) if self._completes(request)]
@@ -327,7 +334,11 @@ class Engine:
         self._release(request)
 
     def _release(self, request: Request) -> None:
-        self.scheduler.remove(request)
+        if request.finish_reason is not None and request.error is None and self.scheduler.keeps_row() \
+                and request in self.scheduler.running:
+            self.scheduler.retire_to_padding(request)  # a padded static batch keeps computing the row
+        else:
+            self.scheduler.remove(request)
         self._close_drafter(request)
         request.state = "finished"
 

@@ -20,8 +20,9 @@ Batching modes (the classic comparison, over the same engine):
 - `dynamic`: a batch is formed once the running one has wholly finished, from what is waiting, as soon as
   `max_num_seqs` requests wait or the oldest has waited `batch_window_ms`; it runs to completion.
 - `static`: fixed batches of `max_num_seqs` in arrival order; a batch starts once it is full (or no more requests
-  are coming: `drain()`) and the previous one has wholly finished, so every member waits for the longest one.
-  Finished members leave their row empty; no padding rows are computed.
+  are coming: `drain()`) and the previous one has wholly finished, so every member waits for the longest one. A
+  member that finishes keeps its row, as in a padded batch: it gets its final event, but its sequence stays in the
+  batch (`padding`), decoding a padding token every step and holding its KV, until the whole batch has finished.
 - `none`: one request at a time, in queue order.
 """
 
@@ -36,6 +37,9 @@ from dataclasses import dataclass
 from inference_core.config import BATCHING_MODES
 from inference_core.kv_cache import KVCache
 from inference_core.request import Request
+from inference_core.sequence import Sequence
+
+PAD_TOKEN = 0  # what a static batch's padding rows decode (the output is thrown away)
 
 __all__ = ["BATCHING_MODES", "ScheduledWork", "Scheduler", "SchedulerOutput"]
 
@@ -64,6 +68,7 @@ class Scheduler:
         self.batch_window_s = batch_window_ms / 1e3
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.padding: list[Sequence] = []  # static: finished members' rows, still computed until the batch ends
         self.draining = False  # static batches: no more requests are coming, so a partial batch may start
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
@@ -93,6 +98,38 @@ class Scheduler:
             self.waiting.remove(request)
         self._order.pop(request.request_id, None)
         self._admitted.pop(request.request_id, None)
+
+    def keeps_row(self) -> bool:
+        """Whether a request that finishes now leaves a padding row (static batching, batch still running)."""
+        return self.batching == "static" and len(self.running) > 1
+
+    def retire_to_padding(self, request: Request) -> None:
+        """Static batching: the finished request leaves the queues, but its sequence (and KV) stays as a padding
+        row until the batch ends."""
+        self.running.remove(request)
+        self._order.pop(request.request_id, None)
+        self._admitted.pop(request.request_id, None)
+        self.padding.append(request.seq)
+
+    def pad_rows(self) -> list[Sequence]:
+        """The padding rows that decode in this step, each given its next (padding) token; a row the pool cannot
+        grow any more is dropped. When the batch has ended, every padding row's KV goes back."""
+        if not self.running:
+            self.free_padding()
+            return []
+        for seq in list(self.padding):
+            if not self.kv_cache.can_append(seq, len(seq) + 1):
+                self.padding.remove(seq)
+                self.kv_cache.free(seq)
+                continue
+            seq.append(PAD_TOKEN)
+            self.kv_cache.ensure_capacity(seq)
+        return list(self.padding)
+
+    def free_padding(self) -> None:
+        for seq in self.padding:
+            self.kv_cache.free(seq)
+        self.padding.clear()
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)

@@ -352,6 +352,21 @@ def test_batching_static_runs_full_batches_each_after_the_previous_finished(tiny
     assert_pool_free(engine)
 
 
+def test_static_batch_keeps_finished_members_rows_as_padding_until_the_longest_ends(tiny):
+    """A padded static batch: a member that finishes still has its row computed (a padding token) and keeps its KV
+    until the whole batch has finished; then every row's blocks go back."""
+    engine = paged(tiny, batching="static", max_num_seqs=3)
+    requests = [engine.submit(prompt(5 + 2 * i, seed=90 + i), greedy(n)) for i, n in enumerate([4, 12, 7])]
+    reports = run_to_end(engine)
+    assert len(reports) == 12  # the longest member's 12 tokens
+    # Steps 1-4: three live rows; 5-7: two live + the 4-token member's padding row; 8-12: one live + two padding.
+    assert [(r.batch_size, r.padding_rows) for r in reports] == [(3, 0)] * 4 + [(2, 1)] * 3 + [(1, 2)] * 5
+    live_blocks = -(-(len(requests[1].seq.token_ids) - 1) // BLOCK_SIZE)  # the last live member's own blocks
+    assert reports[-2].blocks_in_use > live_blocks  # the padding rows still hold theirs
+    assert_solo_ids(tiny, requests)
+    assert_pool_free(engine)
+
+
 def test_batching_dynamic_waits_the_window_then_runs_the_batch_to_completion(tiny):
     window_ms = 40.0
     engine = paged(tiny, batching="dynamic", max_num_seqs=3, batch_window_ms=window_ms)

@@ -5,16 +5,16 @@ process on one device, reporting throughput and the TTFT and latency that a user
 Method. N requests cycle through the prompt file's prompts (chat template applied as in `bench`), greedy, ending at
 end-of-sequence or after --max-new-tokens. Arrivals: `burst` (all at t=0) or `poisson:RATE` (exponential gaps of mean
 1/RATE s from a seeded RNG, the first at t=0); every row gets the same schedule. Our modes each get a fresh engine
-(paged KV; the pool, by default, holds --max-num-seqs requests of the longest prompt plus --max-new-tokens; the
-prefix cache off, so a repeated prompt is computed again as transformers computes it: batching alone is compared);
-the driver submits each request when its arrival time comes and steps the engine in between. transformers rows start a request
-no earlier than its arrival: `hf-sequential` one after another; `hf-static` a batch of the requests that have arrived
-(up to --max-num-seqs) once the previous batch has finished. Every row runs one untimed warm-up first (the first
---max-num-seqs requests, 4 new tokens). Per request, wall clock: TTFT = arrival ->
-first token, latency = arrival -> last token (ours: when the engine emits the token; transformers: read by a stopping
-criterion after every forward, so a row's last token is the forward that produced it, not the end of its batch).
-Throughput = all output tokens / (last completion - first arrival). `mean_batch_size`: ours, sequences per engine
-step; transformers, rows per forward (finished rows of a batch included: transformers keeps computing them).
+(paged KV; the pool, by default, holds --max-num-seqs requests of the longest prompt plus --max-new-tokens; the prefix
+cache off, so a repeated prompt is computed again as transformers computes it: batching alone is compared); the driver
+submits each request when its arrival time comes and steps the engine in between. transformers rows start a request no
+earlier than its arrival: `hf-sequential` one after another; `hf-static` a batch of the requests that have arrived (up
+to --max-num-seqs) once the previous batch has finished. Every row runs one untimed warm-up first (the first
+--max-num-seqs requests, 4 new tokens). Per request, wall clock: TTFT = arrival -> first token, latency = arrival ->
+last token (ours: when the engine emits the token; transformers: read by a stopping criterion after every forward, so a
+row's last token is the forward that produced it, not the end of its batch). Throughput = all output tokens / (last
+completion - first arrival). `mean_batch_size`: ours, sequences per engine step; transformers, rows per forward
+(finished rows of a batch included: transformers keeps computing them).
 """
 
 from __future__ import annotations

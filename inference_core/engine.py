@@ -186,7 +186,9 @@ class Engine:
     def seconds_until_ready(self) -> float:
         """0 when a step would make progress now; else how long until it would (dynamic batching's window), or inf
         when only another request or `drain()` can start it (a static batch that is not full)."""
-        return 0.0 if self.scheduler.running else self.scheduler.seconds_until_admission()
+        if self.scheduler.running or any(r.stop_requested for r in self.scheduler.waiting):
+            return 0.0  # a step runs, or ends the requests asked to stop
+        return self.scheduler.seconds_until_admission()
 
     def drain(self) -> None:
         """No more requests are coming (static batching may start a partial batch)."""

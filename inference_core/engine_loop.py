@@ -115,7 +115,7 @@ class EngineLoop:
         return handle
 
     def _enqueue(self, engine: Engine, request: Request) -> None:
-        if not engine.has_work():  # newly busy: start level with the engines already busy, not far behind
+        if engine not in self._busy_s:  # newly busy: start level with the engines already busy, not far behind
             busy = [self._busy_s[e] for e in self._busy_s if e.has_work()]
             self._busy_s[engine] = min(busy, default=0.0)
             self._became_busy += 1
@@ -190,17 +190,25 @@ class EngineLoop:
                 self._thread.start()
 
     def _next_engine(self) -> tuple[Engine | None, float]:
-        """The busy engine with the least device time used that can step now, or None and how long to wait."""
+        """The busy engine with the least device time used that can step now, or None and how long to wait. An
+        engine with nothing left (finished or cancelled) is forgotten: the loop keeps no reference to idle engines,
+        so one its owner dropped is freed with its KV pool."""
         ready, wait_s = [], math.inf
-        for engine in self._busy_s:
-            if engine.has_work():
-                until = engine.seconds_until_ready()
-                if until == 0:
-                    ready.append(engine)
-                wait_s = min(wait_s, until)
+        for engine in list(self._busy_s):
+            if not engine.has_work():
+                self._forget(engine)
+                continue
+            until = engine.seconds_until_ready()
+            if until == 0:
+                ready.append(engine)
+            wait_s = min(wait_s, until)
         if not ready:
             return None, wait_s
         return min(ready, key=lambda engine: (self._busy_s[engine], self._busy_since[engine])), 0.0
+
+    def _forget(self, engine: Engine) -> None:
+        for table in (self._busy_s, self._busy_since, self._recent_ms):
+            table.pop(engine, None)
 
     def _run_commands(self, timeout: float | None) -> None:
         """Run every queued command; wait up to `timeout` seconds for the first (0: do not wait, None: forever)."""
@@ -223,16 +231,21 @@ class EngineLoop:
             # 1. What callers asked for, between steps. 2. One step of the engine whose turn it is.
             engine, wait_s = self._next_engine()
             self._run_commands(0 if engine is not None else (None if wait_s == math.inf else wait_s))
-            if self._closed:
-                return
-            engine, _ = self._next_engine()
-            if engine is None:
-                continue
-            try:
-                report = engine.step()
-            except Exception:  # the requests of the failed step already got the error; the loop goes on
-                log.exception("engine step failed")
-                continue
+            if not self._closed:
+                self._step_next()
+
+    def _step_next(self) -> None:
+        """One step of the engine whose turn it is (a method of its own, so that nothing of it stays referenced
+        while the loop waits)."""
+        engine, _ = self._next_engine()
+        if engine is None:
+            return
+        try:
+            report = engine.step()
+        except Exception:  # the requests of the failed step already got the error; the loop goes on
+            log.exception("engine step failed")
+            report = None
+        if report is not None:
             self._busy_s[engine] += report.duration_ms / 1e3
             self._recent_ms.setdefault(engine, deque(maxlen=RECENT_STEPS)).append(report.duration_ms)
             for listener in list(self._step_listeners.get(engine, ())):
@@ -240,6 +253,8 @@ class EngineLoop:
                     listener(report)
                 except Exception:
                     log.exception("step listener failed")
+        if not engine.has_work():
+            self._forget(engine)
 
 
 def merge(handles: list[LoopHandle], should_stop: Callable[[], bool] | None = None, poll_s: float = 0.05,

@@ -21,6 +21,7 @@ import gradio as gr
 from inference_core import SamplingParams
 from inference_core.config import KV_MODES
 from inference_core.speculative import MAX_K
+from ui.batching import build_batching_tab
 from ui.chat import CHAT_OUTPUTS, arm_chat, chat_turn, clear_chat, stats_table_html, stop_chat
 from ui.control import RunControl
 from ui.figures import speed_figure
@@ -234,4 +235,6 @@ def build_demo(pool: EnginePool) -> gr.Blocks:
             _build_race_tab(pool)
         with gr.Tab("Chat"):
             _build_chat_tab(pool)
+        with gr.Tab("Batching"):
+            build_batching_tab(pool)
     return demo

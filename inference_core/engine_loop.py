@@ -150,9 +150,15 @@ class EngineLoop:
         self.call(lambda: self._step_listeners.setdefault(engine, []).append(listener))
 
         def remove() -> None:
-            listeners = self._step_listeners.get(engine, [])
-            self.call(lambda: listener in listeners and listeners.remove(listener))
+            self.call(self._remove_listener, engine, listener)
         return remove
+
+    def _remove_listener(self, engine: Engine, listener: Callable[[StepReport], None]) -> None:
+        listeners = self._step_listeners.get(engine, [])
+        if listener in listeners:
+            listeners.remove(listener)
+        if not listeners:  # keep no reference to an engine nobody listens to
+            self._step_listeners.pop(engine, None)
 
     def status(self) -> list[dict]:
         """Per engine with work: requests queued and running, the mean of its recent step times (ms), and the fewest

@@ -238,8 +238,8 @@ def test_device_time_limit_stops_the_run(bundled, one_torch_thread):
 
 
 def test_a_finished_run_lets_go_of_its_engines(lab_pool, monkeypatch):
-    """The engine loop keeps the engines it has stepped in its bookkeeping; the lab drops its own once they are idle,
-    so each run's engine and KV pool are freed when the run ends."""
+    """The engine loop keeps no reference to an idle engine nobody listens to, so each run's engine and KV pool are
+    freed when the run ends."""
     import gc
     import weakref
 

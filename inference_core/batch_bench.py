@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from inference_core.bench import _machine, _synchronize
+from inference_core.bench import _machine, forward_clock, load_hf_model
 from inference_core.config import BATCHING_MODES, ConfigError, EngineConfig
 from inference_core.engine import Engine, FinishEvent, LoadedModel, TokenEvent, load_model
 from inference_core.prompts import DEFAULT_PROMPTS, load_prompts
@@ -116,20 +116,11 @@ class HFPeer:
     clock read after every forward by a stopping criterion."""
 
     def __init__(self, loaded: LoadedModel, model_dir: Path):
-        from transformers import AutoModelForCausalLM, StoppingCriteria
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=loaded.dtype).to(loaded.device)
+        self.model = load_hf_model(loaded, model_dir)
         self.device = loaded.device
         self.eos_ids = sorted(loaded.eos_token_ids)
-        times = self.forward_times = []
-
-        class Clock(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):
-                _synchronize(input_ids.device)
-                times.append(time.perf_counter())
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-        self.clock = Clock()
+        self.forward_times: list[float] = []
+        self.clock = forward_clock(self.forward_times)
 
     def generate(self, prompts: list[list[int]], timings: list[Timing], max_new_tokens: int) -> list[int]:
         """Run one batch; fill each row's timing. Returns the batch size of every forward."""

@@ -61,23 +61,35 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def load_hf_model(loaded: LoadedModel, model_dir: Path):
+    """The same checkpoint as a transformers model, on our model's device and dtype: the peer of every benchmark."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=loaded.dtype).to(loaded.device)
+
+
+def forward_clock(times: list[float]):
+    """A transformers stopping criterion that never stops and appends the time after every forward to `times`
+    (after synchronizing the device), which is how a benchmark times transformers `generate` from inside."""
+    from transformers import StoppingCriteria
+
+    class Clock(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            _synchronize(input_ids.device)
+            times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return Clock()
+
+
 class _HFRunner:
     """transformers `generate` on the same weights, greedy, end-of-sequence ignored, clock read after each token."""
 
     def __init__(self, loaded: LoadedModel, model_dir: Path):
-        from transformers import AutoModelForCausalLM, StoppingCriteria
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=loaded.dtype).to(loaded.device)
+        self.model = load_hf_model(loaded, model_dir)
         self.device = loaded.device
-        times = self.token_times = []
-
-        class Clock(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):
-                _synchronize(input_ids.device)
-                times.append(time.perf_counter())
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-        self.clock = Clock()
+        self.token_times: list[float] = []
+        self.clock = forward_clock(self.token_times)
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
         ids = torch.tensor([prompt_ids], device=self.device)

@@ -67,3 +67,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium driven by Playwright, for the browser tests (set-up in tests/test_browser.py)."""
+    from playwright.sync_api import sync_playwright
+
+    from test_browser import CHROMIUM_ARGS, _ensure_chromium
+
+    executable = _ensure_chromium()
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()

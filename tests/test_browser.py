@@ -86,17 +86,6 @@ def fresh_app(bundled):
         process.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    executable = _ensure_chromium()
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
-
-
 def _open(browser, url):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url)

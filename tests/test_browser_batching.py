@@ -9,7 +9,7 @@ import re
 import gradio as gr
 import pytest
 
-from test_browser import CHROMIUM_ARGS, _ensure_chromium, _free_port
+from test_browser import _free_port
 from ui.batching import build_batching_tab
 from ui.settings import EnginePool
 
@@ -30,17 +30,6 @@ def served(bundled, one_torch_thread):
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     yield pool, f"http://127.0.0.1:{port}/"
     demo.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    executable = _ensure_chromium()
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 def _open(browser, url):

@@ -109,12 +109,14 @@ class ContiguousKVCache:
         self.bytes_per_token = config.kv_bytes_per_token(dtype)
         shape = (config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim)
         # k, v: [layers, slots, kv_heads, max_seq_len, head_dim]; head-major so one slot's context is a plain view.
-        # torch.empty: pages of slots never used are never touched, so they take no resident memory.
+        # torch.empty: pages of slots never used are never touched, so they take no resident memory. A slot is
+        # zeroed on its first use (see `allocate`).
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # views, so a step indexes less
         self.num_slots = num_slots
         self.free_slots = list(range(num_slots))
+        self.zeroed_slots: set[int] = set()
         self.device = device
 
     def can_allocate(self, seq: Sequence) -> bool:
@@ -125,6 +127,12 @@ class ContiguousKVCache:
             raise RuntimeError("all contiguous KV slots are in use; finish or cancel a running request first.")
         seq.cache_slot = self.free_slots.pop(0)
         seq.num_computed_tokens = 0
+        if seq.cache_slot not in self.zeroed_slots:
+            # Batched decodes read every slot up to the longest context and mask the rest; masked positions must
+            # hold finite numbers (never-written memory can hold NaN, and 0 x NaN is NaN in the attention sum).
+            self.k[:, seq.cache_slot].zero_()
+            self.v[:, seq.cache_slot].zero_()
+            self.zeroed_slots.add(seq.cache_slot)
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         return num_tokens <= self.max_seq_len
@@ -193,8 +201,10 @@ class PagedKVCache:
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix_cache)
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # k, v: [layers, blocks, block_size, kv_heads, head_dim]; a token's (block, offset) is one flat slot index.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # Zeroed: batched decodes read whole blocks (and block 0 as padding) and mask what lies past a context, and
+        # masked positions must hold finite numbers (never-written memory can hold NaN; 0 x NaN is NaN).
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         # Per-layer views made once: [blocks, block_size, kv_heads, head_dim] for reads, flat slots for writes.
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
         self.k_slots = [layer.flatten(0, 1) for layer in self.k_layers]

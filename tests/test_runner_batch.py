@@ -58,3 +58,20 @@ def test_prefix_hit_inside_a_batch(bundled):
     engine.kv_cache.free(first)
     engine.kv_cache.free(second)
     assert engine.blocks_in_use() == 0
+
+
+def test_kv_memory_a_batched_decode_may_read_is_finite(bundled):
+    """Batched decodes gather every sequence's blocks (or slot) up to the longest context and mask the rest; a masked
+    position holding NaN would still poison the attention sum (0 x NaN). So the paged pool starts zeroed, and a
+    contiguous slot is zeroed on its first use, however dirty the memory it was given."""
+    paged = make_engine(bundled, "paged", max_seq_len=64)
+    assert torch.isfinite(paged.kv_cache.k).all() and torch.isfinite(paged.kv_cache.v).all()
+    contiguous = make_engine(bundled, "contiguous", max_seq_len=64, max_num_seqs=2)
+    contiguous.kv_cache.k.fill_(float("nan"))  # memory as torch.empty may hand it over
+    contiguous.kv_cache.v.fill_(float("nan"))
+    seq = Sequence([1, 2, 3])
+    contiguous.kv_cache.allocate(seq)
+    slot = seq.cache_slot
+    assert torch.isfinite(contiguous.kv_cache.k[:, slot]).all() and torch.isfinite(contiguous.kv_cache.v[:, slot]).all()
+    contiguous.kv_cache.free(seq)
+

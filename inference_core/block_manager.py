@@ -38,8 +38,6 @@ class Block:
     token_ids: tuple[int, ...] | None = None
     num_filled: int = 0
     owners: set[int] = field(default_factory=set)
-    # The cache salt of the request that wrote this block (whose text it holds), for viewers who may see only their own.
-    cache_salt: str | None = None
 
 
 class BlockManager:
@@ -124,7 +122,6 @@ class BlockManager:
         block.ref_count = 1
         block.owners = {seq.seq_id}
         block.num_filled = 0
-        block.cache_salt = seq.cache_salt
         return block_id
 
     def _unregister(self, block: Block) -> None:

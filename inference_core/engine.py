@@ -421,7 +421,7 @@ class Engine:
         (each block's state, owners, reference count and fill; each sequence's block table; free list and eviction
         order), each block's `token_ids` (what its filled slots hold, also for cached blocks no request owns), and
         `requests`: per running request its prompt length, tokens whose KV is stored and prompt tokens from the
-        cache, and its `cache_salt` (whose request it is, for a viewer that may only see its own text).
+        cache (a viewer shows text only for its own requests, by `seq_id`).
         `bytes_per_token` and `context_length` let a caller compare with what a contiguous cache would reserve."""
         if not isinstance(self.kv_cache, PagedKVCache):
             return None
@@ -435,11 +435,9 @@ class Engine:
         for block, info in zip(manager.blocks, snapshot["blocks"]):
             tokens = held.get(block.block_id, block.token_ids or ())
             info["token_ids"] = list(tokens[:block.num_filled])
-            info["cache_salt"] = block.cache_salt
         snapshot["requests"] = [
             {"seq_id": seq.seq_id, "prompt_tokens": seq.num_prompt_tokens, "stored_tokens": seq.num_computed_tokens,
-             "cached_prompt_tokens": seq.num_cached_tokens, "block_table": list(seq.block_table),
-             "cache_salt": seq.cache_salt}
+             "cached_prompt_tokens": seq.num_cached_tokens, "block_table": list(seq.block_table)}
             for seq in seqs]
         snapshot["bytes_per_token"] = self.kv_cache.bytes_per_token
         snapshot["context_length"] = self.max_seq_len

@@ -309,3 +309,18 @@ def test_reset_prefix_cache_moves_evictable_blocks_to_the_free_queue():
     manager.allocate(again)
     assert again.block_table == [3, 2, 1]
     assert again.num_cached_tokens == 0
+
+
+def test_cache_salt_separates_prefix_caches():
+    """Block hashes are chained from a root that only the same salt gives: the same tokens under another salt (another
+    visitor) never hit, under the same salt they do."""
+    manager = BlockManager(num_blocks=8, block_size=4)
+    first = Sequence(list(range(9)), cache_salt="visitor-1")
+    manager.allocate(first)
+    manager.commit(first, 9)
+    manager.free(first)
+    other, same = Sequence(list(range(9)), cache_salt="visitor-2"), Sequence(list(range(9)), cache_salt="visitor-1")
+    manager.allocate(other)
+    manager.allocate(same)
+    assert (other.num_cached_tokens, same.num_cached_tokens) == (0, 8)
+

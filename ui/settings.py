@@ -5,8 +5,9 @@ speculative decoding) and turns it into an `EngineConfig`, `SamplingParams` and 
 with the engine's own `ConfigError` message; PAGE_WORDS names the page's controls in those messages. `EnginePool`
 keeps one `Engine` per (slot, configuration) over the one loaded model (and the optional draft model, which every
 engine gets for the 'draft' method): a lane's KV cache survives between races (so the prefix cache has something to
-reuse) and two lanes never share one (so neither sees the other's cached prefixes, and each contiguous cache serves
-one request). The pool also holds what every run on the device shares: the measured step costs behind the
+reuse) and two lanes never share one (so neither sees the other's cached prefixes); visitors with the same lane or
+chat settings share that engine, and their requests are batched in its steps. The pool also holds the engine loop
+that owns the device (every request goes through it), what every run on the device shares: the measured step costs behind the
 estimate shown before a run, the limit on a run's device time, and which lane takes a race's first step.
 """
 
@@ -95,8 +96,8 @@ class LaneSettings:
 
 class EnginePool:
     """Engines over one loaded model, by (slot, EngineConfig), least recently used dropped past `max_engines`.
-    Every engine gets the optional `draft` model (its tokenizer is checked by the engine on construction).
-    Callers run one request at a time per engine (the app's queue runs one generation at a time)."""
+    Every engine gets the optional `draft` model (its tokenizer is checked by the engine on construction). An engine
+    dropped from the pool while it still serves requests finishes them (its requests and the loop hold it)."""
 
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, max_engines: int = 6,
                  draft: LoadedModel | None = None, max_run_s: float = DEFAULT_MAX_RUN_S):

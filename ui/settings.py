@@ -6,9 +6,9 @@ with the engine's own `ConfigError` message; PAGE_WORDS names the page's control
 keeps one `Engine` per (slot, configuration) over the one loaded model (and the optional draft model, which every
 engine gets for the 'draft' method): a lane's KV cache survives between races (so the prefix cache has something to
 reuse) and two lanes never share one (so neither sees the other's cached prefixes); visitors with the same lane or
-chat settings share that engine, and their requests are batched in its steps. The pool also holds the engine loop
-that owns the device (every request goes through it), what every run on the device shares: the measured step costs behind the
-estimate shown before a run, the limit on a run's device time, and which lane takes a race's first step.
+chat settings share that engine, and their requests are batched in its steps. The pool also holds what every run on
+the device shares: the engine loop that owns the device (every request goes through it), the measured step costs
+behind the estimate shown before a run, the limit on a run's device time, and which lane takes a race's first step.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ completion - first arrival). `mean_batch_size`: ours, sequences per engine step;
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from inference_core.bench import _machine, forward_clock, load_hf_model
+from inference_core.bench import _machine, forward_clock, load_hf_model, write_report
 from inference_core.config import BATCHING_MODES, ConfigError, EngineConfig
 from inference_core.engine import Engine, FinishEvent, LoadedModel, TokenEvent, load_model
 from inference_core.prompts import DEFAULT_PROMPTS, load_prompts
@@ -230,10 +229,7 @@ def run_batch_bench(args) -> int:
         timed = run_hf(peer, name, prompts, offsets, args.max_new_tokens, args.max_num_seqs)
         report["rows"].append(summarize(name, *timed))
         print(format_row(report["rows"][-1]), flush=True)
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json_path}")
+    write_report(report, args.json_path)
     return 0
 
 

@@ -163,11 +163,16 @@ def run_bench(args) -> int:
               "prompts": [prompt_id for prompt_id, _ in prompts], "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
               "roofline_tokens_per_s": round(limit, 1), "machine": _machine(loaded.device), "rows": table}
     print(format_table(report))
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json_path}")
+    write_report(report, args.json_path)
     return 0
+
+
+def write_report(report: dict, path: str | None) -> None:
+    """A benchmark's JSON report, written to `path` (folders made as needed) when one was given."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
 
 
 def format_table(report: dict) -> str:

@@ -159,15 +159,17 @@ class BlockManager:
                 block.block_hash = parent_hash
                 block.token_ids = token_ids
 
-    def _num_missing_blocks(self, seq: Sequence) -> int:
-        return max(0, self.blocks_needed(len(seq.token_ids)) - len(seq.block_table))
+    def _num_missing_blocks(self, seq: Sequence, num_tokens: int | None = None) -> int:
+        num_tokens = len(seq.token_ids) if num_tokens is None else num_tokens
+        return max(0, self.blocks_needed(num_tokens) - len(seq.block_table))
 
     def can_append(self, seq: Sequence) -> bool:
         return self._num_missing_blocks(seq) <= self.num_free_blocks
 
-    def ensure_capacity(self, seq: Sequence) -> None:
-        """Grow the block table to cover every token of `seq` (call after appending the new token)."""
-        num_missing = self._num_missing_blocks(seq)
+    def ensure_capacity(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Grow the block table to cover `num_tokens` tokens of `seq` (default: every token; call after appending
+        the new token)."""
+        num_missing = self._num_missing_blocks(seq, num_tokens)
         if num_missing > self.num_free_blocks:
             raise RuntimeError(
                 f"sequence {seq.seq_id} needs {num_missing} more KV blocks but only {self.num_free_blocks} are free; "

@@ -55,6 +55,7 @@ class StepReport:
     num_running: int
     blocks_in_use: int  # paged: blocks; contiguous: slots; none: 0
     padding_rows: int = 0  # static batching: finished members' rows this step computed and threw away
+    prompt_padding_tokens: int = 0  # static batching: padding tokens computed after prompts (padded to the longest)
 
     @property
     def batch_size(self) -> int:
@@ -230,8 +231,7 @@ class Engine:
         # 3. One forward for every plain sequence (prefill chunks and decodes), then each speculative request in a
         # step of its own (draft, verify, roll back).
         padding_rows = len(self.scheduler.padding) if plain else 0
-        if plain:
-            self._run_plain(plain, len(output.work), finished)
+        prompt_padding = self._run_plain(plain, len(output.work), finished) if plain else 0
         for work in speculative:
             if not work.request.finished:
                 self._run_speculative(work.request, len(output.work), finished)
@@ -242,17 +242,21 @@ class Engine:
                           tuple((w.request.request_id, w.kind, w.num_tokens) for w in output.work),
                           tuple(r.request_id for r in output.preempted), tuple(r.request_id for r in finished),
                           len(self.scheduler.waiting), len(self.scheduler.running), self.kv_cache.blocks_in_use(),
-                          padding_rows)
+                          padding_rows, prompt_padding)
 
-    def _run_plain(self, work: list[ScheduledWork], batch_size: int, finished: list[Request]) -> None:
+    def _run_plain(self, work: list[ScheduledWork], batch_size: int, finished: list[Request]) -> int:
+        """One forward for the step's prefill chunks and decodes (and a static batch's padding); returns the prompt
+        padding tokens it computed."""
         requests = [w.request for w in work]
         for request in requests:
             self._mark_scheduled(request)
         step_start = time.perf_counter()
         padding = self.scheduler.pad_rows()  # static batching: finished members' rows, computed and thrown away
+        prompt_padding = [self._reserve_prompt_padding(w) for w in work]
         try:
             logits = self.runner.run([r.seq for r in requests] + padding,
-                                     [w.num_tokens for w in work] + [len(s) - s.num_computed_tokens for s in padding])
+                                     [w.num_tokens for w in work] + [len(s) - s.num_computed_tokens for s in padding],
+                                     num_padding=prompt_padding + [0] * len(padding))
             # Sequences whose whole text is now computed get a new token; a prefill chunk that is not the prompt's
             # last waits for the next step.
             done = [i for i, request in enumerate(requests) if self._completes(request)]
@@ -267,8 +271,21 @@ class Engine:
         for index, (request, item) in enumerate(zip(requests, work)):
             prompt_tokens = item.num_tokens if request.seq.num_generated_tokens == 0 else 0
             request.account_step(step_s, batch_size, prompt_tokens)
+            if prompt_padding[index] or index in sampled:
+                request.prompt_padding = 0  # computed (or, where the pool had no room for it, given up)
             if index in sampled:
                 self._emit_token(request, sampled[index], step_s, batch_size, finished)
+        return sum(prompt_padding)
+
+    def _reserve_prompt_padding(self, work: ScheduledWork) -> int:
+        """Static batching: the padding (up to the batch's longest prompt) that rides with a prompt's last chunk, its
+        KV room taken now; 0 for other work, or where the pool has no room for it (the padding is then skipped)."""
+        seq, padding = work.request.seq, work.request.prompt_padding
+        if not padding or seq.num_computed_tokens + work.num_tokens != len(seq) \
+                or not self.kv_cache.can_append(seq, len(seq) + padding):
+            return 0
+        self.kv_cache.ensure_capacity(seq, len(seq) + padding)
+        return padding
 
     def _completes(self, request: Request) -> bool:
         """After a forward: whether it reached the end of the request's text (so a new token is sampled). Mode none

@@ -38,7 +38,7 @@ class KVCache(Protocol):
     def can_allocate(self, seq: Sequence) -> bool: ...
     def allocate(self, seq: Sequence) -> None: ...
     def can_append(self, seq: Sequence, num_tokens: int) -> bool: ...
-    def ensure_capacity(self, seq: Sequence) -> None: ...
+    def ensure_capacity(self, seq: Sequence, num_tokens: int | None = None) -> None: ...
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None: ...
     def rollback(self, seq: Sequence, num_tokens: int) -> None: ...
     def free(self, seq: Sequence) -> None: ...
@@ -69,7 +69,7 @@ class RecomputeKVCache:
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         return True
 
-    def ensure_capacity(self, seq: Sequence) -> None:
+    def ensure_capacity(self, seq: Sequence, num_tokens: int | None = None) -> None:
         pass
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
@@ -137,7 +137,7 @@ class ContiguousKVCache:
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         return num_tokens <= self.max_seq_len
 
-    def ensure_capacity(self, seq: Sequence) -> None:
+    def ensure_capacity(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """The slot was sized for max_seq_len up front; the engine never lets a sequence grow past that."""
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
@@ -229,8 +229,9 @@ class PagedKVCache:
         missing = self.manager.blocks_needed(num_tokens) - len(seq.block_table)
         return missing <= self.manager.num_free_blocks
 
-    def ensure_capacity(self, seq: Sequence) -> None:
-        self.manager.ensure_capacity(seq)
+    def ensure_capacity(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Grow `seq`'s block table to hold `num_tokens` tokens (default: all of its tokens)."""
+        self.manager.ensure_capacity(seq, num_tokens)
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
         seq.num_computed_tokens = num_computed_tokens

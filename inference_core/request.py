@@ -121,6 +121,9 @@ class Request:
         self.cached_prompt_tokens: int | None = None  # set at first admission
         self.num_computed_prompt_tokens = 0
         self.preemptions = 0
+        # Static batching: PAD_TOKENs forwarded after the prompt's last chunk (the prompt padded to its batch's
+        # longest, as in a padded batch; see ModelRunner.run). Set at admission, cleared once computed.
+        self.prompt_padding = 0
         self.steps = 0
         self.batch_size_sum = 0
 

@@ -20,7 +20,7 @@ import torch
 
 from inference_core.kv_cache import KVCache
 from inference_core.model import CausalLM
-from inference_core.sequence import Sequence
+from inference_core.sequence import PAD_TOKEN, Sequence
 
 
 @dataclass(slots=True)
@@ -54,9 +54,12 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
 
-    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int], num_logits: int = 1) -> ForwardBatch:
-        """`seqs[i]` forwards tokens [num_computed, num_computed + num_new_tokens[i]). The flat batch orders the
-        single-token decodes (with cached context) first; logits rows follow the caller's order."""
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int], num_logits: int = 1,
+                num_padding: list[int] | None = None) -> ForwardBatch:
+        """`seqs[i]` forwards tokens [num_computed, num_computed + num_new_tokens[i]), the last `num_padding[i]` of
+        them padding (their logits rows are skipped). The flat batch orders the single-token decodes (with cached
+        context) first; logits rows follow the caller's order."""
+        num_padding = num_padding or [0] * len(seqs)
         firsts = [seq.num_computed_tokens for seq in seqs]
         is_decode = [count == 1 and first > 0 for first, count in zip(firsts, num_new_tokens)]
         order = [i for i in range(len(seqs)) if is_decode[i]] + [i for i in range(len(seqs)) if not is_decode[i]]
@@ -74,7 +77,8 @@ class ModelRunner:
             query_ranges.append((start, start + new_tokens))
             position_ranges.append((first, context))
             context_lens.append(context)
-            logit_rows[index] = list(range(start + new_tokens - min(num_logits, new_tokens), start + new_tokens))
+            last = start + new_tokens - num_padding[index]  # one past the last real token
+            logit_rows[index] = list(range(last - min(num_logits, last - start), last))
             if new_tokens == 1 or new_tokens == context:
                 # One query sees everything before it; or queries and keys start together (plain causal).
                 is_causal.append(new_tokens > 1)
@@ -102,15 +106,31 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None, num_logits: int = 1) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None, num_logits: int = 1,
+            num_padding: list[int] | None = None) -> torch.Tensor:
         """Forward the next `num_new_tokens[i]` uncomputed tokens of each sequence (default: all of them); returns
         fp32 logits for each sequence's last `num_logits` forwarded tokens, [len(seqs) * num_logits, vocab] (more than
-        1 for speculative verification). Commits the new KV."""
+        1 for speculative verification). Commits the new KV.
+
+        `num_padding[i]` PAD_TOKENs are forwarded right after sequence i's new tokens (a static batch's prompts padded
+        to its longest): computed like any token, at the next positions, so no real token attends to them; their KV
+        goes to the sequence's next slots, which its own next tokens overwrite; never committed; logits are those of
+        the last real token. The caller has checked that the KV cache has room for them."""
         if num_new_tokens is None:
             num_new_tokens = [len(seq) - seq.num_computed_tokens for seq in seqs]
-        for seq in seqs:
-            self.kv_cache.ensure_capacity(seq)
-        logits = self.model.forward(self.prepare(seqs, num_new_tokens, num_logits), self.kv_cache)
+        num_padding = num_padding or [0] * len(seqs)
+        for seq, pads in zip(seqs, num_padding):
+            seq.token_ids.extend([PAD_TOKEN] * pads)  # for the forward only: taken out again below
+        try:
+            for seq in seqs:
+                self.kv_cache.ensure_capacity(seq)
+            batch = self.prepare(seqs, [count + pads for count, pads in zip(num_new_tokens, num_padding)],
+                                 num_logits, num_padding)
+            logits = self.model.forward(batch, self.kv_cache)
+        finally:
+            for seq, pads in zip(seqs, num_padding):
+                if pads:
+                    del seq.token_ids[-pads:]
         for seq, count in zip(seqs, num_new_tokens):
             self.kv_cache.commit(seq, seq.num_computed_tokens + count)
         return logits

@@ -20,9 +20,11 @@ Batching modes (the classic comparison, over the same engine):
 - `dynamic`: a batch is formed once the running one has wholly finished, from what is waiting, as soon as
   `max_num_seqs` requests wait or the oldest has waited `batch_window_ms`; it runs to completion.
 - `static`: fixed batches of `max_num_seqs` in arrival order; a batch starts once it is full (or no more requests
-  are coming: `drain()`) and the previous one has wholly finished, so every member waits for the longest one. A
-  member that finishes keeps its row, as in a padded batch: it gets its final event, but its sequence stays in the
-  batch (`padding`), decoding a padding token every step and holding its KV, until the whole batch has finished.
+  are coming: `drain()`) and the previous one has wholly finished, so every member waits for the longest one. The
+  batch is padded, as a rectangular batch is: each prompt is computed as long as the batch's longest (padding
+  tokens after it, `Request.prompt_padding`), and a member that finishes keeps its row: it gets its final event,
+  but its sequence stays in the batch (`padding`), decoding a padding token every step and holding its KV, until
+  the whole batch has finished.
 - `none`: one request at a time, in queue order.
 """
 
@@ -37,9 +39,7 @@ from dataclasses import dataclass
 from inference_core.config import BATCHING_MODES
 from inference_core.kv_cache import KVCache
 from inference_core.request import Request
-from inference_core.sequence import Sequence
-
-PAD_TOKEN = 0  # what a static batch's padding rows decode (the output is thrown away)
+from inference_core.sequence import PAD_TOKEN, Sequence
 
 __all__ = ["BATCHING_MODES", "ScheduledWork", "Scheduler", "SchedulerOutput"]
 
@@ -166,26 +166,44 @@ class Scheduler:
             self.kv_cache.ensure_capacity(seq)
             work.append(ScheduledWork(request, num_tokens, self._kind(request, remaining)))
             budget -= num_tokens
-        # 2. Admit waiting requests while the mode, the sequence limit, the budget and the KV cache allow.
+        # 2. Admit waiting requests while the mode, the sequence limit, the budget and the KV cache allow. A batch
+        # mode (static, dynamic) admits its whole batch at once: members the budget leaves out of this step start
+        # their prompts in the next steps, still members of the batch.
         if self._admits(bool(self.running)):
-            while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            whole_batch = self.batching in ("static", "dynamic")
+            admitted = []
+            while self.waiting and len(self.running) < self.max_num_seqs and (budget > 0 or whole_batch):
                 request = self.waiting[0]
                 seq = request.seq
-                if not self.chunked_prefill and work and len(seq) > budget:
+                if not self.chunked_prefill and work and len(seq) > budget and not whole_batch:
                     break  # an unsplittable prompt waits for a step with room for all of it
                 if not self.kv_cache.can_allocate(seq):
                     break
                 self.waiting.pop(0)
                 self.kv_cache.allocate(seq)
                 self.running.append(request)
+                admitted.append(request)
                 request.state = "running"
                 self._admitted[request.request_id] = next(self._admissions)
                 num_tokens = self._tokens_to_run(len(seq) - seq.num_computed_tokens, budget, bool(work))
-                work.append(ScheduledWork(request, num_tokens, "prefill"))
-                budget -= num_tokens
+                if num_tokens:
+                    work.append(ScheduledWork(request, num_tokens, "prefill"))
+                    budget -= num_tokens
+            if self.batching == "static":
+                self._pad_prompts(admitted)
             if not self.waiting:
                 self.draining = False  # the drained requests are all in: later ones form full batches again
         return SchedulerOutput(work, preempted)
+
+    @staticmethod
+    def _pad_prompts(batch: list[Request]) -> None:
+        """A static batch is padded: each new prompt is computed as long as the batch's longest, PAD_TOKENs after
+        it, forwarded with its last chunk (outside the token budget, like a padded batch's one rectangular prefill).
+        A request resumed after a preemption only recomputes its own tokens."""
+        fresh = [request for request in batch if request.seq.num_generated_tokens == 0]
+        longest = max((len(request.seq) for request in fresh), default=0)
+        for request in fresh:
+            request.prompt_padding = longest - len(request.seq)
 
     def _kind(self, request: Request, remaining: int) -> str:
         """A running request's work: "decode" (or "speculative") once its text is computed but the newest token

@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 
 _next_seq_id = itertools.count()
+PAD_TOKEN = 0  # what a static batch computes in its padding (prompts padded to the longest, finished rows); thrown away
 
 
 @dataclass(slots=True)

@@ -367,6 +367,33 @@ def test_static_batch_keeps_finished_members_rows_as_padding_until_the_longest_e
     assert_pool_free(engine)
 
 
+@pytest.mark.parametrize("kv_mode", ["paged", "contiguous"])
+def test_static_batch_pads_every_prompt_to_the_longest(tiny, kv_mode):
+    """A padded static batch computes each prompt as long as the batch's longest (padding after it, with the prompt's
+    last chunk, even when the token budget splits the prompts over several steps); nobody's ids change."""
+    lengths = [5, 19, 9]
+    if kv_mode == "paged":
+        engine = paged(tiny, batching="static", max_num_seqs=3, max_num_batched_tokens=16)
+    else:
+        engine = Engine(tiny, EngineConfig(kv_mode="contiguous", batching="static", max_num_seqs=3,
+                                           max_num_batched_tokens=16))
+    requests = [engine.submit(prompt(n, seed=110 + n), greedy(6)) for n in lengths]
+    reports = run_to_end(engine)
+    # All three joined the batch in its first step, though the budget (16) holds only the first prompt and a chunk.
+    assert {r.request_id for r in requests} <= {i for r in reports[:3] for i, _, _ in r.work}
+    assert sum(r.prompt_padding_tokens for r in reports) == sum(max(lengths) - n for n in lengths)
+    assert [request.prompt_padding for request in requests] == [0, 0, 0]
+    assert_solo_ids(tiny, requests)
+    assert_pool_free(engine)
+
+
+def test_only_static_batches_pad_prompts(tiny):
+    engine = paged(tiny, batching="dynamic", max_num_seqs=3, batch_window_ms=0.0)
+    for n in [5, 19, 9]:
+        engine.submit(prompt(n, seed=120 + n), greedy(3))
+    assert sum(r.prompt_padding_tokens for r in run_to_end(engine)) == 0
+
+
 def test_batching_dynamic_waits_the_window_then_runs_the_batch_to_completion(tiny):
     window_ms = 40.0
     engine = paged(tiny, batching="dynamic", max_num_seqs=3, batch_window_ms=window_ms)

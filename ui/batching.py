@@ -49,8 +49,9 @@ MODES = {"continuous": "continuous", "dynamic": "dynamic", "static": "static", "
 MODE_ABOUT = {"continuous": "requests join the running batch at any step and leave it the step they finish",
               "dynamic": "a batch forms once the previous one has finished, when max_num_seqs wait or the oldest "
                          f"has waited {EngineConfig().batch_window_ms:g} ms, and runs to completion",
-              "static": "fixed batches of max_num_seqs in arrival order; a batch starts when full and the previous "
-                        "one has finished, so every member waits for the longest",
+              "static": "fixed, padded batches of max_num_seqs in arrival order: a batch starts when full and the "
+                        "previous one has finished, every prompt is computed as long as the batch's longest, and "
+                        "every member's row runs until the longest answer ends",
               "none": "one request at a time, in arrival order"}
 ARRIVALS = {"all at once (burst)": "burst", "Poisson arrivals": "poisson"}
 LENGTHS = {"varied (1/8 to all of max new tokens, seeded)": "varied", "max new tokens for every request": "same"}

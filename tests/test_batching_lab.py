@@ -3,6 +3,7 @@ small-pool preset, Stop, a closed tab, bad settings) and the view as pure functi
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pandas as pd
@@ -192,8 +193,12 @@ def test_results_are_computed_from_the_steps():
         "mode": "continuous", "requests": 2, "output tokens": 8, "wall time (s)": 2.62,
         "throughput (tok/s)": round(8 / 2.625, 1), "TTFT p50 (ms)": 1000, "TTFT p95 (ms)": 1112,
         "latency p50 (s)": 2.12, "latency p95 (s)": 2.12, "preemptions": 1, "mean batch size": round(9 / 7, 2),
-        "device time (s)": 0.88}
+        "padding tokens": 0, "device time (s)": 0.88}
     assert list(results_frame([record], 99.0).iloc[0]) == [numbers[c] for c in RESULT_COLUMNS]
+    # A static batch's padding: prompt padding tokens plus finished members' rows, summed over the steps.
+    record.steps[0] = StepRecord(dataclasses.replace(record.steps[0].report, prompt_padding_tokens=9), 1)
+    record.steps[1] = StepRecord(dataclasses.replace(record.steps[1].report, padding_rows=2), 1)
+    assert run_numbers(record, now=99.0)["padding tokens"] == 11
 
 
 def test_figures_draw_every_state_and_step():

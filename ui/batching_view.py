@@ -31,13 +31,14 @@ STATE_LABELS = {"queued": "queued", "prefill": "prefill (prompt or recompute)", 
 MODE_COLOURS = {"continuous": "#2563eb", "dynamic": "#9333ea", "static": "#ea580c", "none": "#475569"}
 RESULT_COLUMNS = ("mode", "requests", "output tokens", "wall time (s)", "throughput (tok/s)", "TTFT p50 (ms)",
                   "TTFT p95 (ms)", "latency p50 (s)", "latency p95 (s)", "preemptions", "mean batch size",
-                  "device time (s)")
+                  "padding tokens", "device time (s)")
 # What each column measures (the note under the table).
 RESULT_NOTES = (
     "TTFT and latency are wall clock from a request's arrival (its submission) to the end of the engine step that "
     "produced its first token / its last token; throughput is all output tokens over the wall time from the run's "
-    "start to its last token; mean batch size is the sequences per engine step; device time is the sum of the "
-    "engine's step times. p95 is over this run's requests (linear interpolation).")
+    "start to its last token; mean batch size is the sequences per engine step; padding tokens are what a static "
+    "batch computes and throws away (prompts padded to the batch's longest, finished members' rows); device time is "
+    "the sum of the engine's step times. p95 is over this run's requests (linear interpolation).")
 
 
 def mode_name(mode: str) -> str:
@@ -258,6 +259,7 @@ def run_numbers(record: RunRecord, now: float) -> dict:
         "latency p50 (s)": _percentile(latency_s, 50, 2), "latency p95 (s)": _percentile(latency_s, 95, 2),
         "preemptions": sum(len(step.report.preempted) for step in steps),
         "mean batch size": round(sum(batches) / len(batches), 2) if batches else None,
+        "padding tokens": sum(step.report.prompt_padding_tokens + step.report.padding_rows for step in steps),
         "device time (s)": round(sum(step.report.duration_ms for step in steps) / 1e3, 2)}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_core import SamplingParams, load_model
+from inference_core import Engine, EngineConfig, SamplingParams, load_model
 
 from conftest import assert_nothing_held, make_engine
 
@@ -33,3 +33,34 @@ def test_fp32_greedy_matches_cpu(bundled):
     on_gpu = make_engine(cuda, "paged").complete("Why is the sky blue?", params).token_ids
     on_cpu = make_engine(bundled, "paged").complete("Why is the sky blue?", params).token_ids
     assert on_gpu == on_cpu
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda(tmp_path_factory):
+    """test_scheduler's tiny random Llama, on the GPU in fp32 (no bundled model needed)."""
+    from test_scheduler import build_tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny-llama-cuda")
+    build_tiny_model(directory)
+    return load_model(str(directory), device="cuda", dtype="float32")
+
+
+@pytest.mark.parametrize("kv_mode,batching", [("paged", "continuous"), ("contiguous", "continuous"),
+                                              ("paged", "static")])
+def test_batch_matches_solo_on_cuda(tiny_cuda, kv_mode, batching):
+    """The batched decode path on the GPU (one gather and one masked SDPA for every decode, chunked prefill, a paged
+    pool small enough to force preemption, a static batch's padding): every request's greedy ids equal its run
+    alone, and nothing is left held."""
+    from test_scheduler import BLOCK_SIZE, assert_pool_free, assert_solo_ids, greedy, prompt, run_to_end
+
+    pool = dict(kv_cache_tokens=24 * BLOCK_SIZE) if kv_mode == "paged" else {}
+    engine = Engine(tiny_cuda, EngineConfig(kv_mode=kv_mode, batching=batching, block_size=BLOCK_SIZE,
+                                            max_num_seqs=6, max_num_batched_tokens=16, **pool))
+    requests = [engine.submit(prompt(3 + 5 * i, seed=i), greedy(10 + 3 * i)) for i in range(8)]
+    reports = run_to_end(engine)
+    if batching == "static":
+        assert sum(r.prompt_padding_tokens for r in reports) > 0
+    elif kv_mode == "paged":
+        assert sum(len(r.preempted) for r in reports) > 0
+    assert_solo_ids(tiny_cuda, requests)
+    assert_pool_free(engine)

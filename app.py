@@ -9,8 +9,10 @@ own GRADIO_SERVER_NAME and GRADIO_SERVER_PORT are honoured too. `--draft-model` 
 'none') loads a second, smaller model on the same device and dtype as the draft source for speculative decoding: the
 lanes and the chat then offer "draft model" as a draft source. It must share the target's tokenizer; the engine
 checks that at start-up and a mismatch exits with status 2 and a message, like any other bad setting.
-dtype 'auto' is float32 on the CPU and bfloat16 on CUDA. On a Hugging Face Space (SPACE_ID is set), where the
-bundled model's package is not installed, the default model is the same SmolLM2-135M-Instruct from the Hub.
+dtype 'auto' picks the fastest dtype for the device (`inference_core.loader.choose_dtype`: bfloat16 on CUDA, and on a
+CPU bfloat16 only where it has native bf16 math and measures faster; the page header says which and why). On a
+Hugging Face Space (SPACE_ID is set), where the bundled model's package is not installed, the default model is the
+same SmolLM2-135M-Instruct from the Hub.
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ def create_demo(args: argparse.Namespace):
     if args.max_run_seconds <= 0:
         raise ConfigError(f"--max-run-seconds must be positive, got {args.max_run_seconds:g}.")
     device = parse_device(args.device)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    loaded = load_model(args.model, str(device), dtype)
-    draft = None if args.draft_model.lower() in ("", "none") else load_model(args.draft_model, str(device), dtype)
+    loaded = load_model(args.model, str(device), args.dtype)
+    draft = None if args.draft_model.lower() in ("", "none") else \
+        load_model(args.draft_model, str(device), loaded.dtype_name)  # the target's dtype
     pool = EnginePool(loaded, max_seq_len=args.max_seq_len, draft=draft, max_run_s=args.max_run_seconds)
     ui.warm_up(pool)  # also builds a draft engine, so a draft model the engine refuses (another tokenizer) fails here
     demo = ui.build_demo(pool).queue(max_size=args.max_queue, default_concurrency_limit=1)

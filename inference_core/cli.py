@@ -31,7 +31,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled",
                         help="'bundled' (SmolLM2-135M-Instruct), a local directory, a .gguf file or a Hub id")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (the fastest here: bfloat16 on CUDA, and on a CPU with native bf16 math where it "
+                             "measures faster; float32 otherwise), float32, bfloat16 or float16")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,7 +164,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.draft_layers is not None and args.spec != "early-exit":
         raise ConfigError("--draft-layers is used only with --spec early-exit.")
     loaded = load_model(args.model, args.device, args.dtype)
-    draft = load_model(args.draft_model, args.device, args.dtype) if args.draft_model else None
+    draft = load_model(args.draft_model, args.device, loaded.dtype_name) if args.draft_model else None
     engine = Engine(loaded, config, draft_model=draft)
     options = {"system": args.system, "chat": not args.no_chat, "spec": spec}
     if args.batching == "none":

@@ -41,7 +41,7 @@ def run_spec_bench(args) -> int:
     loaded = load_model(args.model, args.device, args.dtype)
     draft = None
     if args.source == "draft":  # default: the target drafting for itself (every draft accepted, at the full cost)
-        draft = load_model(args.draft_model, args.device, args.dtype) if args.draft_model else loaded
+        draft = load_model(args.draft_model, args.device, loaded.dtype_name) if args.draft_model else loaded
     engine = Engine(loaded, EngineConfig(kv_mode=args.kv), draft_model=draft)
     layer_counts = [int(n) for n in str(args.draft_layers or "").split(",") if n.strip()] or [None]
     settings = {}

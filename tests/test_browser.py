@@ -243,6 +243,9 @@ def test_first_race_after_a_fresh_start_measures_like_the_second(fresh_app, brow
     from playwright.sync_api import expect
 
     page = _open(browser, fresh_app)
+    # `python app.py` takes `--dtype auto`: the header names the dtype it chose and why, from this host's measurement.
+    header = re.compile(r"in (float32|bfloat16) \((this CPU|a decode-sized matmul)")
+    expect(page.get_by_text(header).first).to_be_visible()
     _set_race_tokens(page, 32)  # TTFT is the point: keep the no-cache lane short
     status = page.locator("#race-status")
     ttft_b, first_lanes, prompts_a = [], [], []

@@ -20,12 +20,14 @@ from inference_core.engine import Engine
 STATS_KEYS = {"kv_mode", "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "finish_reason", "ttft_ms",
               "prefill_tokens_per_s", "decode_tokens_per_s", "total_ms", "kv_bytes_in_use", "kv_bytes_reserved", "spec",
               "preemptions", "queue_ms", "batch_size_mean"}
+# The CLI's default dtype is auto (bf16 on CPUs with native bf16 math); these tests compare runs id for id in fp32.
+CPU = ["--device", "cpu", "--dtype", "float32"]
 THREE_PROMPTS = ["What is the capital of France?", "Name three rivers.", "Say hello."]
 
 
 def test_generate_json_runs_prompts_on_one_engine(bundled, capsys):
     code = main(["generate", "--prompt", "What is the capital of France?", "--prompt",
-                 "What is the capital of Italy?", "--max-new-tokens", "6", "--kv", "paged", "--device", "cpu",
+                 "What is the capital of Italy?", "--max-new-tokens", "6", "--kv", "paged", *CPU,
                  "--json"])
     assert code == 0
     results = json.loads(capsys.readouterr().out)
@@ -41,9 +43,9 @@ def test_generate_json_runs_prompts_on_one_engine(bundled, capsys):
 
 def test_generate_with_prompt_lookup_reports_spec_stats(bundled, capsys):
     prompt = "Repeat exactly: the red fox, the red fox, the red fox, the red fox."
-    plain_code = main(["generate", "--prompt", prompt, "--max-new-tokens", "24", "--device", "cpu", "--json"])
+    plain_code = main(["generate", "--prompt", prompt, "--max-new-tokens", "24", *CPU, "--json"])
     plain = json.loads(capsys.readouterr().out)[0]
-    code = main(["generate", "--prompt", prompt, "--max-new-tokens", "24", "--device", "cpu", "--spec", "ngram",
+    code = main(["generate", "--prompt", prompt, "--max-new-tokens", "24", *CPU, "--spec", "ngram",
                  "--spec-k", "5", "--json"])
     (result,) = json.loads(capsys.readouterr().out)
     assert plain_code == code == 0 and result["token_ids"] == plain["token_ids"]
@@ -55,7 +57,7 @@ def test_generate_with_prompt_lookup_reports_spec_stats(bundled, capsys):
 @pytest.mark.parametrize("spec_args", [["--spec", "early-exit", "--draft-layers", "20", "--spec-adaptive"],
                                        ["--spec", "draft", "--draft-model", "bundled", "--spec-k", "3"]])
 def test_generate_with_model_drafts_matches_plain(bundled, capsys, spec_args):
-    base = ["generate", "--prompt", "Name three rivers.", "--max-new-tokens", "20", "--device", "cpu", "--json"]
+    base = ["generate", "--prompt", "Name three rivers.", "--max-new-tokens", "20", *CPU, "--json"]
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)[0]
     assert main(base + spec_args) == 0
@@ -68,14 +70,14 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, capsys):
     from test_speculative import build_tiny
 
     build_tiny(tmp_path, seed=0, initializer_range=0.3)
-    assert main(["generate", "--prompt", "hi", "--device", "cpu", "--spec", "draft", "--draft-model",
+    assert main(["generate", "--prompt", "hi", *CPU, "--spec", "draft", "--draft-model",
                  str(tmp_path)]) == 2
     assert "has a different tokenizer" in capsys.readouterr().err
 
 
 def test_generate_streams_text(bundled, capsys):
     assert main(["generate", "--prompt", "Say hello.", "--max-new-tokens", "5", "--kv", "contiguous",
-                 "--device", "cpu"]) == 0
+                 *CPU]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip()
     assert "decode" in captured.err and "tok/s" in captured.err
@@ -104,13 +106,13 @@ def test_generate_streams_text(bundled, capsys):
     (["bench", "--prompts", "no-such-prompts.jsonl", "--no-hf"], "prompt file no-such-prompts.jsonl does not exist"),
 ])
 def test_bad_settings_exit_2_with_a_message(argv, message, capsys):
-    assert main(argv + ["--device", "cpu"]) == 2
+    assert main([argv[0], *CPU, *argv[1:]]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_bench_json_rows(bundled, tmp_path, capsys):
     path = tmp_path / "bench.json"
-    assert main(["bench", "--prompt-ids", "plain-1", "--repeats", "1", "--max-new-tokens", "4", "--device", "cpu",
+    assert main(["bench", "--prompt-ids", "plain-1", "--repeats", "1", "--max-new-tokens", "4", *CPU,
                  "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert [row["name"] for row in report["rows"]] == ["contiguous", "paged", "hf-transformers"]
@@ -138,7 +140,7 @@ def in_turn(bundled, one_torch_thread) -> list[dict]:
 
 def _three_prompts(*args: str, as_json: bool = True) -> list[str]:
     prompts = [arg for prompt in THREE_PROMPTS for arg in ("--prompt", prompt)]
-    return ["generate", *prompts, "--max-new-tokens", "8", "--device", "cpu", *(["--json"] if as_json else []), *args]
+    return ["generate", *prompts, "--max-new-tokens", "8", *CPU, *(["--json"] if as_json else []), *args]
 
 
 @pytest.mark.parametrize("spec_args", [[], ["--spec", "ngram", "--spec-k", "3"]])
@@ -170,7 +172,7 @@ def test_a_tiny_kv_pool_preempts_and_keeps_greedy_ids(bundled, one_torch_thread,
     prompts = ["What is the capital of France?", "Name three rivers in Europe.", "Say hello to my friend.",
                "Write a haiku about the sea."]
     base = ["generate", *[arg for prompt in prompts for arg in ("--prompt", prompt)], "--max-new-tokens", "24",
-            "--ignore-eos", "--device", "cpu", "--json"]
+            "--ignore-eos", *CPU, "--json"]
     assert main(base) == 0
     alone = json.loads(capsys.readouterr().out)
     assert main(base + ["--batching", "continuous", "--kv-cache-tokens", "96"]) == 0
@@ -191,7 +193,7 @@ def test_batched_generate_prints_texts_in_prompt_order(in_turn, capsys):
 def test_batch_bench_json_rows(bundled, one_torch_thread, tmp_path, capsys):
     path = tmp_path / "batch.json"
     assert main(["batch-bench", "--requests", "3", "--max-new-tokens", "4", "--modes", "none,continuous", "--peers",
-                 "hf-sequential", "--device", "cpu", "--json", str(path)]) == 0
+                 "hf-sequential", *CPU, "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert [row["name"] for row in report["rows"]] == ["none", "continuous", "hf-sequential"]
     for row in report["rows"]:

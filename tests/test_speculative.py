@@ -261,7 +261,7 @@ def test_spec_bench_writes_rows_per_kind(bundled, tmp_path, capsys):
 
     path = tmp_path / "spec.json"
     assert main(["spec-bench", "--kinds", "grounded", "--spec-k", "2,4", "--max-new-tokens", "16", "--repeats", "1",
-                 "--device", "cpu", "--json", str(path)]) == 0
+                 "--device", "cpu", "--dtype", "float32", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert [(row["kind"], row["setting"]) for row in rows] == [("grounded", "ngram k=2"), ("grounded", "ngram k=4")]
     for row in rows:

@@ -226,11 +226,11 @@ def _build_chat_tab(pool: EnginePool) -> None:
 
 def build_demo(pool: EnginePool) -> gr.Blocks:
     loaded = pool.loaded
-    dtype = str(loaded.dtype).removeprefix("torch.")
+    dtype = loaded.dtype_name
     with gr.Blocks(title="Inference Playground") as demo:
-        gr.Markdown(f"## Inference Playground\nModel **{loaded.display_name}** on **{loaded.device}** in **{dtype}**, "
-                    f"context {pool.max_seq_len} tokens. Every number on this page is measured from the engine "
-                    "doing the work.")
+        gr.Markdown(f"## Inference Playground\nModel **{loaded.display_name}** on **{loaded.device}** in **{dtype}** "
+                    f"({loaded.dtype_reason}), context {pool.max_seq_len} tokens. Every number on this page is "
+                    "measured from the engine doing the work.")
         with gr.Tab("Race"):
             _build_race_tab(pool)
         with gr.Tab("Chat"):

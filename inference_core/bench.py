@@ -115,17 +115,23 @@ def run_bench(args) -> int:
 
     if args.repeats < 1 or args.max_new_tokens < 2:
         raise ConfigError("bench needs --repeats >= 1 and --max-new-tokens >= 2.")
-    kv_modes = [mode.strip() for mode in args.configs.split(",") if mode.strip()]
+    configs = {name: parse_config(name) for name in (part.strip() for part in args.configs.split(",")) if name}
     rows = load_prompts(args.prompts or DEFAULT_PROMPTS)  # a bad file fails before the model loads
     loaded = load_model(args.model, args.device, args.dtype)
-    engines = {mode: Engine(loaded, EngineConfig(kv_mode=mode)) for mode in kv_modes}
+    engines = {name: Engine(loaded, config) for name, config in configs.items()}
+    compile_warmup, compile_rss = {}, {}
+    for name, engine in engines.items():
+        if engine.decoder is not None:
+            before = resident_mib()
+            compile_warmup[name] = round(engine.warm_up_compiled(), 2)
+            compile_rss[name] = round(resident_mib() - before, 1)
     wanted = args.prompt_ids.split(",") if args.prompt_ids else DEFAULT_PROMPT_IDS
     by_id = {row["id"]: row for row in rows}
     chosen = [by_id[i] for i in wanted if i in by_id] or rows[:4]  # a custom file: its first prompts
     tokenizing = Engine(loaded, EngineConfig(kv_mode="none"))  # holds no KV memory
     prompts = [(row["id"], tokenizing.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion"))
                for row in chosen]
-    runners = {mode: (lambda ids, n, e=engine: _run_ours(e, ids, n)) for mode, engine in engines.items()}
+    runners = {name: (lambda ids, n, e=engine: _run_ours(e, ids, n)) for name, engine in engines.items()}
     if not args.no_hf:
         runners[HF_ROW] = _HFRunner(loaded, resolve_model_dir(args.model)).run
     if not runners:
@@ -150,7 +156,9 @@ def run_bench(args) -> int:
     table = []
     for name, runs in results.items():
         decode = statistics.median(r["decode_tokens_per_s"] for r in runs)
-        table.append({"name": name, "kv": "dynamic (transformers)" if name == HF_ROW else name,
+        table.append({"name": name, "kv": "dynamic (transformers)" if name == HF_ROW else configs[name].kv_mode,
+                      "compile": engines[name].compile_stats() if name in engines else None,
+                      "compile_warmup_s": compile_warmup.get(name), "compile_rss_mib": compile_rss.get(name),
                       "decode_tokens_per_s": round(decode, 2),
                       "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 1),
                       "prefill_tokens_per_s": round(statistics.median(r["prefill_tokens_per_s"] for r in runs), 1),
@@ -165,6 +173,27 @@ def run_bench(args) -> int:
     print(format_table(report))
     write_report(report, args.json_path)
     return 0
+
+
+def resident_mib() -> float:
+    """This process's resident memory in MiB (Linux; 0 elsewhere): what compiling a graph adds (frozen weights are
+    copied into each graph, prepacked)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def parse_config(name: str) -> EngineConfig:
+    """A bench row's name -> its engine config: a KV mode, with '+compile' for compiled decode."""
+    kv_mode, _, extra = name.partition("+")
+    if extra not in ("", "compile"):
+        raise ConfigError(f"unknown bench configuration {name!r}: use a KV mode (none, contiguous, paged), with "
+                          "'+compile' for compiled decode (e.g. paged+compile).")
+    return EngineConfig(kv_mode=kv_mode, compile=extra == "compile")
 
 
 def write_report(report: dict, path: str | None) -> None:
@@ -189,7 +218,8 @@ def format_table(report: dict) -> str:
 
 def _machine(device: torch.device) -> dict:
     info = {"platform": platform.platform(), "processor": _cpu_name(), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx": torch.cpu._is_amx_tile_supported()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info

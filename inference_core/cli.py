@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--kv", choices=KV_MODES, default="paged", help="KV cache mode (default: paged)")
     generate.add_argument("--block-size", type=int, default=16, help="paged KV block size in tokens")
     generate.add_argument("--no-prefix-cache", action="store_true", help="paged: do not reuse cached prefixes")
+    generate.add_argument("--compile", action="store_true",
+                          help="decode steps through torch.compile (contiguous or paged KV; the first decode step at "
+                               "each batch size compiles, cached on disk for the next start)")
     generate.add_argument("--max-seq-len", type=int, help="context length (default: the model's, at most 8192)")
     generate.add_argument("--max-new-tokens", type=int, default=256)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -84,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
     bench.add_argument("--prompt-ids", help="comma-separated prompt ids to run (default: one per kind)")
     _add_model_args(bench)
-    bench.add_argument("--configs", default="contiguous,paged",
-                       help="our KV modes to run, comma-separated, from: none, contiguous, paged")
+    bench.add_argument("--configs", default="contiguous,paged,contiguous+compile,paged+compile",
+                       help="our configurations to run, comma-separated: a KV mode (none, contiguous, paged), "
+                            "with '+compile' for compiled decode")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers row")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3)
@@ -151,7 +155,8 @@ def generate_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(kv_mode=args.kv, block_size=args.block_size, prefix_cache=not args.no_prefix_cache,
                         max_seq_len=args.max_seq_len, kv_cache_tokens=args.kv_cache_tokens, batching=args.batching,
                         max_num_seqs=args.max_num_seqs or (8 if batched else 1),
-                        max_num_batched_tokens=args.max_batched_tokens, chunked_prefill=not args.no_chunked_prefill)
+                        max_num_batched_tokens=args.max_batched_tokens, chunked_prefill=not args.no_chunked_prefill,
+                        compile=args.compile)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -217,6 +222,10 @@ def _print_stats(s: GenerationStats, spec_method: str) -> None:
           f"decode {s.decode_tokens_per_s:.1f} tok/s; prompt {s.prompt_tokens} tokens, "
           f"{s.cached_prompt_tokens} from the prefix cache; {s.preemptions} preemptions, "
           f"mean batch {s.batch_size_mean:.1f}]", file=sys.stderr)
+    if s.compile:
+        print(f"[compiled decode, {s.compile['mode']}: {s.compile['graphs']} graphs compiled in "
+              f"{s.compile['warmup_s']:.1f} s ({s.compile['compile_s']:.1f} s of it during this request, left out of "
+              f"decode tok/s), {s.compile['recompiles']} recompiles]", file=sys.stderr)
     if s.spec:
         print(f"[speculative {spec_method}, k={s.spec['k']}: {s.spec['accepted']} of "
               f"{s.spec['drafted']} drafts accepted ({100 * s.spec['acceptance_rate']:.0f}%), "

@@ -165,6 +165,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens one step forwards, prefill chunks and decodes together
     chunked_prefill: bool = True  # split a long prompt into chunks that share steps with running decodes
     batch_window_ms: float = 50.0  # dynamic batching: how long the oldest waiting request waits for company
+    compile: bool = False  # decode steps through torch.compile (inference_core.compiled); needs a KV cache
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -183,6 +184,9 @@ class EngineConfig:
         if not _positive_int(self.max_num_batched_tokens):
             raise ConfigError(f"max_num_batched_tokens must be a positive integer, got "
                               f"{self.max_num_batched_tokens!r}.")
+        if self.compile and self.kv_mode == "none":
+            raise ConfigError("compiled decode needs a KV cache (contiguous or paged): KV mode none recomputes the "
+                              "whole text every step, which is a prefill, not a decode step.")
         if not self.batch_window_ms >= 0:
             raise ConfigError(f"batch_window_ms must be 0 or more, got {self.batch_window_ms!r}.")
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 
+from inference_core.compiled import CompiledDecoder, compile_unavailable
 from inference_core.config import ConfigError, EngineConfig
 from inference_core.kv_cache import ContiguousKVCache, PagedKVCache, RecomputeKVCache
 from inference_core.loader import LoadedModel, check_draft_model, load_model, wake_device
@@ -56,6 +57,7 @@ class StepReport:
     blocks_in_use: int  # paged: blocks; contiguous: slots; none: 0
     padding_rows: int = 0  # static batching: finished members' rows this step computed and threw away
     prompt_padding_tokens: int = 0  # static batching: padding tokens computed after prompts (padded to the longest)
+    compile_ms: float = 0.0  # compiled decode: time this step spent compiling a graph (a batch size's first use)
 
     @property
     def batch_size(self) -> int:
@@ -85,7 +87,12 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.max_seq_len = config.context_length(loaded.config)
         self.kv_cache = make_kv_cache(loaded, config, self.max_seq_len)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device)
+        self.decoder: CompiledDecoder | None = None
+        if config.compile:
+            if (reason := compile_unavailable(loaded.device)) is not None:
+                raise ConfigError(f"compiled decode is not available here: {reason}; run without compile.")
+            self.decoder = CompiledDecoder(loaded.model, self.kv_cache, loaded.device, config.max_num_seqs)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device, self.decoder)
         self.scheduler = Scheduler(self.kv_cache, config.batching, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.chunked_prefill, config.batch_window_ms)
         self.steps_taken = 0
@@ -231,6 +238,7 @@ class Engine:
         # 3. One forward for every plain sequence (prefill chunks and decodes), then each speculative request in a
         # step of its own (draft, verify, roll back).
         padding_rows = len(self.scheduler.padding) if plain else 0
+        compiled_before = self.decoder.stats.warmup_s if self.decoder is not None else 0.0
         prompt_padding = self._run_plain(plain, len(output.work), finished) if plain else 0
         for work in speculative:
             if not work.request.finished:
@@ -242,7 +250,8 @@ class Engine:
                           tuple((w.request.request_id, w.kind, w.num_tokens) for w in output.work),
                           tuple(r.request_id for r in output.preempted), tuple(r.request_id for r in finished),
                           len(self.scheduler.waiting), len(self.scheduler.running), self.kv_cache.blocks_in_use(),
-                          padding_rows, prompt_padding)
+                          padding_rows, prompt_padding,
+                          (self.decoder.stats.warmup_s - compiled_before) * 1e3 if self.decoder is not None else 0.0)
 
     def _run_plain(self, work: list[ScheduledWork], batch_size: int, finished: list[Request]) -> int:
         """One forward for the step's prefill chunks and decodes (and a static batch's padding); returns the prompt
@@ -253,6 +262,7 @@ class Engine:
         step_start = time.perf_counter()
         padding = self.scheduler.pad_rows()  # static batching: finished members' rows, computed and thrown away
         prompt_padding = [self._reserve_prompt_padding(w) for w in work]
+        compiled_before = self.decoder.stats.warmup_s if self.decoder is not None else 0.0
         try:
             logits = self.runner.run([r.seq for r in requests] + padding,
                                      [w.num_tokens for w in work] + [len(s) - s.num_computed_tokens for s in padding],
@@ -267,10 +277,11 @@ class Engine:
                 self._fail(request, error)
             raise
         step_s = time.perf_counter() - step_start
+        compile_s = self.decoder.stats.warmup_s - compiled_before if self.decoder is not None else 0.0
         sampled = dict(zip(done, tokens))
         for index, (request, item) in enumerate(zip(requests, work)):
             prompt_tokens = item.num_tokens if request.seq.num_generated_tokens == 0 else 0
-            request.account_step(step_s, batch_size, prompt_tokens)
+            request.account_step(step_s, batch_size, prompt_tokens, compile_s)
             if prompt_padding[index] or index in sampled:
                 request.prompt_padding = 0  # computed (or, where the pool had no room for it, given up)
             if index in sampled:
@@ -342,7 +353,8 @@ class Engine:
         """The request's final event (with its KV usage at the end), then its KV goes back."""
         if request.keep_final_kv_snapshot:
             request.final_kv_snapshot = self.kv_snapshot()
-        request.emit(request.finish_event(self.config.kv_mode, self.kv_cache.usage(request.seq)))
+        request.emit(request.finish_event(self.config.kv_mode, self.kv_cache.usage(request.seq),
+                                          self.compile_stats()))
         self._release(request)
         finished.append(request)
 
@@ -416,6 +428,21 @@ class Engine:
         return event
 
     # --- asking, not reaching -------------------------------------------------------------------------------------
+
+    def compile_stats(self) -> dict | None:
+        """Compiled decode's totals (`compiled.CompileStats`: options, warm-up seconds, graphs, recompiles); None
+        for an eager engine."""
+        return self.decoder.stats.as_dict() if self.decoder is not None else None
+
+    def warm_up_compiled(self, batch_sizes: tuple[int, ...] = (1,)) -> float:
+        """Compile the decode graph for the buckets of `batch_sizes` now (a compiled engine otherwise compiles a
+        bucket on its first decode step at that size). Returns the seconds it took; 0 for an eager engine."""
+        if self.decoder is None:
+            return 0.0
+        started = time.perf_counter()
+        for size in batch_sizes:
+            self.decoder.warm_up(size)
+        return time.perf_counter() - started
 
     def num_requests(self) -> int:
         """Requests queued or running (0 whenever nothing is generating)."""

@@ -65,6 +65,9 @@ class GenerationStats:
     preemptions: int = 0  # times the scheduler took its KV away (recompute) to make room for others
     queue_ms: float = 0.0  # wall time from submission to its first scheduled step
     batch_size_mean: float = 1.0  # mean number of sequences in the steps that served this request
+    # Compiled decode (None when eager): the engine's `compiled.CompileStats` at the end of this request, and
+    # `compile_s`, the seconds this request waited for a graph to compile (left out of decode_tokens_per_s).
+    compile: dict | None = None
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -118,6 +121,7 @@ class Request:
         self.busy_s = tokenize_s
         self.first_token_busy_s: float | None = None
         self.prefill_s = 0.0  # steps that computed prompt tokens (the first token's step included)
+        self.compile_s = 0.0  # time its steps spent compiling decode graphs (compiled engines only)
         self.cached_prompt_tokens: int | None = None  # set at first admission
         self.num_computed_prompt_tokens = 0
         self.preemptions = 0
@@ -148,10 +152,11 @@ class Request:
         """New tokens this request may still produce."""
         return self.params.max_new_tokens - self.seq.num_generated_tokens
 
-    def account_step(self, step_s: float, batch_size: int, prompt_tokens: int) -> None:
-        """Charge one engine step this request took part in: its duration, the batch size, and whether it computed
-        prompt tokens (a prefill chunk)."""
+    def account_step(self, step_s: float, batch_size: int, prompt_tokens: int, compile_s: float = 0.0) -> None:
+        """Charge one engine step this request took part in: its duration, the batch size, whether it computed
+        prompt tokens (a prefill chunk), and the part of it spent compiling a graph."""
         self.busy_s += step_s
+        self.compile_s += compile_s
         self.steps += 1
         self.batch_size_sum += batch_size
         if prompt_tokens:
@@ -182,10 +187,10 @@ class Request:
         return TokenEvent(token, delta, seq.num_generated_tokens - 1, self.busy_s, step_s * 1e3, draft, rejected_ids,
                           self.cached_prompt_tokens if first else None, batch_size)
 
-    def stats(self, kv_mode: str, kv_usage: tuple[int, int]) -> GenerationStats:
+    def stats(self, kv_mode: str, kv_usage: tuple[int, int], compile_stats: dict | None = None) -> GenerationStats:
         generated = self.seq.num_generated_tokens
         first_busy = self.first_token_busy_s if self.first_token_busy_s is not None else self.busy_s
-        decode_s = self.busy_s - first_busy
+        decode_s = self.busy_s - first_busy - self.compile_s  # graphs compile in decode steps only
         decode_tokens = max(generated - 1, 0)
         queue_s = (self.first_scheduled_at or time.perf_counter()) - self.submitted_at
         return GenerationStats(
@@ -196,11 +201,12 @@ class Request:
             decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
             total_ms=self.busy_s * 1e3, kv_bytes_in_use=kv_usage[0], kv_bytes_reserved=kv_usage[1],
             spec=self.spec_stats.as_dict() if self.spec_stats is not None else None, preemptions=self.preemptions,
-            queue_ms=queue_s * 1e3, batch_size_mean=self.batch_size_sum / self.steps if self.steps else 0.0)
+            queue_ms=queue_s * 1e3, batch_size_mean=self.batch_size_sum / self.steps if self.steps else 0.0,
+            compile=None if compile_stats is None else {**compile_stats, "compile_s": self.compile_s})
 
-    def finish_event(self, kv_mode: str, kv_usage: tuple[int, int]) -> FinishEvent:
+    def finish_event(self, kv_mode: str, kv_usage: tuple[int, int], compile_stats: dict | None = None) -> FinishEvent:
         self.finished_at = time.perf_counter()
-        return FinishEvent(self.text, self.seq.generated_token_ids, self.stats(kv_mode, kv_usage))
+        return FinishEvent(self.text, self.seq.generated_token_ids, self.stats(kv_mode, kv_usage, compile_stats))
 
 
 def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:

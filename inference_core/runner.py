@@ -49,10 +49,11 @@ class ForwardBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, decoder=None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.decoder = decoder  # a `compiled.CompiledDecoder` for steps that are only decodes (None: all eager)
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int], num_logits: int = 1,
                 num_padding: list[int] | None = None) -> ForwardBatch:
@@ -118,6 +119,14 @@ class ModelRunner:
         the last real token. The caller has checked that the KV cache has room for them."""
         if num_new_tokens is None:
             num_new_tokens = [len(seq) - seq.num_computed_tokens for seq in seqs]
+        if self.decoder is not None and num_logits == 1 and not any(num_padding or ()) \
+                and self.decoder.handles(seqs, num_new_tokens):
+            for seq in seqs:
+                self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + 1)
+            logits = self.decoder.run(seqs)
+            for seq in seqs:
+                self.kv_cache.commit(seq, seq.num_computed_tokens + 1)
+            return logits
         num_padding = num_padding or [0] * len(seqs)
         for seq, pads in zip(seqs, num_padding):
             seq.token_ids.extend([PAD_TOKEN] * pads)  # for the forward only: taken out again below

@@ -107,6 +107,10 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
     except (ValueError, TypeError) as error:
         yield (gr.skip(),) * 6 + (f"**Cannot send:** {error}",)
         return
+    if pool.needs_compiling(engine):
+        yield (gr.skip(),) * 6 + ("Compiling the decode step with torch.compile, once for these settings (kept on "
+                                  "disk for the next start)...",)
+        pool.compile(engine)
     history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
     yield (history, history, turn_stats, gr.skip(), gr.skip(), "", "Generating...")
     answer, last_text, last_kv, busy_s = "", time.perf_counter(), 0.0, 0.0

@@ -19,6 +19,7 @@ from functools import partial
 import gradio as gr
 
 from inference_core import SamplingParams
+from inference_core.compiled import compile_unavailable
 from inference_core.config import KV_MODES
 from inference_core.speculative import MAX_K
 from ui.batching import build_batching_tab
@@ -101,15 +102,30 @@ def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
         draft_layers = gr.Dropdown([("engine default", DEFAULT_LAYERS)] + list(range(1, num_layers)),
                                    value=defaults.draft_layers, label="early-exit draft layers",
                                    visible=defaults.spec_method == "early-exit", elem_id=f"{prefix}-spec-layers")
-    kv_mode.change(lambda mode: (gr.update(interactive=mode == "paged"),) * 2, kv_mode, [block_size, prefix_cache],
-                   **QUICK)
+    unavailable = compile_unavailable(pool.loaded.device)
+    compiled = gr.Checkbox(value=defaults.compile and unavailable is None, label="compiled decode (torch.compile)",
+                           interactive=unavailable is None and defaults.kv_mode != "none",
+                           info=f"not available here: {unavailable}" if unavailable else
+                           "needs a KV cache; compiles once per engine (about a minute on a CPU, cached on disk)",
+                           elem_id=f"{prefix}-compile")
+    kv_mode.change(lambda mode: (gr.update(interactive=mode == "paged"),) * 2
+                   + (gr.update(interactive=unavailable is None and mode != "none",
+                                **({"value": False} if mode == "none" else {})),),
+                   kv_mode, [block_size, prefix_cache, compiled], **QUICK)
     temperature.change(lambda value: (gr.update(interactive=float(value or 0) > 0),) * 2, temperature,
                        [top_p, seed], **QUICK)
     spec_method.change(lambda method: (gr.update(visible=method != "none"), gr.update(visible=method != "none"),
                                        gr.update(visible=method == "early-exit")),
                        spec_method, [spec_k, spec_adaptive, draft_layers], **QUICK)
     return [kv_mode, block_size, prefix_cache, temperature, top_p, seed, spec_method, spec_k, spec_adaptive,
-            draft_layers]
+            draft_layers, compiled]
+
+
+def available_setups(pool: EnginePool) -> list[str]:
+    """The race setups this device can run: those with a compiled lane only where compilation is available."""
+    can_compile = compile_unavailable(pool.loaded.device) is None
+    return [name for name, setup in RACE_SETUPS.items()
+            if can_compile or not any(lane.compile for lane in setup.lanes.values())]
 
 
 def _build_race_tab(pool: EnginePool) -> None:
@@ -120,7 +136,7 @@ def _build_race_tab(pool: EnginePool) -> None:
     default_setup = next(iter(RACE_SETUPS))
     control = gr.State(RunControl())
     with gr.Row(equal_height=True):
-        setup = gr.Dropdown(list(RACE_SETUPS), value=default_setup, label="Race setup (sets both lanes)",
+        setup = gr.Dropdown(available_setups(pool), value=default_setup, label="Race setup (sets both lanes)",
                             elem_id="race-setup", scale=2)
         preset = gr.Dropdown(list(prompts), value=next(iter(prompts)), label="Preset prompt (chat, code, grounded, "
                              "long, shared-prefix)", scale=1)

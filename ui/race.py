@@ -94,6 +94,12 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
     except (ValueError, TypeError) as error:
         yield _frame(status=f"**Cannot start the race:** {error}", run_button=idle)
         return
+    for name, engine in engines.items():  # a compiled lane's one-time warm-up, before anything is timed
+        if pool.needs_compiling(engine):
+            yield _frame(status=f"Compiling lane {name}'s decode step with torch.compile, once for this configuration "
+                                "(kept on disk for the next start); the race starts when it is done.",
+                         run_button=gr.update(interactive=False))
+            pool.compile(engine)
     traces = [LaneTrace(name, settings[name], engines[name], len(prompt_ids), loop=pool.loop,
                         request=requests[name]) for name in "AB"]
     by_name = {trace.name: trace for trace in traces}

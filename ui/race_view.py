@@ -37,6 +37,8 @@ FIGURES = {
                    "lane's",
     "KV memory in use": "the KV cache holding this request's tokens when it ended",
     "KV memory reserved": "KV memory set aside for this request: its blocks (paged) or a whole context (contiguous)",
+    "compiled decode": "whether decode steps ran through torch.compile; the one-time compile happened before the race "
+                       "(or in the step that first used a new batch size) and is not in TTFT or decode tokens/s",
 }
 LOW_ACCEPTANCE = 0.25  # a speculating lane below this share of accepted drafts gets a note on why it loses
 WHY_DRAFTS_FAIL = {
@@ -224,7 +226,15 @@ SUMMARY_ROWS = [
     ("device time", lambda t, f: "-" if f.device_s is None else f"{f.device_s:.2f} s"),
     ("KV memory in use", lambda t, f: _kv_cell(f, "kv_bytes_in_use")),
     ("KV memory reserved", lambda t, f: _kv_cell(f, "kv_bytes_reserved")),
+    ("compiled decode", lambda t, f: _compile_cell(t.engine.compile_stats())),
 ]
+
+
+def _compile_cell(stats: dict | None) -> str:
+    if stats is None:
+        return "no (eager)"
+    return (f"yes: compiled in {stats['warmup_s']:.1f} s once ({stats['graphs']} "
+            f"graph{'s' if stats['graphs'] != 1 else ''}, {stats['recompiles']} recompiles)")
 
 
 def summary_html(traces: list[LaneTrace]) -> str:

@@ -53,10 +53,11 @@ class LaneSettings:
     spec_k: int = 4  # draft length (where it starts when adaptive)
     spec_adaptive: bool = False
     draft_layers: int | str | None = DEFAULT_LAYERS  # early exit only; DEFAULT_LAYERS (or None): the engine's default
+    compile: bool = False  # decode steps through torch.compile (inference_core.compiled); needs a KV cache
 
     def engine_config(self, max_seq_len: int) -> EngineConfig:
         return EngineConfig(kv_mode=self.kv_mode, block_size=int(self.block_size), prefix_cache=bool(self.prefix_cache),
-                            max_seq_len=max_seq_len)
+                            max_seq_len=max_seq_len, compile=bool(self.compile))
 
     def sampling(self, max_new_tokens: int) -> SamplingParams:
         seed = None if self.seed in (None, "") else int(self.seed)
@@ -91,6 +92,8 @@ class LaneSettings:
             if self.spec_method == "early-exit" and self.draft_layers not in (None, "", DEFAULT_LAYERS):
                 draft += f" ({_whole(self.draft_layers)} layers)"
             parts.append(f"{draft} k={_whole(self.spec_k)}" + (" adaptive" if self.spec_adaptive else ""))
+        if self.compile:
+            parts.append("compiled decode")
         return ", ".join(parts)
 
 
@@ -150,6 +153,15 @@ class EnginePool:
             self.engines.popitem(last=False)
         engine = self.engines[key] = self._engine(key[1])
         return engine
+
+    def needs_compiling(self, engine: Engine) -> bool:
+        """Whether `engine` decodes compiled and has not compiled its batch-1 graph yet."""
+        return engine.decoder is not None and not engine.decoder.ready(1)
+
+    def compile(self, engine: Engine) -> float:
+        """Compile `engine`'s batch-1 decode graph now, in the loop thread (the device is busy meanwhile); returns the
+        seconds it took, which the race and the chat report apart from decode speed."""
+        return self.loop.call(engine.warm_up_compiled)
 
     def active_requests(self) -> int:
         """Requests queued or running right now, over every engine (0 whenever nothing is generating)."""

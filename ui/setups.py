@@ -35,6 +35,11 @@ RACE_SETUPS = {
         "Lane A reuses the KV blocks of earlier requests on its engine that began with the same tokens. Run the race, "
         "then pick another shared-prefix question (same system prompt) or run it again: lane A computes only what "
         "is new, and its TTFT drops."),
+    "compiled vs eager (both with the KV cache)": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged", compile=True), "B": LaneSettings(kv_mode="paged")}, None,
+        "The same paged KV cache and greedy decoding; lane A's decode step runs through torch.compile (fused C++ or "
+        "CUDA kernels, fixed shapes), lane B's eagerly, op by op. The first time, lane A compiles before the race "
+        "starts; its decode tokens/s is the part to compare. The texts match, except where the top two tokens were near-tied (the kernels sum in another order)."),
     "speculation: prompt lookup (k=5) vs plain decoding, grounded prompt": RaceSetup(
         {"A": LaneSettings(kv_mode="paged", spec_method="ngram", spec_k=5), "B": LaneSettings(kv_mode="paged")},
         "grounded-4",

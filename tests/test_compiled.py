@@ -1,0 +1,124 @@
+"""Compiled decode (`inference_core.compiled`) against the eager path it replaces.
+
+Greedy ids of a compiled engine must equal the eager engine's, batch 1 and batched (padded to a bucket), contiguous
+and paged. Compiled kernels sum in another order than eager ones, so two ids may differ only where the eager run's
+top two logits were a near-tie: within NEAR_TIE (fp32 logits; measured differences between the two paths are
+around 1e-4). After a divergence the two texts are different and not compared further. Once a bucket's graph is
+compiled, generating triggers no compile at all (`stats.compile`: graphs and recompiles unchanged).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
+from inference_core.compiled import batch_buckets, compile_unavailable
+from inference_core.sequence import Sequence
+
+from test_scheduler import build_tiny_model, prompt, run_to_end
+
+NEAR_TIE = 0.01
+
+pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None,
+                                reason=f"{compile_unavailable(torch.device('cpu'))}")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-compiled"))
+
+
+def greedy(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+def assert_same_or_near_tie(loaded, prompt_ids: list[int], eager: list[int], compiled: list[int]) -> None:
+    """Equal ids, or a first divergence where the eager run's top two logits were within NEAR_TIE."""
+    assert len(eager) == len(compiled)
+    diverged = next((i for i, (a, b) in enumerate(zip(eager, compiled)) if a != b), None)
+    if diverged is None:
+        return
+    recompute = Engine(loaded, EngineConfig(kv_mode="none"))
+    logits = recompute.runner.run([Sequence(prompt_ids + eager[:diverged])])[0]
+    top = logits.topk(2).values
+    gap = float(top[0] - top[1])
+    assert gap < NEAR_TIE, (f"compiled decode chose {compiled[diverged]} instead of {eager[diverged]} at token "
+                            f"{diverged}, where eager's top two logits were {gap:.4f} apart (not a near-tie)")
+
+
+def run_batched(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    requests = [engine.submit(p, greedy(max_new_tokens)) for p in prompts]
+    run_to_end(engine)
+    return [request.events[-1].token_ids for request in requests]
+
+
+def test_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
+def test_tiny_batches_match_eager_and_compile_once_per_bucket(tiny, kv_mode):
+    """Six prompts of different lengths through continuous batching, 4 at a time: steps of 4, then 3 (padded to the
+    bucket of 4), 2 and 1 sequences, with chunked prefills sharing steps (those stay eager)."""
+    settings = dict(kv_mode=kv_mode, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    prompts = [prompt(length, seed) for seed, length in enumerate([3, 9, 17, 30, 5, 12])]
+    lengths = [20, 24, 28, 12, 16, 40]  # finishing at different steps: every bucket is used
+    eager = Engine(tiny, EngineConfig(**settings))
+    compiled = Engine(tiny, EngineConfig(**settings, compile=True))
+    want = [eager.complete(p, greedy(n)).token_ids for p, n in zip(prompts, lengths)]
+    requests = [compiled.submit(p, greedy(n)) for p, n in zip(prompts, lengths)]
+    reports = run_to_end(compiled)
+    for p, w, request in zip(prompts, want, requests):
+        assert_same_or_near_tie(tiny, p, w, request.events[-1].token_ids)
+    stats = compiled.compile_stats()
+    assert stats["graphs"] == 3 and stats["recompiles"] == 0  # buckets 1, 2 and 4
+    assert stats["compiled_steps"] > 0
+    assert sum(r.compile_ms for r in reports) > 0  # the steps that compiled say so
+    # Warm: the same work again compiles nothing, and the final event's stats say so.
+    again = [compiled.submit(p, greedy(n)) for p, n in zip(prompts, lengths)]
+    reports = run_to_end(compiled)
+    assert compiled.compile_stats()["graphs"] == 3
+    assert all(r.compile_ms == 0 for r in reports)
+    finish = again[0].events[-1]
+    assert finish.stats.compile["recompiles"] == 0 and finish.stats.compile["compile_s"] == 0
+    assert compiled.blocks_in_use() == 0
+
+
+def test_warm_up_compiles_before_the_first_request(tiny):
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=8, compile=True))  # shapes no other test uses
+    assert not engine.decoder.ready(1)
+    assert engine.warm_up_compiled() > 0
+    assert engine.compile_stats()["graphs"] == 1 and engine.decoder.ready(1)
+    finish = engine.complete(prompt(7, 1), greedy(12))
+    assert finish.stats.compile["compile_s"] == 0 and finish.stats.compile["graphs"] == 1
+    assert finish.stats.decode_tokens_per_s > 0
+
+
+def test_compile_needs_a_kv_cache_and_a_compiler(tiny, monkeypatch):
+    with pytest.raises(ConfigError, match="needs a KV cache"):
+        EngineConfig(kv_mode="none", compile=True)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(ConfigError, match="no C[+][+] compiler"):
+        Engine(tiny, EngineConfig(kv_mode="paged", compile=True))
+    Engine(tiny, EngineConfig(kv_mode="paged"))  # eager still runs
+
+
+@pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
+def test_bundled_greedy_compiled_equals_eager(bundled, bench_prompts, kv_mode):
+    """The bundled model, fp32: five benchmark prompts, 128 new tokens, one at a time (batch 1) and four at once."""
+    ids = ["chat-short-1", "code-2", "grounded-1", "long-2", "plain-1"]
+    settings = dict(kv_mode=kv_mode, max_seq_len=1024, max_num_seqs=4)
+    eager = Engine(bundled, EngineConfig(**settings))
+    compiled = Engine(bundled, EngineConfig(**settings, compile=True))
+    prompts = [eager.prompt_ids(bench_prompts[i]["prompt"], bench_prompts[i].get("system"),
+                                chat=bench_prompts[i]["kind"] != "completion") for i in ids]
+    want = [eager.complete(p, greedy(128)).token_ids for p in prompts]
+    for p, w in zip(prompts, want):
+        assert_same_or_near_tie(bundled, p, w, compiled.complete(p, greedy(128)).token_ids)
+    for p, w, got in zip(prompts, want, run_batched(compiled, prompts[:4], 128)):
+        assert_same_or_near_tie(bundled, p, w, got)
+    stats = compiled.compile_stats()
+    assert (stats["graphs"], stats["recompiles"]) == (2, 0)  # buckets 1 and 4, each compiled once

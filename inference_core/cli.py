@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-prefix-cache", action="store_true", help="paged: do not reuse cached prefixes")
     generate.add_argument("--compile", action="store_true",
                           help="decode steps through torch.compile (contiguous or paged KV; the first decode step at "
-                               "each batch size compiles, cached on disk for the next start)")
+                               "each batch size compiles first, 1-2 minutes on a CPU)")
     generate.add_argument("--max-seq-len", type=int, help="context length (default: the model's, at most 8192)")
     generate.add_argument("--max-new-tokens", type=int, default=256)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")

@@ -18,8 +18,9 @@ the KV cache, and is written so that a compiler can turn it into a few fused ker
   serves every length, and the cache's full width on CUDA, where a CUDA graph needs every shape fixed.
 
 Nothing inside the step syncs with the host or loops over sequences. Prefill, chunked prefill, mixed steps and
-speculative verification stay on the eager path. Compiled code is cached on disk by inductor (its FX graph cache,
-under `compile_cache_dir()`), so a second start mostly skips code generation.
+speculative verification stay on the eager path. Inductor's on-disk cache (`compile_cache_dir()`) keeps generated
+kernels and autotuning choices between starts, but a frozen graph is rebuilt each start (docs/benchmarks.md measured a
+second compile at about 70% of the first).
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class CompiledDecoder:
     pads the batch to its bucket, fills the bucket's persistent input buffers, calls the graph, and writes the new
     k/v into the cache. `ModelRunner` sends it every step that is only decodes."""
 
-    def __init__(self, model: CausalLM, kv_cache, device: torch.device, max_num_seqs: int,
+    def __init__(self, model: CausalLM, kv_cache, device: torch.device, max_num_seqs: int, max_seq_len: int,
                  options: dict | None = None):
         from torch._dynamo.utils import counters
 
@@ -160,16 +161,18 @@ class CompiledDecoder:
         self.device = device
         self.paged = kv_cache.kv_mode == "paged"
         self.block_size = kv_cache.block_size if self.paged else 1
-        self.max_width = kv_cache.manager.num_blocks if self.paged else kv_cache.max_seq_len  # blocks or positions
+        # The most a sequence can read: blocks (paged) or positions (contiguous).
+        self.max_width = (min(kv_cache.manager.num_blocks, -(-max_seq_len // self.block_size)) if self.paged
+                          else kv_cache.max_seq_len)
         self.buckets = batch_buckets(max_num_seqs)
         self.static_width = device.type == "cuda"  # a CUDA graph needs fixed shapes: read the cache's full width
         self.options = dict(options if options is not None else default_options(device))
         self.stats = CompileStats(mode=describe_options(device, self.options))
-        torch._inductor.config.fx_graph_cache = True
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
         # Dynamo keeps the graphs of one function together and stops compiling past `recompile_limit` of them; every
         # engine's buckets (and every model, KV layout and pool size) are separate graphs of DecodeGraph.forward.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        model.rope_tables(model.embed_tokens.weight.dtype)  # built now: a graph traced before would be rebuilt after
         graph = DecodeGraph(model, self.paged, self.block_size)
         # Inductor options are applied as a config patch around each call, not through torch.compile(options=...):
         # freezing (weights as constants, prepacked for oneDNN) is decided outside what `options` patches, and

@@ -91,7 +91,8 @@ class Engine:
         if config.compile:
             if (reason := compile_unavailable(loaded.device)) is not None:
                 raise ConfigError(f"compiled decode is not available here: {reason}; run without compile.")
-            self.decoder = CompiledDecoder(loaded.model, self.kv_cache, loaded.device, config.max_num_seqs)
+            self.decoder = CompiledDecoder(loaded.model, self.kv_cache, loaded.device, config.max_num_seqs,
+                                           self.max_seq_len)
         self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device, self.decoder)
         self.scheduler = Scheduler(self.kv_cache, config.batching, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.chunked_prefill, config.batch_window_ms)

@@ -19,7 +19,7 @@ from inference_core.engine import Engine
 
 STATS_KEYS = {"kv_mode", "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "finish_reason", "ttft_ms",
               "prefill_tokens_per_s", "decode_tokens_per_s", "total_ms", "kv_bytes_in_use", "kv_bytes_reserved", "spec",
-              "preemptions", "queue_ms", "batch_size_mean"}
+              "preemptions", "queue_ms", "batch_size_mean", "compile"}
 # The CLI's default dtype is auto (bf16 on CPUs with native bf16 math); these tests compare runs id for id in fp32.
 CPU = ["--device", "cpu", "--dtype", "float32"]
 THREE_PROMPTS = ["What is the capital of France?", "Name three rivers.", "Say hello."]
@@ -113,7 +113,7 @@ def test_bad_settings_exit_2_with_a_message(argv, message, capsys):
 def test_bench_json_rows(bundled, tmp_path, capsys):
     path = tmp_path / "bench.json"
     assert main(["bench", "--prompt-ids", "plain-1", "--repeats", "1", "--max-new-tokens", "4", *CPU,
-                 "--json", str(path)]) == 0
+                 "--configs", "contiguous,paged", "--json", str(path)]) == 0  # compiled rows: test_compiled.py
     report = json.loads(path.read_text())
     assert [row["name"] for row in report["rows"]] == ["contiguous", "paged", "hf-transformers"]
     for row in report["rows"]:

@@ -9,10 +9,13 @@ compiled, generating triggers no compile at all (`stats.compile`: graphs and rec
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
+from inference_core.cli import main
 from inference_core.compiled import batch_buckets, compile_unavailable
 from inference_core.sequence import Sequence
 
@@ -95,6 +98,30 @@ def test_warm_up_compiles_before_the_first_request(tiny):
     finish = engine.complete(prompt(7, 1), greedy(12))
     assert finish.stats.compile["compile_s"] == 0 and finish.stats.compile["graphs"] == 1
     assert finish.stats.decode_tokens_per_s > 0
+
+
+def test_bench_has_compiled_rows_with_their_warm_up(tiny, tmp_path):
+    path, prompts = tmp_path / "bench.json", tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "words", "kind": "completion", "prompt": "t5 t9 t33 t7 t81"}) + "\n")
+    assert main(["bench", "--model", tiny.name, "--device", "cpu", "--dtype", "float32", "--prompts", str(prompts),
+                 "--configs", "paged,paged+compile", "--no-hf", "--repeats", "1", "--max-new-tokens", "8",
+                 "--json", str(path)]) == 0
+    rows = {row["name"]: row for row in json.loads(path.read_text())["rows"]}
+    assert rows["paged"]["compile"] is None and rows["paged+compile"]["kv"] == "paged"
+    compiled = rows["paged+compile"]
+    assert compiled["compile_warmup_s"] > 0 and compiled["compile"]["recompiles"] == 0
+    assert compiled["decode_tokens_per_s"] > 0 and compiled["roofline_pct"] > 0
+    assert main(["bench", "--model", tiny.name, "--configs", "paged+fast", "--no-hf"]) == 2  # unknown suffix
+
+
+def test_generate_compile_flag(tiny, capsys):
+    cpu = ["--model", tiny.name, "--device", "cpu", "--dtype", "float32", "--no-chat", "--max-new-tokens", "6",
+           "--ignore-eos"]
+    assert main(["generate", "--prompt", "t5 t9 t33", *cpu, "--compile", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)[0]["stats"]
+    assert stats["compile"]["graphs"] + stats["compile"]["compiled_steps"] > 0 and stats["compile"]["recompiles"] == 0
+    assert main(["generate", "--prompt", "t5", *cpu, "--compile", "--kv", "none"]) == 2
+    assert "compiled decode needs a KV cache" in capsys.readouterr().err
 
 
 def test_compile_needs_a_kv_cache_and_a_compiler(tiny, monkeypatch):

@@ -108,8 +108,8 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
         yield (gr.skip(),) * 6 + (f"**Cannot send:** {error}",)
         return
     if pool.needs_compiling(engine):
-        yield (gr.skip(),) * 6 + ("Compiling the decode step with torch.compile, once for these settings (kept on "
-                                  "disk for the next start)...",)
+        yield (gr.skip(),) * 6 + ("Compiling the decode step with torch.compile, once for these settings (a minute "
+                                  "or two on a CPU)...",)
         pool.compile(engine)
     history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
     yield (history, history, turn_stats, gr.skip(), gr.skip(), "", "Generating...")

@@ -106,7 +106,7 @@ def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
     compiled = gr.Checkbox(value=defaults.compile and unavailable is None, label="compiled decode (torch.compile)",
                            interactive=unavailable is None and defaults.kv_mode != "none",
                            info=f"not available here: {unavailable}" if unavailable else
-                           "needs a KV cache; compiles once per engine (about a minute on a CPU, cached on disk)",
+                           "needs a KV cache; compiles once per configuration and batch size (1-2 minutes on a CPU)",
                            elem_id=f"{prefix}-compile")
     kv_mode.change(lambda mode: (gr.update(interactive=mode == "paged"),) * 2
                    + (gr.update(interactive=unavailable is None and mode != "none",

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_core.model import CausalLM, apply_rope
+from inference_core.model import CausalLM
 
 # Inductor options for the CPU decode step, the fastest of those measured by `python -m inference_core.compile_options`
 # (docs/benchmarks.md, "Compiled decode"): freezing makes the weights constants that are prepacked, and max-autotune
@@ -94,15 +94,7 @@ class DecodeGraph(nn.Module):
         width = key_mask.shape[1]
         for index, layer in enumerate(model.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm.forward(x)
-            batch = h.shape[0]
-            qkv = attn.qkv_proj.forward(h)
-            q = qkv[:, :attn.q_size].view(batch, attn.num_heads, attn.head_dim)
-            k = qkv[:, attn.q_size:attn.q_size + attn.kv_size].view(batch, attn.num_kv_heads, attn.head_dim)
-            v = qkv[:, attn.q_size + attn.kv_size:].view(batch, attn.num_kv_heads, attn.head_dim)
-            if attn.q_norm is not None:
-                q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = attn.project(layer.input_layernorm.forward(x), cos, sin)
             new_k.append(k)
             new_v.append(v)
             if self.paged:  # [blocks, block_size, kv_heads, d] gathered -> [B, kv_heads, width, d]
@@ -112,7 +104,7 @@ class DecodeGraph(nn.Module):
                 k_ctx = k_pool[index][:, :, :width].index_select(0, read_index)
                 v_ctx = v_pool[index][:, :, :width].index_select(0, read_index)
             out = _attend_one(q, k, v, k_ctx, v_ctx, key_mask, attn.scale, attn.attention_dtype)
-            x = x + attn.o_proj.forward(out.reshape(batch, attn.q_size).to(x.dtype))
+            x = x + attn.o_proj.forward(out.reshape(x.shape[0], attn.q_size).to(x.dtype))
             x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
         logits = model.lm_head.forward(model.norm.forward(x)).float()
         return logits, torch.stack(new_k), torch.stack(new_v)

@@ -239,7 +239,7 @@ class Engine:
         # 3. One forward for every plain sequence (prefill chunks and decodes), then each speculative request in a
         # step of its own (draft, verify, roll back).
         padding_rows = len(self.scheduler.padding) if plain else 0
-        compiled_before = self.decoder.stats.warmup_s if self.decoder is not None else 0.0
+        compiled_before = self._compile_seconds()
         prompt_padding = self._run_plain(plain, len(output.work), finished) if plain else 0
         for work in speculative:
             if not work.request.finished:
@@ -252,7 +252,7 @@ class Engine:
                           tuple(r.request_id for r in output.preempted), tuple(r.request_id for r in finished),
                           len(self.scheduler.waiting), len(self.scheduler.running), self.kv_cache.blocks_in_use(),
                           padding_rows, prompt_padding,
-                          (self.decoder.stats.warmup_s - compiled_before) * 1e3 if self.decoder is not None else 0.0)
+                          (self._compile_seconds() - compiled_before) * 1e3)
 
     def _run_plain(self, work: list[ScheduledWork], batch_size: int, finished: list[Request]) -> int:
         """One forward for the step's prefill chunks and decodes (and a static batch's padding); returns the prompt
@@ -263,7 +263,7 @@ class Engine:
         step_start = time.perf_counter()
         padding = self.scheduler.pad_rows()  # static batching: finished members' rows, computed and thrown away
         prompt_padding = [self._reserve_prompt_padding(w) for w in work]
-        compiled_before = self.decoder.stats.warmup_s if self.decoder is not None else 0.0
+        compiled_before = self._compile_seconds()
         try:
             logits = self.runner.run([r.seq for r in requests] + padding,
                                      [w.num_tokens for w in work] + [len(s) - s.num_computed_tokens for s in padding],
@@ -278,7 +278,7 @@ class Engine:
                 self._fail(request, error)
             raise
         step_s = time.perf_counter() - step_start
-        compile_s = self.decoder.stats.warmup_s - compiled_before if self.decoder is not None else 0.0
+        compile_s = self._compile_seconds() - compiled_before
         sampled = dict(zip(done, tokens))
         for index, (request, item) in enumerate(zip(requests, work)):
             prompt_tokens = item.num_tokens if request.seq.num_generated_tokens == 0 else 0
@@ -429,6 +429,10 @@ class Engine:
         return event
 
     # --- asking, not reaching -------------------------------------------------------------------------------------
+
+    def _compile_seconds(self) -> float:
+        """Seconds this engine has spent compiling decode graphs so far (0 for an eager engine)."""
+        return self.decoder.stats.warmup_s if self.decoder is not None else 0.0
 
     def compile_stats(self) -> dict | None:
         """Compiled decode's totals (`compiled.CompileStats`: options, warm-up seconds, graphs, recompiles); None

@@ -113,18 +113,23 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, batch, kv_cache) -> torch.Tensor:
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of `x` [tokens, hidden], q and k normed (Qwen3) and rotated: q [tokens, heads, head_dim], k and v
+        [tokens, kv_heads, head_dim]; cos, sin: [tokens, 1, head_dim]. Shared by the eager and the compiled step."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj.forward(x)
         q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        # q: [tokens, heads, head_dim], k and v: [tokens, kv_heads, head_dim]; cos, sin: [tokens, 1, head_dim]
         if self.q_norm is not None:
             q, k = apply_rope(self.q_norm.forward(q), cos, sin), apply_rope(self.k_norm.forward(k), cos, sin)
         else:  # q and k are adjacent in qkv: rotate both in one pass
             qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        return q, k, v
+
+    def forward(self, x, cos, sin, batch, kv_cache) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
         kv_cache.store(self.layer_index, k, v, batch)
         outputs = []
         num_decodes = batch.num_decodes

@@ -223,7 +223,8 @@ def _print_stats(s: GenerationStats, spec_method: str) -> None:
           f"{s.cached_prompt_tokens} from the prefix cache; {s.preemptions} preemptions, "
           f"mean batch {s.batch_size_mean:.1f}]", file=sys.stderr)
     if s.compile:
-        print(f"[compiled decode, {s.compile['mode']}: {s.compile['graphs']} graphs compiled in "
+        how = f"{s.compile['from_disk']} of them loaded from the disk cache, " if s.compile.get("from_disk") else ""
+        print(f"[compiled decode, {s.compile['mode']}: {s.compile['graphs']} graphs ({how}compiled or loaded in "
               f"{s.compile['warmup_s']:.1f} s ({s.compile['compile_s']:.1f} s of it during this request, left out of "
               f"decode tok/s), {s.compile['recompiles']} recompiles]", file=sys.stderr)
     if s.spec:

@@ -68,12 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         seq.token_ids[200:] = []  # every option set decodes from the same context as eager did
         cache.commit(seq, 200)
         torch._dynamo.reset()
-        decoder = CompiledDecoder(loaded.model, cache, loaded.device, 1, 1024, options=OPTION_SETS[name])
+        decoder = CompiledDecoder(loaded.model, cache, loaded.device, 1, 1024, options=OPTION_SETS[name],
+                                  backend="torch.compile")
         started = time.perf_counter()
         decoder.warm_up(1)
         cold_s = time.perf_counter() - started
         torch._dynamo.reset()
-        decoder = CompiledDecoder(loaded.model, cache, loaded.device, 1, 1024, options=OPTION_SETS[name])
+        decoder = CompiledDecoder(loaded.model, cache, loaded.device, 1, 1024, options=OPTION_SETS[name],
+                                  backend="torch.compile")
         started = time.perf_counter()
         decoder.warm_up(1)
         warm_s = time.perf_counter() - started

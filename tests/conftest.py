@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from inference_core import Engine, EngineConfig, load_model
 from inference_core.prompts import load_prompts
 
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory):
+    """Compiled decode steps go to a directory of this session's (no package from an earlier run is reused)."""
+    os.environ["INFERENCE_CORE_COMPILE_CACHE"] = str(tmp_path_factory.mktemp("compiled"))
 
 
 @pytest.fixture(scope="session")

@@ -108,8 +108,8 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
         yield (gr.skip(),) * 6 + (f"**Cannot send:** {error}",)
         return
     if pool.needs_compiling(engine):
-        yield (gr.skip(),) * 6 + ("Compiling the decode step with torch.compile, once for these settings (a minute "
-                                  "or two on a CPU)...",)
+        yield (gr.skip(),) * 6 + ("Compiling the decode step, once for these settings (a minute or two on a "
+                                  "CPU; a second start loads it from the disk cache in seconds)...",)
         pool.compile(engine)
     history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
     yield (history, history, turn_stats, gr.skip(), gr.skip(), "", "Generating...")

@@ -103,10 +103,11 @@ def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
                                    value=defaults.draft_layers, label="early-exit draft layers",
                                    visible=defaults.spec_method == "early-exit", elem_id=f"{prefix}-spec-layers")
     unavailable = compile_unavailable(pool.loaded.device)
-    compiled = gr.Checkbox(value=defaults.compile and unavailable is None, label="compiled decode (torch.compile)",
+    compiled = gr.Checkbox(value=defaults.compile and unavailable is None, label="compiled decode",
                            interactive=unavailable is None and defaults.kv_mode != "none",
                            info=f"not available here: {unavailable}" if unavailable else
-                           "needs a KV cache; compiles once per configuration and batch size (1-2 minutes on a CPU)",
+                           "needs a KV cache; compiles once per configuration and batch size (1-2 minutes on a CPU), kept on "
+                           "disk for the next start",
                            elem_id=f"{prefix}-compile")
     kv_mode.change(lambda mode: (gr.update(interactive=mode == "paged"),) * 2
                    + (gr.update(interactive=unavailable is None and mode != "none",

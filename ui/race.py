@@ -96,8 +96,9 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
         return
     for name, engine in engines.items():  # a compiled lane's one-time warm-up, before anything is timed
         if pool.needs_compiling(engine):
-            yield _frame(status=f"Compiling lane {name}'s decode step with torch.compile, once for this configuration "
-                                "(a minute or two on a CPU); the race starts when it is done.",
+            yield _frame(status=f"Compiling lane {name}'s decode step, once for this configuration (a minute or two "
+                                "on a CPU; a second start loads it from the disk cache in seconds); the race starts "
+                                "when it is done.",
                          run_button=gr.update(interactive=False))
             pool.compile(engine)
     traces = [LaneTrace(name, settings[name], engines[name], len(prompt_ids), loop=pool.loop,

@@ -37,8 +37,9 @@ FIGURES = {
                    "lane's",
     "KV memory in use": "the KV cache holding this request's tokens when it ended",
     "KV memory reserved": "KV memory set aside for this request: its blocks (paged) or a whole context (contiguous)",
-    "compiled decode": "whether decode steps ran through torch.compile; the one-time compile happened before the race "
-                       "(or in the step that first used a new batch size) and is not in TTFT or decode tokens/s",
+    "compiled decode": "whether decode steps ran through the compiled step (AOTInductor on a CPU, torch.compile with CUDA "
+                       "graphs on CUDA); the one-time compile or load happened before the race (or in the step that "
+                       "first used a new batch size) and is not in TTFT or decode tokens/s",
 }
 LOW_ACCEPTANCE = 0.25  # a speculating lane below this share of accepted drafts gets a note on why it loses
 WHY_DRAFTS_FAIL = {
@@ -233,8 +234,10 @@ SUMMARY_ROWS = [
 def _compile_cell(stats: dict | None) -> str:
     if stats is None:
         return "no (eager)"
-    return (f"yes: compiled in {stats['warmup_s']:.1f} s once ({stats['graphs']} "
-            f"graph{'s' if stats['graphs'] != 1 else ''}, {stats['recompiles']} recompiles)")
+    graphs = f"{stats['graphs']} graph{'s' if stats['graphs'] != 1 else ''}"
+    if stats.get("from_disk"):
+        return f"yes: loaded from the disk cache in {stats['warmup_s']:.1f} s once ({graphs}, compiled on an earlier start)"
+    return f"yes: compiled in {stats['warmup_s']:.1f} s once ({graphs}, {stats['recompiles']} recompiles)"
 
 
 def summary_html(traces: list[LaneTrace]) -> str:

@@ -53,7 +53,7 @@ class LaneSettings:
     spec_k: int = 4  # draft length (where it starts when adaptive)
     spec_adaptive: bool = False
     draft_layers: int | str | None = DEFAULT_LAYERS  # early exit only; DEFAULT_LAYERS (or None): the engine's default
-    compile: bool = False  # decode steps through torch.compile (inference_core.compiled); needs a KV cache
+    compile: bool = False  # decode steps through the compiled step (inference_core.compiled); needs a KV cache
 
     def engine_config(self, max_seq_len: int) -> EngineConfig:
         return EngineConfig(kv_mode=self.kv_mode, block_size=int(self.block_size), prefix_cache=bool(self.prefix_cache),

@@ -37,7 +37,7 @@ RACE_SETUPS = {
         "is new, and its TTFT drops."),
     "compiled vs eager (both with the KV cache)": RaceSetup(
         {"A": LaneSettings(kv_mode="paged", compile=True), "B": LaneSettings(kv_mode="paged")}, None,
-        "The same paged KV cache and greedy decoding; lane A's decode step runs through torch.compile (fused C++ or "
+        "The same paged KV cache and greedy decoding; lane A's decode step runs compiled (fused C++ or "
         "CUDA kernels, fixed shapes), lane B's eagerly, op by op. The first time, lane A compiles before the race "
         "starts; its decode tokens/s is the part to compare. The texts match, except where the top two tokens were near-tied (the kernels sum in another order)."),
     "speculation: prompt lookup (k=5) vs plain decoding, grounded prompt": RaceSetup(

@@ -46,13 +46,14 @@ def measure_read_bandwidth(device: torch.device, size_bytes: int = 1 << 30, repe
 def decode_bytes_per_step(loaded: LoadedModel, context_len: float) -> float:
     """Bytes one decode step reads: every weight matrix once (the embedding table only as the LM head, when tied;
     an untied table is read one row at a time) plus K and V of the context in every layer."""
+    from inference_core.quant import weight_bytes
+
     model = loaded.model
-    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "lm_head.weight")
-    lm_head = model.lm_head.weight
     embedding = model.embed_tokens.weight
-    if lm_head.data_ptr() != embedding.data_ptr():
-        # Untied, or tied but stored transposed for speed: the LM head matrix is read, the table only by rows.
-        total += lm_head.numel() * lm_head.element_size() - embedding.numel() * embedding.element_size()
+    total = weight_bytes(model)  # quantized projections at their stored size
+    if getattr(model.lm_head, "weight", None) is None or model.lm_head.weight.data_ptr() != embedding.data_ptr():
+        # Untied, tied but stored transposed for speed, or quantized: the table itself is read only by rows.
+        total -= embedding.numel() * embedding.element_size()
     return total + context_len * loaded.config.kv_bytes_per_token(loaded.dtype)
 
 
@@ -115,10 +116,15 @@ def run_bench(args) -> int:
 
     if args.repeats < 1 or args.max_new_tokens < 2:
         raise ConfigError("bench needs --repeats >= 1 and --max-new-tokens >= 2.")
-    configs = {name: parse_config(name) for name in (part.strip() for part in args.configs.split(",")) if name}
+    from inference_core.quant import QuantConfig, quantize, weight_bytes
+
+    parsed = {name: parse_config(name) for name in (part.strip() for part in args.configs.split(",")) if name}
+    configs = {name: config for name, (config, _) in parsed.items()}
+    schemes = {name: QuantConfig(scheme, args.quant_group) for name, (_, scheme) in parsed.items()}
     rows = load_prompts(args.prompts or DEFAULT_PROMPTS)  # a bad file fails before the model loads
     loaded = load_model(args.model, args.device, args.dtype)
-    engines = {name: Engine(loaded, config) for name, config in configs.items()}
+    models = {scheme: quantize(loaded, scheme) for scheme in set(schemes.values())}  # one copy per scheme
+    engines = {name: Engine(models[schemes[name]], config) for name, config in configs.items()}
     compile_warmup, compile_rss = {}, {}
     for name, engine in engines.items():
         if engine.decoder is not None:
@@ -156,13 +162,17 @@ def run_bench(args) -> int:
     table = []
     for name, runs in results.items():
         decode = statistics.median(r["decode_tokens_per_s"] for r in runs)
+        row_model = engines[name].loaded if name in engines else loaded
+        row_limit = bandwidth / decode_bytes_per_step(row_model, mean_context)  # a quantized model reads less
         table.append({"name": name, "kv": "dynamic (transformers)" if name == HF_ROW else configs[name].kv_mode,
+                      "quant": schemes[name].name if name in schemes else "none",
+                      "weights_mib": round(weight_bytes(row_model.model) / 2**20, 1),
                       "compile": engines[name].compile_stats() if name in engines else None,
                       "compile_warmup_s": compile_warmup.get(name), "compile_rss_mib": compile_rss.get(name),
                       "decode_tokens_per_s": round(decode, 2),
                       "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 1),
                       "prefill_tokens_per_s": round(statistics.median(r["prefill_tokens_per_s"] for r in runs), 1),
-                      "roofline_pct": round(100 * decode / limit, 1), "runs": len(runs)})
+                      "roofline_pct": round(100 * decode / row_limit, 1), "runs": len(runs)})
     hf = next((row for row in table if row["name"] == HF_ROW), None)
     for row in table:
         row["speedup_vs_hf"] = round(row["decode_tokens_per_s"] / hf["decode_tokens_per_s"], 2) if hf else None
@@ -187,13 +197,17 @@ def resident_mib() -> float:
     return 0.0
 
 
-def parse_config(name: str) -> EngineConfig:
-    """A bench row's name -> its engine config: a KV mode, with '+compile' for compiled decode."""
-    kv_mode, _, extra = name.partition("+")
-    if extra not in ("", "compile"):
+def parse_config(name: str) -> tuple[EngineConfig, str]:
+    """A bench row's name -> its engine config and weight quantization: a KV mode, with '+compile' for compiled
+    decode and '+int8' or '+int4' for quantized weights (e.g. paged+compile+int8)."""
+    kv_mode, *extras = name.split("+")
+    quant = [extra for extra in extras if extra in ("int8", "int4")]
+    if any(extra not in ("compile", "int8", "int4") for extra in extras) or len(quant) > 1 or len(set(extras)) < len(
+            extras):
         raise ConfigError(f"unknown bench configuration {name!r}: use a KV mode (none, contiguous, paged), with "
-                          "'+compile' for compiled decode (e.g. paged+compile).")
-    return EngineConfig(kv_mode=kv_mode, compile=extra == "compile")
+                          "'+compile' for compiled decode and '+int8' or '+int4' for quantized weights (e.g. "
+                          "paged+compile+int8).")
+    return EngineConfig(kv_mode=kv_mode, compile="compile" in extras), (quant[0] if quant else "none")
 
 
 def write_report(report: dict, path: str | None) -> None:

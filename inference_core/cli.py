@@ -23,6 +23,7 @@ import sys
 
 from inference_core.config import BATCHING_MODES, KV_MODES, ConfigError, EngineConfig
 from inference_core.engine import Engine, FinishEvent, GenerationStats, load_model
+from inference_core.quant import SCHEMES, QuantConfig, quantize, weight_bytes
 from inference_core.sampling import SamplingParams
 from inference_core.speculative import SPEC_METHODS, SpecConfig
 
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-chat", action="store_true", help="plain completion: no chat template")
     _add_model_args(generate)
     generate.add_argument("--kv", choices=KV_MODES, default="paged", help="KV cache mode (default: paged)")
+    generate.add_argument("--quant", choices=SCHEMES, default="none",
+                          help="weight-only quantization of the projections: int8 per output channel, int4 per group")
+    generate.add_argument("--quant-group", type=int, default=32, help="int4: input features per scale and zero")
+    generate.add_argument("--quant-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                          help="quantize the LM head too (default: yes)")
     generate.add_argument("--block-size", type=int, default=16, help="paged KV block size in tokens")
     generate.add_argument("--no-prefix-cache", action="store_true", help="paged: do not reuse cached prefixes")
     generate.add_argument("--compile", action="store_true",
@@ -89,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     bench.add_argument("--configs", default="contiguous,paged,contiguous+compile,paged+compile",
                        help="our configurations to run, comma-separated: a KV mode (none, contiguous, paged), "
-                            "with '+compile' for compiled decode")
+                            "with '+compile' for compiled decode and '+int8' or '+int4' for quantized weights")
+    bench.add_argument("--quant-group", type=int, default=32, help="int4 rows: input features per scale and zero")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers row")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3)
@@ -168,7 +175,12 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--draft-model is used only with --spec draft.")
     if args.draft_layers is not None and args.spec != "early-exit":
         raise ConfigError("--draft-layers is used only with --spec early-exit.")
-    loaded = load_model(args.model, args.device, args.dtype)
+    quant = QuantConfig(args.quant, args.quant_group, args.quant_lm_head)  # checked before the model loads
+    full = load_model(args.model, args.device, args.dtype)
+    loaded = quantize(full, quant)
+    if quant.scheme != "none":
+        print(f"[weights {quant.name}: {weight_bytes(loaded.model) / 2**20:.0f} MiB, against "
+              f"{weight_bytes(full.model) / 2**20:.0f} MiB in {full.dtype_name}]", file=sys.stderr)
     draft = load_model(args.draft_model, args.device, loaded.dtype_name) if args.draft_model else None
     engine = Engine(loaded, config, draft_model=draft)
     options = {"system": args.system, "chat": not args.no_chat, "spec": spec}

@@ -29,6 +29,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     dtype_reason: str = ""  # why this dtype: 'as asked', or what `--dtype auto` found (see choose_dtype)
+    quant: object = None  # the projections' quantization (`quant.QuantConfig`), None: the model dtype
 
     @property
     def display_name(self) -> str:

@@ -168,9 +168,6 @@ class CompiledDecoder:
 
     def __init__(self, model: CausalLM, kv_cache, device: torch.device, max_num_seqs: int, max_seq_len: int,
                  options: dict | None = None, backend: str | None = None):
-        from torch._dynamo.utils import counters
-
-        self._graph_counter = counters["stats"]  # "unique_graphs": graphs dynamo has traced
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -197,6 +194,9 @@ class CompiledDecoder:
             # Dynamo keeps the graphs of one function together and stops compiling past `recompile_limit` of them;
             # every engine's buckets (and every model, KV layout and pool size) are separate graphs of the step.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            from torch._dynamo.utils import counters
+
+            self._graph_counter = counters["stats"]  # "unique_graphs": graphs dynamo has traced
             self.graph = torch.compile(self.step, fullgraph=True, dynamic=False, mode=self.options.get("mode"))
         self._programs: dict[int, object] = {}  # aoti: bucket -> loaded package
         self._ready_buckets: set[int] = set()  # buckets whose graph has run in this engine
@@ -278,24 +278,32 @@ class CompiledDecoder:
 
     def _call(self, bucket: int, buffers: dict[str, torch.Tensor], read_index, key_mask):
         args = (buffers["input_ids"], buffers["positions"], read_index, key_mask, self.kv_cache.k, self.kv_cache.v)
-        started = time.perf_counter()
         if self.backend == "aoti":
-            # An exported program takes its inputs with the strides it was traced with (dense): the width views of
-            # the bucket's buffers are not.
-            args = tuple(arg.contiguous() for arg in args)
-            program = self._programs.get(bucket)
-            if program is None:
-                program = self._programs[bucket] = self._load_or_build(bucket, args)
-                self.stats.warmup_s += time.perf_counter() - started
-            elif bucket in self._ready_buckets:
-                self.stats.compiled_steps += 1
-            self._ready_buckets.add(bucket)
-            return program(*args)
+            return self._call_package(bucket, args)
+        return self._call_compiled(bucket, args)
+
+    def _call_package(self, bucket: int, args: tuple):
+        # An exported program takes its inputs with the strides it was traced with (dense): the width views of the
+        # bucket's buffers are not.
+        args = tuple(arg.contiguous() for arg in args)
+        started = time.perf_counter()
+        program = self._programs.get(bucket)
+        if program is None:
+            program = self._programs[bucket] = self._load_or_build(args)
+            self.stats.warmup_s += time.perf_counter() - started
+        elif bucket in self._ready_buckets:
+            self.stats.compiled_steps += 1
+        self._ready_buckets.add(bucket)
+        return program(*args)
+
+    def _call_compiled(self, bucket: int, args: tuple):
+        _, _, read_index, key_mask, _, _ = args
         if not self.static_width and self.max_width >= 2:
             torch._dynamo.mark_dynamic(key_mask, 1)
             if self.paged:
                 torch._dynamo.mark_dynamic(read_index, 1)
         graphs_before = self._graph_counter["unique_graphs"]
+        started = time.perf_counter()
         with torch._inductor.config.patch(self._inductor_config):
             outputs = self.graph(*args)
         if self._graph_counter["unique_graphs"] != graphs_before:
@@ -310,8 +318,8 @@ class CompiledDecoder:
         self._ready_buckets.add(bucket)
         return outputs
 
-    def _load_or_build(self, bucket: int, args: tuple):
-        """The AOTInductor package of `bucket`'s step: already loaded in this process (by another engine with the
+    def _load_or_build(self, args: tuple):
+        """The AOTInductor package of the step for these inputs' shapes (one batch bucket): already loaded in this process (by another engine with the
         same model and shapes), loaded from the disk cache, or exported, compiled and written there first."""
         key = self._package_key(args)
         with _PACKAGE_LOCK:
@@ -425,7 +433,7 @@ def default_options(device: torch.device) -> dict:
     return dict(CPU_OPTIONS)
 
 
-def describe_options(device: torch.device, options: dict, backend: str = "torch.compile") -> str:
+def describe_options(device: torch.device, options: dict, backend: str) -> str:
     words = [name.replace("_", "-") if value is True else f"{name}={value}" for name, value in options.items()]
     name = "AOTInductor" if backend == "aoti" else "inductor"
     return f"{name} on {device.type}" + (f" ({', '.join(words)})" if words else "")

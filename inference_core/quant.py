@@ -141,7 +141,6 @@ def quantize(loaded, config: QuantConfig):
         raise ConfigError(f"weight quantization runs on the CPU so far, not on {loaded.device.type}.")
     memo = {id(tensor): tensor for tensor in [*loaded.model.parameters(), *loaded.model.buffers()]}
     model = copy.deepcopy(loaded.model, memo)  # the modules copied, the tensors shared
-    model.__dict__.pop("_compile_fingerprint", None)
     compute = compute_dtype(loaded.device.type, loaded.dtype)
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)
                and (config.lm_head or name != "lm_head")]

@@ -6,6 +6,11 @@ their block tables: the manager writes `seq.block_table` and `seq.num_cached_tok
 state. A full block whose KV has been written is registered under a hash of its tokens and of every token before it,
 so a later request with the same prefix can reuse it. When the last owner frees such a block it becomes *evictable*:
 still in the prefix cache, but reclaimed (least recently freed first) once the plain free queue runs dry.
+
+With a sliding window, a sequence's leading blocks that fall wholly out of the window are released early
+(`release_before`); their table entries become FREED, so logical block i still holds positions [i * block_size,
+(i + 1) * block_size). A released full block stays in the prefix cache like any freed one: its KV is still the right
+KV for its prefix.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from inference_core.sequence import Sequence
+
+FREED = -1  # a block-table entry whose block fell out of the sequence's sliding window and went back to the pool
 
 
 def compute_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -139,6 +146,8 @@ class BlockManager:
                 f"for sequence {seq.seq_id} ({len(seq.token_ids)} tokens, {len(seq.block_table)} blocks)"
             )
         for index in range(self.blocks_needed(num_computed_tokens)):
+            if seq.block_table[index] == FREED:
+                continue
             block = self.blocks[seq.block_table[index]]
             # max(): a shared block may already be full from another owner's pass.
             num_written = min(self.block_size, num_computed_tokens - index * self.block_size)
@@ -147,12 +156,14 @@ class BlockManager:
             return
         parent_hash = root_hash(seq.cache_salt)
         for index in range(num_computed_tokens // self.block_size):
-            block = self.blocks[seq.block_table[index]]
-            if block.block_hash is not None:
+            block = None if seq.block_table[index] == FREED else self.blocks[seq.block_table[index]]
+            if block is not None and block.block_hash is not None:
                 parent_hash = block.block_hash
                 continue
             token_ids = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
             parent_hash = compute_block_hash(parent_hash, token_ids)
+            if block is None:  # released from the window: only its hash is needed, to chain the blocks after it
+                continue
             # Same content computed twice: keep the first registration; this block stays a private copy.
             if parent_hash not in self.hash_to_block_id:
                 self.hash_to_block_id[parent_hash] = block.block_id
@@ -185,7 +196,8 @@ class BlockManager:
             raise ValueError(f"num_tokens={num_tokens} must lie in [0, {capacity}] for sequence {seq.seq_id}")
         num_kept_blocks = self.blocks_needed(num_tokens)
         num_in_last_block = num_tokens - (num_kept_blocks - 1) * self.block_size
-        last_block = self.blocks[seq.block_table[num_kept_blocks - 1]] if num_kept_blocks else None
+        last_id = seq.block_table[num_kept_blocks - 1] if num_kept_blocks else FREED
+        last_block = None if last_id == FREED else self.blocks[last_id]
         if last_block is not None and num_in_last_block < self.block_size and len(last_block.owners) > 1:
             # The next token would be written into a block other sequences read: their KV would be corrupted.
             raise RuntimeError(
@@ -201,9 +213,20 @@ class BlockManager:
                 self._unregister(last_block)
             last_block.num_filled = min(last_block.num_filled, num_in_last_block)
 
+    def release_before(self, seq: Sequence, position: int) -> None:
+        """Sliding window: give back `seq`'s blocks that lie wholly before token `position` (no query will read
+        them again); their entries become FREED."""
+        table = seq.block_table
+        for index in range(min(max(position, 0) // self.block_size, len(table))):
+            if table[index] != FREED:
+                self._release(seq.seq_id, [table[index]])
+                table[index] = FREED
+
     def _release(self, seq_id: int, block_ids: list[int]) -> None:
         # Reverse order: a chain's tail enters the LRU before its head, so it is evicted first.
         for block_id in reversed(block_ids):
+            if block_id == FREED:
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             block.owners.discard(seq_id)

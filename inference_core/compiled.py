@@ -236,7 +236,8 @@ class CompiledDecoder:
         positions = [seq.num_computed_tokens for seq in seqs]
         if self.paged:
             width = self._width(-(-(max(positions) + 1) // self.block_size))
-            rows = [(seq.block_table[:width] + [0] * width)[:width] for seq in seqs]  # padded with block 0
+            # Padded with block 0; so are blocks released from a sliding window (FREED, -1): the key mask hides both.
+            rows = [([max(block, 0) for block in seq.block_table[:width]] + [0] * width)[:width] for seq in seqs]
             read_index = buffers["read_index"][:, :width]
             read_index[:count] = torch.tensor(rows, dtype=torch.int32)
             read_index[count:] = 0
@@ -254,6 +255,8 @@ class CompiledDecoder:
         keys = width * self.block_size
         key_mask = buffers["key_mask"][:, :keys]
         key_mask[:count] = torch.arange(keys) < position_tensor[:, None]
+        if self.kv_cache.sliding_window is not None:  # the own key (scored apart) is the window's last one
+            key_mask[:count] &= torch.arange(keys) > position_tensor[:, None] - self.kv_cache.sliding_window
         key_mask[count:] = False
         logits, new_k, new_v = self._call(bucket, buffers, read_index, key_mask)
         self._store(new_k[:, :count], new_v[:, :count], buffers["positions"][:count], read_index[:count])

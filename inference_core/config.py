@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",  # Llama + RMSNorm on q and k (per head) before RoPE
 }
 KV_MODES = ("none", "contiguous", "paged")
+KV_DTYPES = ("auto", "int8")  # auto: the model dtype; int8: per token and head scales (see inference_core.kv_cache)
 BATCHING_MODES = ("none", "static", "dynamic", "continuous")  # see inference_core.scheduler
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -68,6 +69,7 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    sliding_window: int | None = None  # the checkpoint's own attention window (Mistral-style), None: full attention
 
     @classmethod
     def from_hf_dict(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
@@ -86,10 +88,8 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         max_positions = hf.get("max_position_embeddings", 2048)
-        # Mistral-style sliding window: we cap the context at the window, where full attention is exactly the same.
+        # Mistral-style sliding window: each token attends to itself and the window - 1 tokens before it.
         window = hf.get("sliding_window") if hf.get("use_sliding_window", architecture == "mistral") else None
-        if window:
-            max_positions = min(max_positions, window)
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -112,15 +112,18 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
             max_position_embeddings=max_positions, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=architecture == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=architecture == "qwen3", eos_token_ids=eos_ids, bos_token_id=hf.get("bos_token_id"))
+            qk_norm=architecture == "qwen3", eos_token_ids=eos_ids, bos_token_id=hf.get("bos_token_id"),
+            sliding_window=int(window) if window and window < max_positions else None)
         if config.num_heads % config.num_kv_heads:
             raise ConfigError(f"{source}: {config.num_heads} attention heads do not divide into "
                               f"{config.num_kv_heads} KV heads.")
         return config
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V that one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+    def kv_bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+        """Bytes of K and V that one token occupies across all layers: head_dim values in the model dtype per layer
+        and KV head, or with an int8 KV cache head_dim int8 values and one fp32 scale."""
+        per_head = self.head_dim + 4 if kv_dtype == "int8" else self.head_dim * torch.finfo(dtype).bits // 8
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -166,6 +169,8 @@ class EngineConfig:
     chunked_prefill: bool = True  # split a long prompt into chunks that share steps with running decodes
     batch_window_ms: float = 50.0  # dynamic batching: how long the oldest waiting request waits for company
     compile: bool = False  # decode steps through torch.compile (inference_core.compiled); needs a KV cache
+    kv_dtype: str = "auto"  # KV cache storage: "auto" (the model dtype) or "int8" (see inference_core.kv_cache)
+    sliding_window: int | None = None  # attend to the last N tokens only; None: the checkpoint's own window, if any
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -187,6 +192,15 @@ class EngineConfig:
         if self.compile and self.kv_mode == "none":
             raise ConfigError("compiled decode needs a KV cache (contiguous or paged): KV mode none recomputes the "
                               "whole text every step, which is a prefill, not a decode step.")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"unknown KV dtype {self.kv_dtype!r}; use one of: {', '.join(KV_DTYPES)}.")
+        if self.kv_dtype == "int8" and self.kv_mode == "none":
+            raise ConfigError("an int8 KV cache needs a KV cache (contiguous or paged); KV mode none keeps nothing.")
+        if self.kv_dtype == "int8" and self.compile:
+            raise ConfigError("compiled decode reads the KV cache in the model dtype; an int8 KV cache runs eager "
+                              "only (turn one of them off).")
+        if self.sliding_window is not None and not _positive_int(self.sliding_window):
+            raise ConfigError(f"the sliding window must be a positive number of tokens, got {self.sliding_window!r}.")
         if not self.batch_window_ms >= 0:
             raise ConfigError(f"batch_window_ms must be 0 or more, got {self.batch_window_ms!r}.")
 
@@ -197,6 +211,12 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len {self.max_seq_len} exceeds the model's context of "
                               f"{model.max_position_embeddings} tokens.")
         return self.max_seq_len
+
+    def attention_window(self, model: ModelConfig) -> int | None:
+        """The tokens each token attends to (itself included): this engine's window, else the checkpoint's; None when
+        the window covers the whole context (full attention)."""
+        window = self.sliding_window or model.sliding_window
+        return window if window and window < self.context_length(model) else None
 
     def num_kv_blocks(self, model: ModelConfig) -> int:
         tokens = self.kv_cache_tokens or self.context_length(model)

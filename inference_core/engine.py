@@ -69,12 +69,14 @@ class StepReport:
 
 
 def make_kv_cache(loaded: LoadedModel, config: EngineConfig, max_seq_len: int):
+    window = config.attention_window(loaded.config)
     if config.kv_mode == "contiguous":
-        return ContiguousKVCache(loaded.config, max_seq_len, config.max_num_seqs, loaded.dtype, loaded.device)
+        return ContiguousKVCache(loaded.config, max_seq_len, config.max_num_seqs, loaded.dtype, loaded.device,
+                                 config.kv_dtype, window)
     if config.kv_mode == "paged":
         return PagedKVCache(loaded.config, config.num_kv_blocks(loaded.config), config.block_size,
-                            config.prefix_cache, loaded.dtype, loaded.device)
-    return RecomputeKVCache()
+                            config.prefix_cache, loaded.dtype, loaded.device, config.kv_dtype, window)
+    return RecomputeKVCache(window)
 
 
 class Engine:

@@ -18,6 +18,16 @@ The modes:
   `BlockManager`) maps its logical blocks to physical ones; reads gather the blocks through the batch's padded
   int32 block tables. Memory is held per block actually used, and full blocks with the same token prefix (and the
   same cache salt) are shared across requests (prefix caching).
+
+Two storage options apply to both caching modes:
+- `kv_dtype="int8"`: each token's k (and v) of each KV head is stored as head_dim int8 values followed by its fp32
+  scale (max |x| / 127) in 4 more int8 bytes, so a [..., head_dim] tensor becomes an int8 [..., head_dim + 4] one
+  and every write and read path indexes it exactly as before; `store` quantizes, the reads dequantize to the model
+  dtype. It saves memory (SmolLM2: 68 bytes per token and head against 128 in bf16 and 256 in fp32), not time: on
+  a CPU the dequantization costs about what the smaller read saves.
+- a sliding window (`sliding_window`, tokens each token attends to, itself included): the runner's masks hide what
+  lies before it, and the paged cache gives back the blocks that fall wholly out of it (`BlockManager.release_before`),
+  so a long generation holds a constant number of blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from inference_core.block_manager import BlockManager
+from inference_core.block_manager import FREED, BlockManager
 from inference_core.config import ModelConfig
 from inference_core.sequence import Sequence
 
@@ -34,6 +44,7 @@ from inference_core.sequence import Sequence
 class KVCache(Protocol):
     kv_mode: str
     bytes_per_token: int
+    sliding_window: int | None
 
     def can_allocate(self, seq: Sequence) -> bool: ...
     def allocate(self, seq: Sequence) -> None: ...
@@ -50,13 +61,48 @@ class KVCache(Protocol):
     def load_decodes(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+SCALE_BYTES = 4  # an int8 row's fp32 scale, stored as 4 int8 bytes after the head_dim values
+
+
+def quantize_int8(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] float -> int8 [..., head_dim + 4]: round(x / scale) and the fp32 scale max|x| / 127."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127  # [..., 1]
+    values = torch.round(x.float() / scale).to(torch.int8)
+    return torch.cat((values, scale.view(torch.int8)), -1)
+
+
+def dequantize_int8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 [..., head_dim + 4] -> [..., head_dim] in `dtype`."""
+    return (x[..., :-SCALE_BYTES].float() * x[..., -SCALE_BYTES:].view(torch.float32)).to(dtype)
+
+
+class _Storage:
+    """What the contiguous and paged caches share: the element layout (model dtype, or int8 with a scale) and the
+    sliding window."""
+
+    def _init_storage(self, config: ModelConfig, dtype, kv_dtype: str, sliding_window: int | None):
+        self.dtype, self.kv_dtype, self.sliding_window = dtype, kv_dtype, sliding_window
+        self.bytes_per_token = config.kv_bytes_per_token(dtype, kv_dtype)
+        if kv_dtype == "int8":
+            return torch.int8, config.head_dim + SCALE_BYTES  # storage dtype, last dimension
+        return dtype, config.head_dim
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return quantize_int8(x) if self.kv_dtype == "int8" else x
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        return dequantize_int8(x, self.dtype) if self.kv_dtype == "int8" else x
+
+
 class RecomputeKVCache:
     """Mode `none`: no memory between steps. Attention reads the k/v this very forward computed."""
 
     kv_mode = "none"
     bytes_per_token = 0
+    kv_dtype = "auto"
 
-    def __init__(self):
+    def __init__(self, sliding_window: int | None = None):
+        self.sliding_window = sliding_window
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
 
@@ -101,18 +147,19 @@ class RecomputeKVCache:
         raise AssertionError("mode none has no cached decodes: every sequence is forwarded whole")
 
 
-class ContiguousKVCache:
+class ContiguousKVCache(_Storage):
     kv_mode = "contiguous"
 
-    def __init__(self, config: ModelConfig, max_seq_len: int, num_slots: int, dtype, device):
+    def __init__(self, config: ModelConfig, max_seq_len: int, num_slots: int, dtype, device, kv_dtype: str = "auto",
+                 sliding_window: int | None = None):
         self.max_seq_len = max_seq_len
-        self.bytes_per_token = config.kv_bytes_per_token(dtype)
-        shape = (config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim)
+        storage, last = self._init_storage(config, dtype, kv_dtype, sliding_window)
+        shape = (config.num_layers, num_slots, config.num_kv_heads, max_seq_len, last)
         # k, v: [layers, slots, kv_heads, max_seq_len, head_dim]; head-major so one slot's context is a plain view.
         # torch.empty: pages of slots never used are never touched, so they take no resident memory. A slot is
         # zeroed on its first use (see `allocate`).
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = torch.empty(shape, dtype=storage, device=device)
+        self.v = torch.empty(shape, dtype=storage, device=device)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # views, so a step indexes less
         self.num_slots = num_slots
         self.free_slots = list(range(num_slots))
@@ -169,6 +216,7 @@ class ContiguousKVCache:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None:
         # k, v: [tokens, kv_heads, head_dim] for all sequences of the batch, in batch.query_ranges order.
+        k, v = self.encode(k), self.encode(v)
         k_layer, v_layer = self.k_layers[layer], self.v_layers[layer]
         num_decodes = batch.num_decodes
         if num_decodes > 1:  # every decode writes one position: one scatter for all of them
@@ -183,28 +231,29 @@ class ContiguousKVCache:
 
     def load(self, layer: int, index: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         slot, context = batch.cache_slots[index], batch.context_lens[index]
-        return self.k_layers[layer][slot, :, :context], self.v_layers[layer][slot, :, :context]
+        return self.decode(self.k_layers[layer][slot, :, :context]), self.decode(self.v_layers[layer][slot, :, :context])
 
     def load_decodes(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """[decodes, kv_heads, longest context, head_dim]: the decoding slots' buffers up to the longest context."""
         longest = batch.max_decode_context
-        return (self.k_layers[layer][:, :, :longest].index_select(0, batch.decode_slots),
-                self.v_layers[layer][:, :, :longest].index_select(0, batch.decode_slots))
+        return (self.decode(self.k_layers[layer][:, :, :longest].index_select(0, batch.decode_slots)),
+                self.decode(self.v_layers[layer][:, :, :longest].index_select(0, batch.decode_slots)))
 
 
-class PagedKVCache:
+class PagedKVCache(_Storage):
     kv_mode = "paged"
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, prefix_cache: bool, dtype, device):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, prefix_cache: bool, dtype, device,
+                 kv_dtype: str = "auto", sliding_window: int | None = None):
         self.block_size = block_size
-        self.bytes_per_token = config.kv_bytes_per_token(dtype)
+        storage, last = self._init_storage(config, dtype, kv_dtype, sliding_window)
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix_cache)
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, last)
         # k, v: [layers, blocks, block_size, kv_heads, head_dim]; a token's (block, offset) is one flat slot index.
         # Zeroed: batched decodes read whole blocks (and block 0 as padding) and mask what lies past a context, and
         # masked positions must hold finite numbers (never-written memory can hold NaN; 0 x NaN is NaN).
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=storage, device=device)
+        self.v = torch.zeros(shape, dtype=storage, device=device)
         # Per-layer views made once: [blocks, block_size, kv_heads, head_dim] for reads, flat slots for writes.
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
         self.k_slots = [layer.flatten(0, 1) for layer in self.k_layers]
@@ -234,8 +283,13 @@ class PagedKVCache:
         self.manager.ensure_capacity(seq, num_tokens)
 
     def commit(self, seq: Sequence, num_computed_tokens: int) -> None:
+        first_query = seq.num_computed_tokens  # where the forward being committed started
         seq.num_computed_tokens = num_computed_tokens
         self.manager.commit(seq, num_computed_tokens)
+        if self.sliding_window is not None:
+            # The next forward starts at or after `first_query` (a rollback never goes back further), so no later
+            # query reaches keys before first_query - window + 1: blocks wholly before that go back to the pool.
+            self.manager.release_before(seq, first_query - self.sliding_window + 1)
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Keep the KV of the first `num_tokens` tokens; blocks past them go back to the pool."""
@@ -246,8 +300,12 @@ class PagedKVCache:
         self.manager.free(seq)
 
     def usage(self, seq: Sequence) -> tuple[int, int]:
-        return (seq.num_computed_tokens * self.bytes_per_token,
-                len(seq.block_table) * self.block_size * self.bytes_per_token)
+        """(bytes holding this sequence's tokens, bytes of the blocks it holds); blocks that fell out of a sliding
+        window hold nothing."""
+        num_freed = seq.block_table.count(FREED)
+        held = max(0, seq.num_computed_tokens - num_freed * self.block_size)
+        return (held * self.bytes_per_token,
+                (len(seq.block_table) - num_freed) * self.block_size * self.bytes_per_token)
 
     def blocks_in_use(self) -> int:
         return self.manager.num_used_blocks
@@ -263,22 +321,24 @@ class PagedKVCache:
                                 for pos in range(first_pos, last_pos))
         needed = [-(-context // block_size) for context in batch.context_lens]
         width = max(needed)
-        rows = [seq.block_table[:count] + [0] * (width - count) for seq, count in zip(seqs, needed)]
+        # Blocks released from a sliding window (FREED) and the padding read block 0; the window's mask hides them.
+        rows = [[max(block, 0) for block in seq.block_table[:count]] + [0] * (width - count)
+                for seq, count in zip(seqs, needed)]
         batch.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
         batch.block_tables = torch.tensor(rows, dtype=torch.int32, device=self.device)
         batch.num_blocks = needed
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None:
         # k, v: [tokens, kv_heads, head_dim] -> the pool seen as [blocks * block_size, kv_heads, head_dim].
-        self.k_slots[layer].index_copy_(0, batch.slot_mapping, k)
-        self.v_slots[layer].index_copy_(0, batch.slot_mapping, v)
+        self.k_slots[layer].index_copy_(0, batch.slot_mapping, self.encode(k))
+        self.v_slots[layer].index_copy_(0, batch.slot_mapping, self.encode(v))
 
     def load(self, layer: int, index: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather one sequence's blocks through its block table: [kv_heads, context, head_dim] each."""
         table, context = batch.block_tables[index, :batch.num_blocks[index]], batch.context_lens[index]
         k = self.k_layers[layer].index_select(0, table).flatten(0, 1)[:context].transpose(0, 1)
         v = self.v_layers[layer].index_select(0, table).flatten(0, 1)[:context].transpose(0, 1)
-        return k, v
+        return self.decode(k), self.decode(v)
 
     def load_decodes(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """One gather for every decoding sequence: [decodes, kv_heads, longest context, head_dim] each."""
@@ -287,4 +347,4 @@ class PagedKVCache:
         shape = (num_decodes, -1) + self.k_layers[layer].shape[2:]  # [decodes, max_blocks * block_size, kv_heads, d]
         k = self.k_layers[layer].index_select(0, tables.flatten()).view(shape)[:, :longest].transpose(1, 2)
         v = self.v_layers[layer].index_select(0, tables.flatten()).view(shape)[:, :longest].transpose(1, 2)
-        return k, v
+        return self.decode(k), self.decode(v)

@@ -68,6 +68,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         query_ranges, position_ranges, context_lens, is_causal, masks = [], [], [], [], []
+        window = self.kv_cache.sliding_window
         logit_rows: dict[int, list[int]] = {}
         for index in order:
             seq, first, new_tokens = seqs[index], firsts[index], num_new_tokens[index]
@@ -80,7 +81,13 @@ class ModelRunner:
             context_lens.append(context)
             last = start + new_tokens - num_padding[index]  # one past the last real token
             logit_rows[index] = list(range(last - min(num_logits, last - start), last))
-            if new_tokens == 1 or new_tokens == context:
+            if window is not None and context > window:
+                # Sliding window: query at position p sees keys p - window + 1 .. p.
+                query_positions = torch.arange(first, context, device=self.device)[:, None]
+                keys = torch.arange(context, device=self.device)[None, :]
+                masks.append((keys <= query_positions) & (keys > query_positions - window))
+                is_causal.append(False)
+            elif new_tokens == 1 or new_tokens == context:
                 # One query sees everything before it; or queries and keys start together (plain causal).
                 is_causal.append(new_tokens > 1)
                 masks.append(None)
@@ -102,7 +109,11 @@ class ModelRunner:
         if num_decodes > 1:
             batch.max_decode_context = max(context_lens[:num_decodes])
             keys = torch.arange(batch.max_decode_context, device=self.device)
-            batch.decode_mask = (keys[None, :] < batch.context_lens_tensor[:num_decodes, None])[:, None, None, :]
+            contexts = batch.context_lens_tensor[:num_decodes, None]
+            visible = keys[None, :] < contexts
+            if window is not None:  # the decode's query is at position context - 1
+                visible &= keys[None, :] >= contexts - window
+            batch.decode_mask = visible[:, None, None, :]
         self.kv_cache.prepare([seqs[index] for index in order], batch)
         return batch
 

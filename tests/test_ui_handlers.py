@@ -382,3 +382,24 @@ def test_acceptance_figure_is_exact():
     assert list(bars.x) == [1, 2] and list(bars.y) == [0.75, 0.5]
     assert [list(pair) for pair in bars.customdata] == [[3, 4], [1, 2]]
     assert list(running.x) == [1, 2] and list(running.y) == [0.5, 0.6]
+
+
+def test_memory_presets_race_int8_lanes_and_show_their_memory(pool):
+    """The two memory presets run as set: the int8-weights lane stores about a third of the fp32 weight bytes, the
+    int8-KV lane 68 bytes per token and head against 256; greedy lanes of different arithmetic get an agreement
+    count instead of the lossless check; both lanes' blocks go back to the pool."""
+    for name, lane_a_overrides in (("int8 weights vs full precision", dict(weights="int8")),
+                                   ("int8 KV cache vs full precision", dict(kv_dtype="int8"))):
+        assert all(getattr(RACE_SETUPS[name].lanes["A"], key) == value for key, value in lane_a_overrides.items())
+        last = race_outputs(list(run_race(pool, None, "Why is the sky blue?", "", 12,
+                                          *lane("paged", **lane_a_overrides), *lane("paged")))[-1])
+        assert last["status"].startswith("Finished."), last["status"]
+        assert 'data-verdict="agreement"' in last["identical"]
+        assert re.search(r"agree on the first <b>\d+</b> of 12 tokens", last["identical"])
+        if "weights" in lane_a_overrides:
+            a_mib, b_mib = map(int, re.findall(r"(\d+) MiB \((?:int8|float32)\)", last["summary"]))
+            assert b_mib > 2.5 * a_mib  # int8 projections; embeddings and norms stay fp32
+        else:
+            # 2 x 30 layers x 3 KV heads x (64 + 4) bytes, against x 64 x 4 bytes in fp32
+            assert "<td>12.0 KiB</td><td>45.0 KiB</td>" in last["summary"]
+    assert pool.active_requests() == 0 and pool.blocks_in_use() == 0

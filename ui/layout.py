@@ -20,15 +20,16 @@ import gradio as gr
 
 from inference_core import SamplingParams
 from inference_core.compiled import compile_unavailable
-from inference_core.config import KV_MODES
+from inference_core.config import KV_DTYPES, KV_MODES
+from inference_core.quant import GROUP_SIZES, SCHEMES, compute_dtype, weight_bytes
 from inference_core.speculative import MAX_K
 from ui.batching import build_batching_tab
 from ui.chat import CHAT_OUTPUTS, arm_chat, chat_turn, clear_chat, stats_table_html, stop_chat
 from ui.control import RunControl
 from ui.figures import speed_figure
 from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_race, stop_race, warm_up_race
-from ui.settings import (BLOCK_SIZES, DEFAULT_LAYERS, KV_MODE_LABELS, SPEC_METHOD_LABELS, EnginePool, LaneSettings,
-                         duration)
+from ui.settings import (BLOCK_SIZES, DEFAULT_LAYERS, KV_DTYPE_LABELS, KV_MODE_LABELS, SPEC_METHOD_LABELS,
+                         WEIGHTS_LABELS, EnginePool, LaneSettings, duration)
 from ui.setups import DEFAULT_LANES, RACE_SETUPS, presets, setup_values
 
 MAX_PROMPT_CHARS = 20_000
@@ -109,24 +110,73 @@ def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
                            "needs a KV cache; compiles once per configuration and batch size (1-2 minutes on a CPU), kept on "
                            "disk for the next start",
                            elem_id=f"{prefix}-compile")
+    weights, quant_group, kv_dtype, sliding_window = _memory_widgets(pool, defaults, prefix)
     kv_mode.change(lambda mode: (gr.update(interactive=mode == "paged"),) * 2
                    + (gr.update(interactive=unavailable is None and mode != "none",
-                                **({"value": False} if mode == "none" else {})),),
-                   kv_mode, [block_size, prefix_cache, compiled], **QUICK)
+                                **({"value": False} if mode == "none" else {})),)
+                   + (gr.update(interactive=mode != "none", **({"value": "auto"} if mode == "none" else {})),),
+                   kv_mode, [block_size, prefix_cache, compiled, kv_dtype], **QUICK)
+    weights.change(lambda scheme: gr.update(interactive=scheme in ("int4", "awq")), weights, quant_group, **QUICK)
     temperature.change(lambda value: (gr.update(interactive=float(value or 0) > 0),) * 2, temperature,
                        [top_p, seed], **QUICK)
     spec_method.change(lambda method: (gr.update(visible=method != "none"), gr.update(visible=method != "none"),
                                        gr.update(visible=method == "early-exit")),
                        spec_method, [spec_k, spec_adaptive, draft_layers], **QUICK)
     return [kv_mode, block_size, prefix_cache, temperature, top_p, seed, spec_method, spec_k, spec_adaptive,
-            draft_layers, compiled]
+            draft_layers, compiled, weights, quant_group, kv_dtype, sliding_window]
+
+
+def weight_schemes(pool: EnginePool) -> list[str]:
+    """The weight settings this model can use: quantization on the CPU only, AWQ where a calibrated file exists."""
+    if pool.loaded.device.type != "cpu":
+        return ["none"]
+    from inference_core.awq_file import default_path
+
+    return [scheme for scheme in SCHEMES
+            if scheme != "awq" or any(default_path(pool.loaded, group).exists() for group in GROUP_SIZES)]
+
+
+def _memory_widgets(pool: EnginePool, defaults: LaneSettings, prefix: str) -> list[gr.components.Component]:
+    """Weights, int4 group, KV dtype and sliding window, each saying what it does to memory on this model."""
+    loaded = pool.loaded
+    schemes = weight_schemes(pool)
+    base_mib = weight_bytes(loaded.model) / 2 ** 20
+    if loaded.device.type != "cpu":
+        weights_info = f"{base_mib:.0f} MiB in {loaded.dtype_name}; weight quantization runs on the CPU only so far"
+    elif compute_dtype("cpu", loaded.dtype) != loaded.dtype:
+        weights_info = (f"{base_mib:.0f} MiB in {loaded.dtype_name}; the quantized kernels (bf16 activations) are "
+                        "faster on this CPU as well as smaller; the race table shows each lane's weight memory")
+    else:
+        weights_info = (f"{base_mib:.0f} MiB in {loaded.dtype_name}; quantized weights save memory, not time, on "
+                        "this CPU (its quantized kernels measured no faster); the race table shows each lane's size")
+    weights = gr.Dropdown([(WEIGHTS_LABELS[scheme], scheme) for scheme in schemes],
+                          value=defaults.weights if defaults.weights in schemes else "none", label="weights",
+                          interactive=len(schemes) > 1, info=weights_info, elem_id=f"{prefix}-weights")
+    quant_group = gr.Dropdown(list(GROUP_SIZES), value=defaults.quant_group, label="int4 group size",
+                              interactive=defaults.weights in ("int4", "awq"), elem_id=f"{prefix}-quant-group")
+    per_token = {kv_dtype: loaded.config.kv_bytes_per_token(loaded.dtype, kv_dtype) for kv_dtype in KV_DTYPES}
+    kv_dtype = gr.Radio([(f"{KV_DTYPE_LABELS[name]} ({per_token[name] / 1024:.1f} KiB per token)", name)
+                         for name in KV_DTYPES], value=defaults.kv_dtype, label="KV cache dtype",
+                        interactive=defaults.kv_mode != "none", elem_id=f"{prefix}-kv-dtype",
+                        info=f"int8 holds {per_token['auto'] / per_token['int8']:.1f}x the tokens in the same memory; "
+                             "eager decode only")
+    own = loaded.config.sliding_window
+    sliding_window = gr.Number(value=defaults.sliding_window or 0, precision=0, minimum=0,
+                               label=f"sliding window (tokens; 0 = {f'the checkpoint window, {own}' if own else 'off'})",
+                               info="attend to the last N tokens only; the paged cache gives back blocks that fall "
+                                    "out of the window, so its memory stays flat as the text grows",
+                               elem_id=f"{prefix}-window")
+    return [weights, quant_group, kv_dtype, sliding_window]
 
 
 def available_setups(pool: EnginePool) -> list[str]:
-    """The race setups this device can run: those with a compiled lane only where compilation is available."""
+    """The race setups this device can run: those with a compiled lane only where compilation is available, with
+    quantized weights only where quantization runs."""
     can_compile = compile_unavailable(pool.loaded.device) is None
+    schemes = weight_schemes(pool)
     return [name for name, setup in RACE_SETUPS.items()
-            if can_compile or not any(lane.compile for lane in setup.lanes.values())]
+            if (can_compile or not any(lane.compile for lane in setup.lanes.values()))
+            and all(lane.weights in schemes for lane in setup.lanes.values())]
 
 
 def _build_race_tab(pool: EnginePool) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from inference_core import Engine, FinishEvent, GenerationStats
 from inference_core.engine_loop import EngineLoop
+from inference_core.quant import weight_bytes
 from inference_core.request import Request
 from ui.figures import LANE_COLOURS
 from ui.kv_view import pool_counts, render_pool
@@ -37,6 +38,9 @@ FIGURES = {
                    "lane's",
     "KV memory in use": "the KV cache holding this request's tokens when it ended",
     "KV memory reserved": "KV memory set aside for this request: its blocks (paged) or a whole context (contiguous)",
+    "weights": "the model's weights as this lane's engine stores them (parameters and quantized buffers), measured",
+    "KV bytes per token": "K and V of one token over all layers in the lane's KV dtype (int8: values plus a scale "
+                          "per token and head)",
     "compiled decode": "whether decode steps ran through the compiled step (AOTInductor on a CPU, torch.compile with CUDA "
                        "graphs on CUDA); the one-time compile or load happened before the race (or in the step that "
                        "first used a new batch size) and is not in TTFT or decode tokens/s",
@@ -227,8 +231,17 @@ SUMMARY_ROWS = [
     ("device time", lambda t, f: "-" if f.device_s is None else f"{f.device_s:.2f} s"),
     ("KV memory in use", lambda t, f: _kv_cell(f, "kv_bytes_in_use")),
     ("KV memory reserved", lambda t, f: _kv_cell(f, "kv_bytes_reserved")),
+    ("weights", lambda t, f: _weights_cell(t.engine)),
+    ("KV bytes per token", lambda t, f: f"{t.engine.kv_cache.bytes_per_token / 1024:.1f} KiB"
+                                        if t.engine.kv_cache.bytes_per_token else "- (no KV cache)"),
     ("compiled decode", lambda t, f: _compile_cell(t.engine.compile_stats())),
 ]
+
+
+def _weights_cell(engine: Engine) -> str:
+    loaded = engine.loaded
+    how = loaded.quant.name if loaded.quant is not None else loaded.dtype_name
+    return f"{weight_bytes(loaded.model) / 2 ** 20:.0f} MiB ({how})"
 
 
 def _compile_cell(stats: dict | None) -> str:
@@ -324,6 +337,14 @@ def race_notes(traces: list[LaneTrace], figures: list[LaneFigures]) -> list[tupl
 def identical_html(traces: list[LaneTrace], finished: bool) -> str:
     first, second = traces
     reason = not_comparable(first.settings, second.settings)
+    if reason == DIFFERENT_ARITHMETIC and first.settings.greedy and second.settings.greedy:
+        a, b = first.token_ids, second.token_ids
+        common = min(len(a), len(b))
+        agree = next((i for i in range(common) if a[i] != b[i]), common)
+        return (f'<p data-verdict="agreement">Greedy agreement: the lanes compute with different weights, KV '
+                f"precision or attention window, and their token ids agree on the first <b>{agree}</b> of {common} "
+                "tokens. (Near-ties flip under small numeric changes; after the first difference the texts go "
+                "their own ways. `python -m inference_core quality` measures perplexity.)</p>")
     if reason:
         return (f'<p data-verdict="not-checked">Lossless check: not applicable, {reason}. Set both temperatures to 0, '
                 "or give both lanes the same temperature, top-p and seed without speculation, to compare token "
@@ -350,10 +371,16 @@ def identical_html(traces: list[LaneTrace], finished: bool) -> str:
            "token ids.</p>"
 
 
+DIFFERENT_ARITHMETIC = ("the lanes compute with different weights, KV precision or attention window, so their texts "
+                        "may differ")
+
+
 def not_comparable(a: LaneSettings, b: LaneSettings) -> str | None:
     """Why the two lanes' token ids say nothing about losslessness, or None when they should match: both greedy, or
     both sampling with the same temperature, top-p and seed without speculation (the same draws from the same seeded
     generator; speculative sampling keeps the distribution but draws differently)."""
+    if (a.quant(), a.kv_dtype, a.sliding_window or 0) != (b.quant(), b.kv_dtype, b.sliding_window or 0):
+        return DIFFERENT_ARITHMETIC
     if a.greedy and b.greedy:
         return None
     if a.greedy != b.greedy:

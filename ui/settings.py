@@ -20,11 +20,16 @@ from dataclasses import dataclass
 from inference_core import ConfigError, Engine, EngineConfig, LoadedModel, SamplingParams, wake_device
 from inference_core.cost import StepCosts
 from inference_core.engine_loop import EngineLoop
+from inference_core.quant import QuantConfig, quantize, weight_bytes
 from inference_core.speculative import SpecConfig
 
 KV_MODE_LABELS = {"paged": "paged KV cache", "contiguous": "contiguous KV cache", "none": "no KV cache (recompute)"}
 BLOCK_SIZES = (4, 8, 16, 32)
 SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "early exit", "draft": "draft model"}
+WEIGHTS_LABELS = {"none": "model dtype", "int8": "int8 per channel", "int4": "int4 per group",
+                  "awq": "AWQ int4 per group (calibrated)"}
+KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and head"}
+MAX_WEIGHT_VARIANTS = 3  # quantized copies of the model kept at once (each lane may pick its own)
 DEFAULT_LAYERS = "default"  # the early-exit depth widget's value for "the engine's default depth"
 # The page's names for what a ConfigError tells the user to change (see inference_core.config.CLI_WORDS).
 PAGE_WORDS = {"max_new_tokens": "'max new tokens'", "spec_k": "'draft length k'",
@@ -54,10 +59,19 @@ class LaneSettings:
     spec_adaptive: bool = False
     draft_layers: int | str | None = DEFAULT_LAYERS  # early exit only; DEFAULT_LAYERS (or None): the engine's default
     compile: bool = False  # decode steps through the compiled step (inference_core.compiled); needs a KV cache
+    weights: str = "none"  # projections' quantization: one of WEIGHTS_LABELS (inference_core.quant)
+    quant_group: int = 32  # int4 and AWQ: input features per scale and zero
+    kv_dtype: str = "auto"  # KV cache storage: one of KV_DTYPE_LABELS
+    sliding_window: int | None = 0  # attend to the last N tokens; 0 (or None): the checkpoint's own window, if any
 
     def engine_config(self, max_seq_len: int) -> EngineConfig:
+        window = _whole(self.sliding_window) or None
         return EngineConfig(kv_mode=self.kv_mode, block_size=int(self.block_size), prefix_cache=bool(self.prefix_cache),
-                            max_seq_len=max_seq_len, compile=bool(self.compile))
+                            max_seq_len=max_seq_len, compile=bool(self.compile), kv_dtype=self.kv_dtype,
+                            sliding_window=window)
+
+    def quant(self) -> QuantConfig:
+        return QuantConfig(self.weights or "none", _whole(self.quant_group))
 
     def sampling(self, max_new_tokens: int) -> SamplingParams:
         seed = None if self.seed in (None, "") else int(self.seed)
@@ -94,6 +108,12 @@ class LaneSettings:
             parts.append(f"{draft} k={_whole(self.spec_k)}" + (" adaptive" if self.spec_adaptive else ""))
         if self.compile:
             parts.append("compiled decode")
+        if self.weights not in (None, "", "none"):
+            parts.append(f"{self.quant().name} weights")
+        if self.kv_dtype == "int8":
+            parts.append("int8 KV")
+        if _whole(self.sliding_window):
+            parts.append(f"window {_whole(self.sliding_window)}")
         return ", ".join(parts)
 
 
@@ -108,15 +128,32 @@ class EnginePool:
         self.draft = draft
         self.max_seq_len = min(max_seq_len or 2048, loaded.config.max_position_embeddings)
         self.max_engines = max_engines
-        self.engines: OrderedDict[tuple[str, EngineConfig], Engine] = OrderedDict()
+        self.engines: OrderedDict[tuple[str, EngineConfig, QuantConfig], Engine] = OrderedDict()
+        self.weight_variants: OrderedDict[QuantConfig, LoadedModel] = OrderedDict()  # quantized copies, LRU
         self.costs = StepCosts(loaded, self.max_seq_len)
         self.max_run_s = max_run_s
         self.races_started = 0
         # The one thread that owns the device: every tab's requests go through it, batched per engine.
         self.loop = EngineLoop()
 
-    def _engine(self, config: EngineConfig) -> Engine:
-        return Engine(self.loaded, config, draft_model=self.draft)
+    def _engine(self, config: EngineConfig, quant: QuantConfig = QuantConfig()) -> Engine:
+        return Engine(self.weights(quant), config, draft_model=self.draft)
+
+    def weights(self, quant: QuantConfig) -> LoadedModel:
+        """The model with `quant`'s projections: the loaded model itself, or a quantized copy sharing its other
+        tensors, made on first use (seconds on a small model) and kept while lanes use it."""
+        if quant.scheme == "none":
+            return self.loaded
+        if quant not in self.weight_variants:
+            while len(self.weight_variants) >= MAX_WEIGHT_VARIANTS:
+                self.weight_variants.popitem(last=False)  # engines still using it keep it alive
+            self.weight_variants[quant] = quantize(self.loaded, quant)
+        self.weight_variants.move_to_end(quant)
+        return self.weight_variants[quant]
+
+    def weights_mib(self, quant: QuantConfig) -> float:
+        """Measured size of the weights as stored for `quant` (parameters and quantized buffers)."""
+        return weight_bytes(self.weights(quant).model) / 2 ** 20
 
     def first_lane(self) -> str:
         """The lane that takes the next race's first step: A and B take turns, so neither always meets whatever a
@@ -144,14 +181,14 @@ class EnginePool:
         return [self.costs.request_seconds(s.kv_mode, prompt_tokens, new_tokens) for s in settings]
 
     def get(self, slot: str, settings: LaneSettings) -> Engine:
-        key = (slot, settings.engine_config(self.max_seq_len))
+        key = (slot, settings.engine_config(self.max_seq_len), settings.quant())
         if key in self.engines:
             self.engines.move_to_end(key)
             return self.engines[key]
         # Idle engines only: a slot's previous engine is never in use while a new request for that slot starts.
         while len(self.engines) >= self.max_engines:
             self.engines.popitem(last=False)
-        engine = self.engines[key] = self._engine(key[1])
+        engine = self.engines[key] = self._engine(key[1], key[2])
         return engine
 
     def needs_compiling(self, engine: Engine) -> bool:

@@ -52,6 +52,16 @@ RACE_SETUPS = {
         "Two draft sources on one prompt. Early exit drafts with the model's own first layers, which this model was "
         "not trained for: nearly every draft is rejected and lane A pays for drafting and verifying anyway. Prompt "
         "lookup copies from the prompt and wins."),
+    "int8 weights vs full precision": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged", weights="int8"), "B": LaneSettings(kv_mode="paged")}, None,
+        "Lane A's projections are int8 with a scale per output channel: about a quarter of the fp32 weight bytes "
+        "stream from memory each step (see 'weights' in the table), so it decodes faster where the kernel is fast. "
+        "The check below shows how long the two greedy texts agree; the quality command measures perplexity."),
+    "int8 KV cache vs full precision": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged", kv_dtype="int8"), "B": LaneSettings(kv_mode="paged")}, "long-2",
+        "Lane A stores each token's keys and values as int8 with a scale per head: the same pool holds about 2x "
+        "(vs 16-bit) or 4x (vs fp32) the tokens ('KV bytes per token' and 'KV memory' in the table, blocks in the "
+        "KV view). It saves memory, not time: reads are dequantized on the fly."),
 }
 
 

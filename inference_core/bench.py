@@ -140,6 +140,13 @@ def run_bench(args) -> int:
     runners = {name: (lambda ids, n, e=engine: _run_ours(e, ids, n)) for name, engine in engines.items()}
     if not args.no_hf:
         runners[HF_ROW] = _HFRunner(loaded, resolve_model_dir(args.model)).run
+    peers, absent_peers = {}, []  # --peer llama-cpp: llama.cpp on the same GGUF file, or a row that says why not
+    if args.peer:
+        from inference_core.peer_llama_cpp import open_peers
+
+        peers, absent_peers = open_peers(args.peer, args.model, max(len(ids) for _, ids in prompts) +
+                                         args.max_new_tokens, loaded.config.kv_bytes_per_token(torch.float16))
+    runners.update({name: peer.run for name, peer in peers.items()})
     if not runners:
         raise ConfigError("nothing to bench: name KV modes with --configs or drop --no-hf.")
     print(f"bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, "
@@ -162,27 +169,45 @@ def run_bench(args) -> int:
     table = []
     for name, runs in results.items():
         decode = statistics.median(r["decode_tokens_per_s"] for r in runs)
-        row_model = engines[name].loaded if name in engines else loaded
-        row_limit = bandwidth / decode_bytes_per_step(row_model, mean_context)  # a quantized model reads less
-        table.append({"name": name, "kv": "dynamic (transformers)" if name == HF_ROW else configs[name].kv_mode,
-                      "quant": schemes[name].name if name in schemes else "none",
-                      "weights_mib": round(weight_bytes(row_model.model) / 2**20, 1),
-                      "compile": engines[name].compile_stats() if name in engines else None,
-                      "compile_warmup_s": compile_warmup.get(name), "compile_rss_mib": compile_rss.get(name),
-                      "decode_tokens_per_s": round(decode, 2),
+        if name in peers:
+            row_limit = bandwidth / peers[name].decode_bytes_per_step(mean_context)
+            described = peers[name].describe()
+        else:
+            row_model = engines[name].loaded if name in engines else loaded
+            row_limit = bandwidth / decode_bytes_per_step(row_model, mean_context)  # a quantized model reads less
+            described = {"name": name, "kv": "dynamic (transformers)" if name == HF_ROW else configs[name].kv_mode,
+                         "quant": schemes[name].name if name in schemes else "none",
+                         "weights_mib": round(weight_bytes(row_model.model) / 2**20, 1),
+                         "compile": engines[name].compile_stats() if name in engines else None,
+                         "compile_warmup_s": compile_warmup.get(name), "compile_rss_mib": compile_rss.get(name)}
+        table.append({**described, "decode_tokens_per_s": round(decode, 2),
                       "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 1),
                       "prefill_tokens_per_s": round(statistics.median(r["prefill_tokens_per_s"] for r in runs), 1),
                       "roofline_pct": round(100 * decode / row_limit, 1), "runs": len(runs)})
     hf = next((row for row in table if row["name"] == HF_ROW), None)
     for row in table:
         row["speedup_vs_hf"] = round(row["decode_tokens_per_s"] / hf["decode_tokens_per_s"], 2) if hf else None
+    table += absent_peers
     report = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "prompts": [prompt_id for prompt_id, _ in prompts], "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-              "roofline_tokens_per_s": round(limit, 1), "machine": _machine(loaded.device), "rows": table}
+              "roofline_tokens_per_s": round(limit, 1), "machine": _machine(loaded.device), "rows": table,
+              "ours_vs_peers": _ours_vs_peers(table, set(engines), set(peers))}
     print(format_table(report))
     write_report(report, args.json_path)
     return 0
+
+
+def _ours_vs_peers(table: list[dict], ours: set[str], peers: set[str]) -> list[dict]:
+    """Our fastest row's decode tokens/s over each peer's, the ratio a peer comparison is about."""
+    measured = [row for row in table if row["name"] in ours]
+    if not measured:
+        return []
+    best = max(measured, key=lambda row: row["decode_tokens_per_s"])
+    return [{"ours": best["name"], "peer": row["name"], "ours_decode_tokens_per_s": best["decode_tokens_per_s"],
+             "peer_decode_tokens_per_s": row["decode_tokens_per_s"],
+             "ratio": round(best["decode_tokens_per_s"] / row["decode_tokens_per_s"], 2)}
+            for row in table if row["name"] in peers]
 
 
 def resident_mib() -> float:
@@ -224,9 +249,15 @@ def format_table(report: dict) -> str:
              "| config | decode tok/s | vs transformers | TTFT ms | prefill tok/s | roofline % |",
              "|---|---|---|---|---|---|"]
     for row in report["rows"]:
+        if row.get("absent"):
+            lines.append(f"| {row['name']} | absent: {row['absent']} | | | | |")
+            continue
         speedup = f"{row['speedup_vs_hf']:.2f}x" if row["speedup_vs_hf"] else "-"
         lines.append(f"| {row['name']} | {row['decode_tokens_per_s']:.1f} | {speedup} | {row['ttft_ms']:.0f} | "
                      f"{row['prefill_tokens_per_s']:.0f} | {row['roofline_pct']:.0f} |")
+    for pair in report.get("ours_vs_peers", []):
+        lines.append(f"ours best / {pair['peer']}, decode: {pair['ours']} {pair['ours_decode_tokens_per_s']:.1f} / "
+                     f"{pair['peer_decode_tokens_per_s']:.1f} tok/s = {pair['ratio']:.2f}x")
     return "\n".join(lines)
 
 

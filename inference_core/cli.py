@@ -1,10 +1,14 @@
 """The command line, a stable contract other tools rely on:
 
     python -m inference_core generate --prompt TEXT [--prompt TEXT ...] [--batching MODE] [--json] ...
-    python -m inference_core bench [--prompts FILE] [--max-new-tokens N] [--repeats R] [--json PATH] ...
+    python -m inference_core bench [--prompts FILE] [--max-new-tokens N] [--repeats R] [--peer llama-cpp]
+        [--json PATH] ...
     python -m inference_core batch-bench [--requests N] [--arrival burst|poisson:RATE] [--modes ...] [--json PATH] ...
     python -m inference_core spec-bench [--source ngram|early-exit|draft] [--spec-k 3,5] [--kinds chat,code] ...
     python -m inference_core race [--lanes paged,none] [--prompt-id ID] [--repeats R] [--json PATH] ...
+    python -m inference_core awq [--model M] [--quant-group 32] [--out PATH]
+    python -m inference_core quality [--quant none,int8,int4] [--kv-dtype auto,int8] [--window N] [--no-agreement]
+        [--json PATH] ...
 
 `generate` with `--batching none` (the default) runs its prompts one after another on one engine (so a later prompt
 can hit the prefix cache) and streams text to stdout. With `--batching static|dynamic|continuous` it submits every
@@ -21,20 +25,20 @@ import argparse
 import json
 import sys
 
-from inference_core.config import BATCHING_MODES, KV_MODES, ConfigError, EngineConfig
+from inference_core.config import BATCHING_MODES, KV_DTYPES, KV_MODES, ConfigError, EngineConfig
 from inference_core.engine import Engine, FinishEvent, GenerationStats, load_model
 from inference_core.quant import SCHEMES, QuantConfig, quantize, weight_bytes
 from inference_core.sampling import SamplingParams
 from inference_core.speculative import SPEC_METHODS, SpecConfig
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def _add_model_args(parser: argparse.ArgumentParser, dtype: str = "auto") -> None:
     parser.add_argument("--model", default="bundled",
                         help="'bundled' (SmolLM2-135M-Instruct), a local directory, a .gguf file or a Hub id")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto",
+    parser.add_argument("--dtype", default=dtype,
                         help="auto (the fastest here: bfloat16 on CUDA, and on a CPU with native bf16 math where it "
-                             "measures faster; float32 otherwise), float32, bfloat16 or float16")
+                             f"measures faster; float32 otherwise), float32, bfloat16 or float16 (default: {dtype})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,10 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(generate)
     generate.add_argument("--kv", choices=KV_MODES, default="paged", help="KV cache mode (default: paged)")
     generate.add_argument("--quant", choices=SCHEMES, default="none",
-                          help="weight-only quantization of the projections: int8 per output channel, int4 per group")
+                          help="weight-only quantization of the projections: int8 per output channel, int4 per group, "
+                               "awq: int4 per group after activation-aware scaling (calibrated once and cached)")
     generate.add_argument("--quant-group", type=int, default=32, help="int4: input features per scale and zero")
     generate.add_argument("--quant-lm-head", action=argparse.BooleanOptionalAction, default=True,
                           help="quantize the LM head too (default: yes)")
+    generate.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                          help="KV cache storage: auto (the model dtype) or int8 (per token and head scales)")
+    generate.add_argument("--sliding-window", type=int,
+                          help="attend to the last N tokens only (default: the checkpoint's own window, if any); "
+                               "paged KV gives back the blocks that fall out of it")
     generate.add_argument("--block-size", type=int, default=16, help="paged KV block size in tokens")
     generate.add_argument("--no-prefix-cache", action="store_true", help="paged: do not reuse cached prefixes")
     generate.add_argument("--compile", action="store_true",
@@ -98,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "with '+compile' for compiled decode and '+int8' or '+int4' for quantized weights")
     bench.add_argument("--quant-group", type=int, default=32, help="int4 rows: input features per scale and zero")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers row")
+    bench.add_argument("--peer", type=_peer_list, action="extend",
+                       help="other engines on the same model, repeatable or comma-separated: llama-cpp (llama.cpp on "
+                            "the same GGUF file, where llama-cpp-python is installed; reported as absent otherwise)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--json", dest="json_path", help="write the results here")
@@ -141,7 +154,41 @@ def build_parser() -> argparse.ArgumentParser:
     race.add_argument("--max-new-tokens", type=int, default=128)
     race.add_argument("--repeats", type=int, default=3)
     race.add_argument("--json", dest="json_path", help="write the results here")
+
+    quality = commands.add_parser("quality", help="perplexity and greedy agreement of quantized weights and KV cache "
+                                                  "against the unquantized reference")
+    _add_model_args(quality, dtype="float32")  # the reference is full precision unless asked otherwise
+    quality.add_argument("--quant", default="none,int8,int4",
+                         help=f"weight quantizations, comma-separated, from: {', '.join(SCHEMES)}")
+    quality.add_argument("--quant-group", type=int, default=32, help="int4: input features per scale and zero")
+    quality.add_argument("--kv-dtype", default="auto", help="KV cache dtypes, comma-separated, from: auto, int8")
+    quality.add_argument("--window", type=int, help="perplexity chunk length (default: the model's context, at most "
+                                                    "8192; smaller is faster)")
+    quality.add_argument("--eval-tokens", type=int, help="use only the eval text's first N tokens")
+    quality.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt for the agreement")
+    quality.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
+    quality.add_argument("--prompt-ids", help="comma-separated prompt ids (default: every prompt of the file)")
+    quality.add_argument("--no-agreement", action="store_true", help="perplexity only: no greedy generations")
+    quality.add_argument("--json", dest="json_path", help="write the rows and the host here")
+
+    awq = commands.add_parser("awq", help="calibrate AWQ int4 weights on the shipped text and save them (used by "
+                                          "--quant awq)")
+    _add_model_args(awq, dtype="float32")
+    awq.add_argument("--quant-group", type=int, default=32, help="input features per int4 scale and zero")
+    awq.add_argument("--out", help="the file to write (default: the AWQ cache, where --quant awq looks)")
     return parser
+
+
+def _peer_list(value: str) -> list[str]:
+    """`--peer a,b` -> ['a', 'b'], each a known bench peer."""
+    from inference_core.peer_llama_cpp import PEERS
+
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PEERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(unknown) or repr(value)}; choose from: "
+                                         f"{', '.join(PEERS)}")
+    return names
 
 
 def generate_config(args: argparse.Namespace) -> EngineConfig:
@@ -163,7 +210,7 @@ def generate_config(args: argparse.Namespace) -> EngineConfig:
                         max_seq_len=args.max_seq_len, kv_cache_tokens=args.kv_cache_tokens, batching=args.batching,
                         max_num_seqs=args.max_num_seqs or (8 if batched else 1),
                         max_num_batched_tokens=args.max_batched_tokens, chunked_prefill=not args.no_chunked_prefill,
-                        compile=args.compile)
+                        compile=args.compile, kv_dtype=args.kv_dtype, sliding_window=args.sliding_window)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -234,6 +281,9 @@ def _print_stats(s: GenerationStats, spec_method: str) -> None:
           f"decode {s.decode_tokens_per_s:.1f} tok/s; prompt {s.prompt_tokens} tokens, "
           f"{s.cached_prompt_tokens} from the prefix cache; {s.preemptions} preemptions, "
           f"mean batch {s.batch_size_mean:.1f}]", file=sys.stderr)
+    if s.kv_bytes_reserved:
+        print(f"[KV cache: {s.kv_bytes_in_use / 2**20:.2f} MiB of this request's tokens at its end, "
+              f"{s.kv_bytes_reserved / 2**20:.2f} MiB reserved]", file=sys.stderr)
     if s.compile:
         how = f"{s.compile['from_disk']} of them loaded from the disk cache, " if s.compile.get("from_disk") else ""
         print(f"[compiled decode, {s.compile['mode']}: {s.compile['graphs']} graphs ({how}compiled or loaded in "
@@ -258,6 +308,14 @@ def main(argv: list[str] | None = None) -> int:
             from inference_core.spec_bench import run_spec_bench
 
             return run_spec_bench(args)
+        if args.command == "quality":
+            from inference_core.quality import run_quality
+
+            return run_quality(args)
+        if args.command == "awq":
+            from inference_core.awq_file import run_awq
+
+            return run_awq(args)
         if args.command == "race":
             from inference_core.race import run_race_bench
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 
+from inference_core.block_manager import FREED
 from inference_core.compiled import CompiledDecoder, compile_unavailable
 from inference_core.config import ConfigError, EngineConfig
 from inference_core.kv_cache import ContiguousKVCache, PagedKVCache, RecomputeKVCache
@@ -473,7 +474,9 @@ class Engine:
         order), each block's `token_ids` (what its filled slots hold, also for cached blocks no request owns), and
         `requests`: per running request its prompt length, tokens whose KV is stored and prompt tokens from the
         cache (a viewer shows text only for its own requests, by `seq_id`).
-        `bytes_per_token` and `context_length` let a caller compare with what a contiguous cache would reserve."""
+        `bytes_per_token` and `context_length` let a caller compare with what a contiguous cache would reserve;
+        `kv_dtype` and `sliding_window` say how the pool stores and reads. A block-table entry FREED (-1) is a block
+        that fell out of the sliding window and went back to the pool; `stored_tokens` counts only tokens still held."""
         if not isinstance(self.kv_cache, PagedKVCache):
             return None
         manager, block_size = self.kv_cache.manager, self.config.block_size
@@ -482,14 +485,18 @@ class Engine:
         held = {}  # block id -> tokens of its owning request (a shared block holds the same tokens for every owner)
         for seq in seqs:
             for index, block_id in enumerate(seq.block_table):
-                held[block_id] = seq.token_ids[index * block_size:(index + 1) * block_size]
+                if block_id != FREED:
+                    held[block_id] = seq.token_ids[index * block_size:(index + 1) * block_size]
         for block, info in zip(manager.blocks, snapshot["blocks"]):
             tokens = held.get(block.block_id, block.token_ids or ())
             info["token_ids"] = list(tokens[:block.num_filled])
         snapshot["requests"] = [
-            {"seq_id": seq.seq_id, "prompt_tokens": seq.num_prompt_tokens, "stored_tokens": seq.num_computed_tokens,
+            {"seq_id": seq.seq_id, "prompt_tokens": seq.num_prompt_tokens,
+             "stored_tokens": max(0, seq.num_computed_tokens - seq.block_table.count(FREED) * block_size),
              "cached_prompt_tokens": seq.num_cached_tokens, "block_table": list(seq.block_table)}
             for seq in seqs]
         snapshot["bytes_per_token"] = self.kv_cache.bytes_per_token
         snapshot["context_length"] = self.max_seq_len
+        snapshot["kv_dtype"] = self.kv_cache.kv_dtype
+        snapshot["sliding_window"] = self.kv_cache.sliding_window
         return snapshot

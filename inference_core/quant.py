@@ -14,7 +14,8 @@ does on CPUs with AVX-512 BF16 or AMX. `QuantLinear.dequantized()` gives back th
 with, the reference the tests hold the kernels to.
 
 Round to nearest: int8 symmetric (scale = max|w| / 127), int4 asymmetric per group (scale = (max - min) / 15,
-w = (q - 8) * scale + zero). Quality is measured by `python -m inference_core quality`.
+w = (q - 8) * scale + zero; `round_int4`). Scheme `awq` is int4 after activation-aware scaling (`inference_core.awq`:
+calibrated once, saved, then loaded). Quality is measured by `python -m inference_core quality`.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ from torch import nn
 from inference_core.config import ConfigError
 from inference_core.model import Linear
 
-SCHEMES = ("none", "int8", "int4")
+SCHEMES = ("none", "int8", "int4", "awq")
 GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    scheme: str = "none"  # none, int8 (per output channel) or int4 (per group)
-    group_size: int = 32  # int4: input features sharing a scale and zero
+    scheme: str = "none"  # none, int8 (per output channel), int4 (per group) or awq (int4 after AWQ scaling)
+    group_size: int = 32  # int4 and awq: input features sharing a scale and zero
     lm_head: bool = True  # quantize the LM head too (about a fifth of a small model's weights)
 
     def __post_init__(self):
@@ -50,11 +51,49 @@ class QuantConfig:
 
     @property
     def name(self) -> str:
-        """e.g. 'int4 g32', 'int8 (LM head in the model dtype)'."""
+        """e.g. 'int4 g32', 'awq int4 g32', 'int8 (LM head in the model dtype)'."""
         if self.scheme == "none":
             return "none"
-        words = self.scheme + (f" g{self.group_size}" if self.scheme == "int4" else "")
+        words = {"int8": "int8", "int4": f"int4 g{self.group_size}", "awq": f"awq int4 g{self.group_size}"}[self.scheme]
         return words + ("" if self.lm_head else " (LM head in the model dtype)")
+
+
+@dataclass
+class Int4Weight:
+    """An int4 weight before packing: q [out, in] int32 in 0..15; scale and zero [out, in / group_size] fp32; the
+    weight it stands for is (q - 8) * scale + zero."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def dequantized(self, compute: torch.dtype = torch.float32) -> torch.Tensor:
+        """The [out, in] fp32 weight, with scale and zero rounded to `compute` as the kernel keeps them."""
+        scale, zero = self.scale.to(compute).float(), self.zero.to(compute).float()
+        groups = (self.q.view(*scale.shape, -1).float() - 8) * scale[..., None] + zero[..., None]
+        return groups.view(self.q.shape)
+
+
+def round_int4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> Int4Weight:
+    """Round-to-nearest int4 of an fp32 [out, in] weight, asymmetric per group of `group_size` input features.
+    `clip` [out, in / group_size] (AWQ's): each group's range first cut to +-clip * its max |w|."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ConfigError(f"int4 groups of {group_size} do not divide {in_features} input features; "
+                          f"pick another --quant-group.")
+    groups = weight.contiguous().view(out_features, -1, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    if clip is not None:
+        bound = torch.maximum(-low, high) * clip
+        low, high = torch.maximum(low, -bound), torch.minimum(high, bound)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    zero = low + 8 * scale  # dequantized: (q - 8) * scale + zero
+    return Int4Weight(q.view(out_features, in_features), scale, zero)
 
 
 class QuantLinear(nn.Module):
@@ -72,19 +111,25 @@ class QuantLinear(nn.Module):
             self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
             self.register_buffer("scales", scale.to(compute))
         elif scheme == "int4":
-            if self.in_features % group_size:
-                raise ConfigError(f"int4 groups of {group_size} do not divide {self.in_features} input features; "
-                                  f"pick another --quant-group.")
-            groups = weight.view(self.out_features, -1, group_size)
-            low, high = groups.amin(-1), groups.amax(-1)
-            scale = ((high - low) / 15).clamp(min=1e-8)
-            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-            zero = low + 8 * scale  # dequantized: (q - 8) * scale + zero
-            self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(
-                q.view(self.out_features, self.in_features), 1))
-            self.register_buffer("scales", torch.stack([scale.t(), zero.t()], -1).to(compute).contiguous())
+            self._store_int4(round_int4(weight, group_size))
         else:
             raise ConfigError(f"unknown quantization {scheme!r}")
+
+    @classmethod
+    def from_int4(cls, weight: Int4Weight, bias: torch.Tensor | None, compute: torch.dtype) -> QuantLinear:
+        """An int4 layer from weights already rounded (AWQ's scaled ones, or ones read back from a file)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = weight.q.shape
+        layer.scheme, layer.group_size, layer.compute, layer.bias = "int4", weight.group_size, compute, bias
+        layer._store_int4(weight)
+        return layer
+
+    def _store_int4(self, weight: Int4Weight) -> None:
+        # qweight: the kernel's packed layout, two per byte; scales: [in / group_size, out, 2] (scale, zero).
+        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(weight.q, 1))
+        self.register_buffer("scales", torch.stack([weight.scale.t(), weight.zero.t()], -1).to(self.compute)
+                             .contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.compute)
@@ -130,7 +175,14 @@ def compute_dtype(device_type: str, model_dtype: torch.dtype) -> torch.dtype:
             torch._weight_int8pack_mm(x, weight, scales)
         return time.perf_counter() - started
 
-    return torch.bfloat16 if seconds(torch.bfloat16) * 1.1 < seconds(model_dtype) else model_dtype
+    # On one thread: on a busy 2-core host two OpenMP threads wait on each other at every call (measured: 24 ms a
+    # call in either dtype, which hid a 100x difference: 49 us in bf16, 4.8 ms in fp32 on one thread).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.bfloat16 if seconds(torch.bfloat16) * 1.1 < seconds(model_dtype) else model_dtype
+    finally:
+        torch.set_num_threads(threads)
 
 
 def quantize(loaded, config: QuantConfig):
@@ -139,8 +191,11 @@ def quantize(loaded, config: QuantConfig):
         return loaded
     if loaded.device.type != "cpu":
         raise ConfigError(f"weight quantization runs on the CPU so far, not on {loaded.device.type}.")
-    memo = {id(tensor): tensor for tensor in [*loaded.model.parameters(), *loaded.model.buffers()]}
-    model = copy.deepcopy(loaded.model, memo)  # the modules copied, the tensors shared
+    if config.scheme == "awq":
+        from inference_core.awq_file import load_or_calibrate
+
+        return load_or_calibrate(loaded, config)
+    model = shared_copy(loaded.model)
     compute = compute_dtype(loaded.device.type, loaded.dtype)
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)
                and (config.lm_head or name != "lm_head")]
@@ -149,3 +204,10 @@ def quantize(loaded, config: QuantConfig):
         setattr(model.get_submodule(parent) if parent else model, attr,
                 QuantLinear(module, config.scheme, config.group_size, compute))
     return dataclasses.replace(loaded, model=model, quant=config)
+
+
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s modules that shares every parameter and buffer with it (swap modules in the copy freely;
+    never change a tensor in place)."""
+    memo = {id(tensor): tensor for tensor in [*model.parameters(), *model.buffers()]}
+    return copy.deepcopy(model, memo)

@@ -17,6 +17,12 @@ def compile_cache(tmp_path_factory):
     os.environ["INFERENCE_CORE_COMPILE_CACHE"] = str(tmp_path_factory.mktemp("compiled"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def awq_cache(tmp_path_factory):
+    """AWQ files (`--quant awq`) go to a directory of this session's: each session calibrates afresh."""
+    os.environ["INFERENCE_CORE_AWQ_CACHE"] = str(tmp_path_factory.mktemp("awq"))
+
+
 @pytest.fixture(scope="session")
 def bundled():
     """SmolLM2-135M-Instruct from the bundled GGUF, fp32 on the CPU (converted once into the local cache)."""

@@ -178,3 +178,28 @@ def test_compiled_decode_keeps_the_window(windowed):
     final = engine.complete(list(PROMPT), GREEDY)
     assert final.stats.compile["graphs"] == 1
     assert_same_or_near_tie(loaded, list(PROMPT), reference, final.token_ids)
+
+
+def test_kv_view_shows_released_blocks_and_int8_storage(windowed):
+    """Mid-generation, the pool picture marks the blocks that left the window, counts only held blocks as reserved,
+    and says how an int8 pool stores its tokens."""
+    from ui.kv_view import render_pool
+
+    loaded, _ = windowed
+    engine = Engine(loaded, EngineConfig(kv_mode="paged", block_size=4, kv_dtype="int8"))
+    events = engine.generate(list(PROMPT), SamplingParams(max_new_tokens=40, ignore_eos=True))
+    for _ in range(20):
+        next(events)
+    snapshot = engine.kv_snapshot()
+    (request,) = snapshot["requests"]
+    table = request["block_table"]
+    # 56 tokens computed (the prompt and 19 decodes) in 14 blocks; the last forward's query was at position 55, so
+    # no later query reads before 55 - 8 + 1 = 48: blocks 0-11 (positions 0-47) were given back.
+    assert len(table) == 14 and table[:12] == [FREED] * 12 and FREED not in table[12:]
+    assert snapshot["sliding_window"] == WINDOW and request["stored_tokens"] == 56 - 48
+    page = render_pool(snapshot, lambda ids: " ".join(map(str, ids)), "pool")
+    assert page.count("&rarr;&#10005;") == 12
+    assert "Sliding window of 8 tokens" in page and "KV stored in int8" in page
+    assert "<td>reserved by this paged pool (2 blocks x 4)</td><td>8</td>" in page
+    events.close()
+    assert engine.blocks_in_use() == 0

@@ -13,6 +13,7 @@ from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core.cli import main
 from inference_core.model import Linear
 from inference_core.quant import QuantConfig, QuantLinear, quantize, weight_bytes
+from inference_core.speculative import SpecConfig
 
 from test_scheduler import build_tiny_model, prompt, run_to_end
 
@@ -81,8 +82,8 @@ def test_bad_settings_say_what_to_change(tiny):
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_every_kv_mode_and_batching_agree_on_a_quantized_model(tiny, scheme):
-    """Quantization changes the weights, not the engine: each KV mode, one at a time and batched, gives the ids of
-    the recompute reference on the same quantized model."""
+    """Quantization changes the weights, not the engine: each KV mode, one at a time, batched and speculating, gives
+    the ids of the recompute reference on the same quantized model."""
     loaded = quantize(tiny, QuantConfig(scheme, 32))
     prompts = [prompt(length, seed) for seed, length in enumerate([5, 17, 30])]
     want = [Engine(loaded, EngineConfig(kv_mode="none")).complete(p, greedy(12)).token_ids for p in prompts]
@@ -92,6 +93,9 @@ def test_every_kv_mode_and_batching_agree_on_a_quantized_model(tiny, scheme):
         requests = [engine.submit(p, greedy(12)) for p in prompts]
         run_to_end(engine)
         assert [request.events[-1].token_ids for request in requests] == want
+        for method in ("ngram", "early-exit"):  # speculation verifies k + 1 rows through the same kernels
+            spec = SpecConfig(method, k=3)
+            assert [engine.complete(p, greedy(12), spec=spec).token_ids for p in prompts] == want
 
 
 def test_generate_and_bench_take_quantized_weights(tiny, tmp_path, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import re
 
+import pandas as pd
 import pytest
 
 import ui
@@ -402,4 +403,27 @@ def test_memory_presets_race_int8_lanes_and_show_their_memory(pool):
         else:
             # 2 x 30 layers x 3 KV heads x (64 + 4) bytes, against x 64 x 4 bytes in fp32
             assert "<td>12.0 KiB</td><td>45.0 KiB</td>" in last["summary"]
+    assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
+
+
+def test_stack_climbs_every_rung_and_reports_measured_rows(pool):
+    """Without compiled rungs: seven rungs, each generating the asked-for tokens, with a command that names its
+    settings; the quantized rungs store fewer weight bytes and change perplexity, the others measure the model as
+    loaded (a delta of exactly 0); a second climb reuses the measured perplexities; nothing stays in the pool."""
+    from ui.stack import STACK_OUTPUTS, TABLE_COLUMNS, climb
+
+    frames = [dict(zip(STACK_OUTPUTS, frame)) for frame in climb(pool, None, "Name three colours.", "", 8, False)]
+    table = [frame["table"] for frame in frames if isinstance(frame["table"], pd.DataFrame)][-1]
+    assert list(table.columns) == list(TABLE_COLUMNS)
+    assert list(table["rung"]) == ["no KV cache", "KV cache", "paged + prefix cache", "int8 weights", "int4 weights",
+                                   "speculative", "everything together"]
+    assert (table["tokens"] == 8).all() and (table["decode tok/s"] > 0).all()
+    rows = table.set_index("rung")
+    assert rows.loc["int4 weights", "weights MiB"] < rows.loc["int8 weights", "weights MiB"] \
+        < rows.loc["KV cache", "weights MiB"] / 2.5
+    assert (rows.loc[["no KV cache", "KV cache", "paged + prefix cache", "speculative"], "quality delta %"] == 0).all()
+    assert rows.loc["int4 weights", "quality delta %"] != 0
+    assert "--quant int4 --quant-group 32 --spec ngram --spec-k 5" in rows.loc["everything together", "command"]
+    assert frames[-1]["status"].startswith("Finished: 7 rungs") and "compiled decode (unticked)" in frames[-1]["status"]
+    assert len(pool.perplexities) == 3
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0

@@ -15,6 +15,8 @@ from __future__ import annotations
 import html
 from typing import Callable
 
+from inference_core.block_manager import FREED
+
 OWNER_COLOURS = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#db2777", "#0891b2")
 CACHED_COLOUR, FREE_COLOUR, BORDER = "#cbd5e1", "#ffffff", "#94a3b8"
 
@@ -33,6 +35,17 @@ def pool_counts(snapshot: dict) -> tuple[int, int, int]:
     """(held, cached but free, free) blocks of a pool snapshot."""
     states = [block["state"] for block in snapshot["blocks"]]
     return states.count("used"), states.count("cached"), states.count("free")
+
+
+def _table_chip(index: int, block_id: int, colour: str) -> str:
+    """One logical -> physical entry of a block table; a block released from the sliding window shows a cross."""
+    if block_id == FREED:
+        return (f'<span title="logical block {index}: out of the sliding window, its block went back to the pool" '
+                f'style="display:inline-block;padding:0 4px;margin:1px;border:1px dashed {colour};border-radius:3px;'
+                f'font-size:11px;color:#94a3b8">{index}&rarr;&#10005;</span>')
+    return (f'<span title="logical block {index} -> physical block {block_id}" style="display:inline-block;'
+            f'padding:0 4px;margin:1px;border:1px solid {colour};border-radius:3px;font-size:11px">'
+            f"{index}&rarr;{block_id}</span>")
 
 
 def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title: str,
@@ -88,10 +101,7 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
     tables = []
     for request in requests:
         colour = colour_of[request["seq_id"]]
-        chips = "".join(
-            f'<span title="logical block {index} -> physical block {block_id}" style="display:inline-block;'
-            f'padding:0 4px;margin:1px;border:1px solid {colour};border-radius:3px;font-size:11px">'
-            f"{index}&rarr;{block_id}</span>" for index, block_id in enumerate(request["block_table"]))
+        chips = "".join(_table_chip(index, block_id, colour) for index, block_id in enumerate(request["block_table"]))
         name = html.escape(labels.get(request["seq_id"], "another request (its text is not shown)"))
         tables.append(f'<div style="margin:4px 0"><b style="color:{colour}">{name}</b> block table '
                       f"(logical&rarr;physical): {chips}</div>")
@@ -100,8 +110,9 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
                       "(grey) for reuse.</div>")
 
     bytes_per_token = snapshot["bytes_per_token"]
+    pool_bytes = snapshot["num_blocks"] * block_size * bytes_per_token
     stored = sum(request["stored_tokens"] for request in requests)
-    reserved = sum(len(request["block_table"]) for request in requests) * block_size
+    reserved = sum(len(request["block_table"]) - request["block_table"].count(FREED) for request in requests) * block_size
     contiguous = len(requests) * snapshot["context_length"]
     used_blocks, cached_blocks, free_blocks = pool_counts(snapshot)
     numbers = (
@@ -118,7 +129,13 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
                      "&#8635; reused from the prefix cache / xN shared"),
         _legend_chip(f"background:{CACHED_COLOUR}", "free, prefix still cached"),
         _legend_chip(f"background:{FREE_COLOUR}", "free")])
+    storage = (f" KV stored in int8 with a scale per token and head: {bytes_per_token / 1024:.1f} KiB per token, so the "
+               f"pool holds {snapshot['num_blocks'] * block_size} tokens in {_mib(pool_bytes)}."
+               if snapshot.get("kv_dtype") == "int8" else "")
+    window = (f" Sliding window of {snapshot['sliding_window']} tokens: blocks wholly before it go back to the pool "
+              "(&#10005; in a block table)." if snapshot.get("sliding_window") else "")
     header = (f"<b>{html.escape(title)}</b>: {snapshot['num_blocks']} blocks of {block_size} tokens; "
-              f"{used_blocks} held, {cached_blocks} cached, {free_blocks} free. Hover a block to see its tokens.")
+              f"{used_blocks} held, {cached_blocks} cached, {free_blocks} free.{storage}{window} Hover a block to see "
+              "its tokens.")
     return f'<div class="kv-pool">{header}<div style="font-size:12px;margin-top:4px">{legend}</div>{grid}' \
            f'{"".join(tables)}{numbers}</div>'

@@ -31,6 +31,7 @@ from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_race, stop_
 from ui.settings import (BLOCK_SIZES, DEFAULT_LAYERS, KV_DTYPE_LABELS, KV_MODE_LABELS, SPEC_METHOD_LABELS,
                          WEIGHTS_LABELS, EnginePool, LaneSettings, duration)
 from ui.setups import DEFAULT_LANES, RACE_SETUPS, presets, setup_values
+from ui.stack import build_stack_tab
 
 MAX_PROMPT_CHARS = 20_000
 # Races, chat turns and lab runs only hand requests to the one engine loop and stream what it sends back, so many may
@@ -304,4 +305,6 @@ def build_demo(pool: EnginePool) -> gr.Blocks:
             _build_chat_tab(pool)
         with gr.Tab("Batching"):
             build_batching_tab(pool)
+        with gr.Tab("Stack"):
+            build_stack_tab(pool)
     return demo

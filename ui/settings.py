@@ -122,7 +122,7 @@ class EnginePool:
     Every engine gets the optional `draft` model (its tokenizer is checked by the engine on construction). An engine
     dropped from the pool while it still serves requests finishes them (its requests and the loop hold it)."""
 
-    def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, max_engines: int = 6,
+    def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, max_engines: int = 10,
                  draft: LoadedModel | None = None, max_run_s: float = DEFAULT_MAX_RUN_S):
         self.loaded = loaded
         self.draft = draft
@@ -130,6 +130,7 @@ class EnginePool:
         self.max_engines = max_engines
         self.engines: OrderedDict[tuple[str, EngineConfig, QuantConfig], Engine] = OrderedDict()
         self.weight_variants: OrderedDict[QuantConfig, LoadedModel] = OrderedDict()  # quantized copies, LRU
+        self.perplexities: dict[tuple[QuantConfig, str], float] = {}  # the Stack tab's quality, by (weights, KV dtype)
         self.costs = StepCosts(loaded, self.max_seq_len)
         self.max_run_s = max_run_s
         self.races_started = 0

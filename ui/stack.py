@@ -1,0 +1,237 @@
+"""The Stack tab: the optimization ladder climbed live on this device and model, one rung at a time.
+
+Each rung is one configuration of the playground's own engine (`LaneSettings`, run through the pool's engine loop
+like a race lane): no KV cache, a KV cache, paged with the prefix cache, then each further technique alone on top of
+the paged cache (compiled decode, int8 weights, int4 weights, speculative decoding by prompt lookup), and everything
+together. Every rung generates the same number of tokens for the same prompt (greedy, end of text ignored) and
+reports what its request measured: decode tokens/s, TTFT, the weights' stored size, the KV memory it reserved, and
+the quality delta, the perplexity of the first QUALITY_TOKENS tokens of the shipped evaluation text with the rung's
+weights and KV dtype against the model as loaded (`inference_core.quality`, measured once per weight setting). Rungs
+the device cannot run (compiled decode or quantized weights where unavailable) are left out and the tab says so.
+`climb` is a plain generator: the page streams its bars and table after each rung; tests drive it without a browser.
+"""
+
+from __future__ import annotations
+
+import queue
+import shlex
+from dataclasses import dataclass, replace
+from functools import partial
+
+import gradio as gr
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from inference_core import ConfigError, FinishEvent, SamplingParams
+from inference_core.compiled import compile_unavailable
+from inference_core.config import EngineConfig
+from inference_core.quality import eval_token_ids, perplexity
+from inference_core.quant import weight_bytes
+from ui.control import RunControl
+from ui.settings import PAGE_WORDS, EnginePool, LaneSettings, check_run_cost, duration
+
+QUALITY_TOKENS = 1024  # tokens of the evaluation text each weight setting's perplexity is measured on
+SPEC_K = 5
+STACK_OUTPUTS = ("figure", "table", "status", "run_button")
+TABLE_COLUMNS = ("rung", "adds", "decode tok/s", "vs no KV cache", "TTFT ms", "weights MiB", "KV MiB reserved",
+                 "perplexity", "quality delta %", "tokens", "command")
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    adds: str  # what this rung changes, in a few words
+    settings: LaneSettings
+
+
+def ladder(pool: EnginePool, with_compiled: bool = True) -> tuple[list[Rung], list[str]]:
+    """The rungs this device can run (and why any were left out)."""
+    from ui.layout import weight_schemes  # the page's own rule for which weight settings run here
+
+    paged = LaneSettings(kv_mode="paged")
+    spec = dict(spec_method="ngram", spec_k=SPEC_K)
+    can_compile = with_compiled and compile_unavailable(pool.loaded.device) is None
+    schemes = weight_schemes(pool)
+    rungs = [Rung("no KV cache", "every step recomputes the whole text", LaneSettings(kv_mode="none")),
+             Rung("KV cache", "keys and values kept: a step computes one token", LaneSettings(kv_mode="contiguous")),
+             Rung("paged + prefix cache", "blocks on demand; shared prompt prefixes reused", paged)]
+    left_out = []
+    if can_compile:
+        rungs.append(Rung("compiled", "decode step compiled (fused kernels, fixed shapes)", replace(paged, compile=True)))
+    else:
+        left_out.append("compiled decode (" + (compile_unavailable(pool.loaded.device) or "unticked") + ")")
+    for scheme in ("int8", "int4"):
+        if scheme in schemes:
+            rungs.append(Rung(f"{scheme} weights", f"{scheme} weight-only quantization",
+                              replace(paged, weights=scheme)))
+        else:
+            left_out.append(f"{scheme} weights (weight quantization runs on the CPU only so far)")
+    rungs.append(Rung("speculative", f"prompt lookup drafts, k={SPEC_K}", replace(paged, **spec)))
+    best_weights = "int4" if "int4" in schemes else "none"
+    rungs.append(Rung("everything together", "all of the above that runs here",
+                      replace(paged, compile=can_compile, weights=best_weights, **spec)))
+    return rungs, left_out
+
+
+def command(settings: LaneSettings, prompt: str, system: str, new_tokens: int) -> str:
+    """The CLI line that runs the same configuration on the same prompt."""
+    words = ["python -m inference_core generate", "--prompt", shlex.quote(prompt)]
+    if system:
+        words += ["--system", shlex.quote(system)]
+    words += ["--kv", settings.kv_mode, "--max-new-tokens", str(new_tokens), "--ignore-eos"]
+    if settings.compile:
+        words.append("--compile")
+    if settings.weights != "none":
+        words += ["--quant", settings.weights] + (["--quant-group", str(settings.quant_group)]
+                                                  if settings.weights in ("int4", "awq") else [])
+    if settings.spec_method != "none":
+        words += ["--spec", settings.spec_method, "--spec-k", str(settings.spec_k)]
+    return " ".join(words)
+
+
+def quality_delta(pool: EnginePool, settings: LaneSettings) -> tuple[float, float]:
+    """(perplexity, % change against the model as loaded) over the first QUALITY_TOKENS tokens of the eval text, for
+    the rung's weights and KV dtype; measured once per setting and kept on the pool."""
+    cache = pool.perplexities
+
+    def measure(quant, kv_dtype: str) -> float:
+        key = (quant, kv_dtype)
+        if key not in cache:
+            loaded = pool.weights(quant)
+            tokens = eval_token_ids(loaded.tokenizer, max_tokens=QUALITY_TOKENS)
+            config = EngineConfig(kv_mode="paged", kv_dtype=kv_dtype, max_seq_len=pool.max_seq_len)
+            cache[key] = pool.loop.call(lambda: perplexity(loaded, config, tokens,
+                                                           window=min(QUALITY_TOKENS, pool.max_seq_len)).perplexity)
+        return cache[key]
+
+    base = measure(LaneSettings().quant(), "auto")
+    value = measure(settings.quant(), settings.kv_dtype)
+    return value, 100 * (value - base) / base
+
+
+def stack_figure(rows: list[dict]) -> go.Figure:
+    """Decode tokens/s and TTFT per rung, as bars, from the table's rows."""
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s (higher is better)",
+                                                           "TTFT ms (lower is better)"))
+    names = [row["rung"] for row in rows]
+    figure.add_trace(go.Bar(x=names, y=[row["decode tok/s"] for row in rows], marker_color="#2563eb",
+                            text=[f"{row['decode tok/s']:.1f}" for row in rows], textposition="outside",
+                            name="decode tok/s"), row=1, col=1)
+    figure.add_trace(go.Bar(x=names, y=[row["TTFT ms"] for row in rows], marker_color="#ea580c",
+                            text=[f"{row['TTFT ms']:.0f}" for row in rows], textposition="outside", name="TTFT ms"),
+                     row=1, col=2)
+    if not rows:
+        figure.add_annotation(text="Each rung's bars appear here as the ladder is climbed.", xref="paper",
+                              yref="paper", x=0.5, y=0.5, showarrow=False, font={"color": "#64748b"})
+    figure.update_layout(height=340, template="plotly_white", showlegend=False,
+                         margin={"l": 50, "r": 20, "t": 40, "b": 110})
+    figure.update_yaxes(rangemode="tozero")
+    return figure
+
+
+def _frame(**values) -> tuple:
+    return tuple(values.get(name, gr.skip()) for name in STACK_OUTPUTS)
+
+
+def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str, new_tokens, with_compiled: bool):
+    """Streaming handler: run every rung in turn, yielding (figure, table, status, run button) after each."""
+    control = control if control is not None else RunControl()
+    idle = gr.update(interactive=True)
+    try:
+        new_tokens = int(new_tokens)
+        if not (prompt or "").strip():
+            raise ConfigError("the prompt is empty; type some text.")
+        rungs, left_out = ladder(pool, bool(with_compiled))
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        prompt_ids = pool.get("stack", rungs[0].settings).prompt_ids(prompt, (system or "").strip() or None)
+        # The climb's slowest rung (no KV cache) must fit the app's device-time limit like a race lane.
+        check_run_cost(pool, {rung.name: rung.settings for rung in rungs[:1]}, len(prompt_ids), new_tokens, "climb")
+        rows: list[dict] = []
+        yield _frame(figure=stack_figure(rows), table=pd.DataFrame(columns=TABLE_COLUMNS), run_button=gr.update(
+            interactive=False), status=f"Climbing {len(rungs)} rungs, {new_tokens} tokens each...")
+        for index, rung in enumerate(rungs):
+            if control.stop_requested:
+                break
+            engine = pool.get("stack", rung.settings)
+            if pool.needs_compiling(engine):
+                yield _frame(status=f"Rung {index + 1} ({rung.name}): compiling the decode step once for these "
+                                    "settings (a minute or two on a CPU; later starts load it from disk)...")
+                pool.compile(engine)
+            yield _frame(status=f"Rung {index + 1} of {len(rungs)}: {rung.name}...")
+            request = engine.make_request(prompt_ids, params, spec=rung.settings.spec(), cache_salt=control.visitor)
+            final = _run_one(pool, engine, request, control)
+            if final is None or final.stats.finish_reason == "stopped":
+                break
+            stats = final.stats
+            ppl, delta = quality_delta(pool, rung.settings)
+            decode = stats.decode_tokens_per_s
+            rows.append({"rung": rung.name, "adds": rung.adds, "decode tok/s": round(decode, 1),
+                         "vs no KV cache": f"{decode / rows[0]['decode tok/s']:.2f}x" if rows else "1.00x",
+                         "TTFT ms": round(stats.ttft_ms), "weights MiB": round(weight_bytes(engine.loaded.model)
+                                                                               / 2 ** 20),
+                         "KV MiB reserved": round(stats.kv_bytes_reserved / 2 ** 20, 2), "perplexity": round(ppl, 3),
+                         "quality delta %": round(delta, 2), "tokens": stats.generated_tokens,
+                         "command": command(rung.settings, prompt, (system or "").strip(), new_tokens)})
+            yield _frame(figure=stack_figure(rows), table=pd.DataFrame(rows, columns=TABLE_COLUMNS))
+        stopped = " Stopped before the last rungs." if len(rows) < len(rungs) else ""
+        missing = f" Left out here: {'; '.join(left_out)}." if left_out else ""
+        yield _frame(status=f"Finished: {len(rows)} rungs measured on {pool.loaded.device} in "
+                            f"{pool.loaded.dtype_name}.{stopped}{missing}", run_button=idle)
+    except ConfigError as error:
+        words = {**PAGE_WORDS, "max_new_tokens": "'new tokens per rung'"}
+        yield _frame(status=f"**Cannot climb:** {error.in_words(words)}", run_button=idle)
+    finally:
+        control.end()
+
+
+def _run_one(pool: EnginePool, engine, request, control: RunControl) -> FinishEvent | None:
+    """One rung's request through the engine loop; Stop ends it after the step in flight, and a closed page (the
+    generator closed) cancels it, so its KV goes back to the pool either way."""
+    handle = pool.loop.enqueue(engine, request, sink=queue.Queue())
+    final, stopping = None, False
+    try:
+        for event in handle:
+            if isinstance(event, FinishEvent):
+                final = event
+            elif control.stop_requested and not stopping:
+                handle.stop()
+                stopping = True
+    finally:
+        if final is None:
+            handle.cancel()
+    return final
+
+
+def build_stack_tab(pool: EnginePool) -> None:
+    from ui.setups import presets
+
+    prompts = presets()
+    grounded = next((key for key, row in prompts.items() if row["kind"] == "grounded"), next(iter(prompts)))
+    control = gr.State(RunControl())
+    gr.Markdown("The optimization ladder, measured here and now: each rung runs the same prompt for the same number "
+                "of tokens on this device and model, and its bars and row appear as it ends. Quality delta is the "
+                f"perplexity change over the first {QUALITY_TOKENS} tokens of the shipped evaluation text. Each row "
+                f"ends with the command that reproduces it. A climb may take several minutes ({duration(pool.max_run_s)}"
+                " or less of device time per rung, plus a one-time compile for the compiled rungs).")
+    with gr.Row(equal_height=True):
+        preset = gr.Dropdown(list(prompts), value=grounded, label="Prompt", scale=2)
+        new_tokens = gr.Slider(16, 256, value=64, step=16, label="new tokens per rung", scale=1)
+        with_compiled = gr.Checkbox(value=compile_unavailable(pool.loaded.device) is None, label="compiled rungs",
+                                    interactive=compile_unavailable(pool.loaded.device) is None, scale=1,
+                                    info="compiles once per configuration (1-2 min on a CPU), then loads from disk")
+        run = gr.Button("Climb the ladder", variant="primary", elem_id="stack-run", scale=1)
+        stop = gr.Button("Stop", variant="stop", elem_id="stack-stop", scale=1)
+    status = gr.Markdown(elem_id="stack-status")
+    figure = gr.Plot(stack_figure([]), elem_id="stack-chart", show_label=False)
+    table = gr.DataFrame(pd.DataFrame(columns=TABLE_COLUMNS), elem_id="stack-table", wrap=True, interactive=False)
+    prompt = gr.State(prompts[grounded]["prompt"])
+    system = gr.State(prompts[grounded].get("system", ""))
+    preset.change(lambda key: (prompts[key]["prompt"], prompts[key].get("system", "")), preset, [prompt, system],
+                  queue=False, show_progress="hidden")
+    outputs = {"figure": figure, "table": table, "status": status, "run_button": run}
+    run.click(RunControl.arm, control, None, queue=False, show_progress="hidden").then(
+        partial(climb, pool), [control, prompt, system, new_tokens, with_compiled],
+        [outputs[name] for name in STACK_OUTPUTS], show_progress="hidden", concurrency_limit=1,
+        concurrency_id="stack")
+    stop.click(RunControl.request_stop, control, None, queue=False, show_progress="hidden")

@@ -3,7 +3,7 @@ method).
 
 `calibrate_and_save(loaded, group_size)` runs the calibration on the text shipped in `data/calibration_text.txt`
 (the first five chapters of Jane Austen's *Pride and Prejudice*, 1813, public domain: Project Gutenberg eBook #1342,
-line endings as LF) and writes one safetensors file: the int4 weights (`awq.quantized_tensors`), the folded norm
+line endings as LF) and writes one safetensors file: the int4 weights (`quantized_tensors`), the folded norm
 weights, and metadata (group size, alpha per projection, the model's fingerprint, the calibration text's hash).
 `load(loaded, path)` rebuilds the quantized model from it and refuses a file made for other weights or another
 group size. Files live in `$INFERENCE_CORE_AWQ_CACHE`, else `awq/` in the local cache
@@ -84,7 +84,7 @@ def calibrate_and_save(loaded, group_size: int, path: Path | str | None = None, 
         "clipped": json.dumps([name for name, choice in calibration.choices.items() if choice.clip is not None]),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     save_file(tensors, str(partial), metadata)
     partial.replace(path)  # whole or absent: a reader never sees half a file
     return assemble(loaded, tensors, QuantConfig("awq", group_size, lm_head)), calibration, seconds

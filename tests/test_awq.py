@@ -18,6 +18,7 @@ from inference_core.quant import QuantConfig, QuantLinear, compute_dtype, quanti
 from inference_core.runner import ModelRunner
 from inference_core.sequence import Sequence
 
+from test_model_families import TinyFamily
 from test_scheduler import build_tiny_model, greedy, prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many small ops: see conftest
@@ -81,29 +82,44 @@ def test_alpha_zero_is_round_to_nearest_bit_for_bit(tiny, sequences, tmp_path):
     assert torch.equal(all_logits(awq_zero, ids), all_logits(rtn, ids))
 
 
-def test_folding_the_scales_keeps_the_float_function(tiny, calibrated):
-    """Scales folded, nothing rounded: the same logits as the original (random scales over two decades, o_proj's
-    tied per KV head, and the calibrated ones), and the original model's tensors untouched."""
-    before = {name: tensor.clone() for name, tensor in tiny.model.state_dict().items()}
-    generator = torch.Generator().manual_seed(5)
-
-    def random_scale(size: int) -> torch.Tensor:
-        return torch.exp(torch.randn(size, generator=generator) * 1.2)
-
-    random_scales = {}
+def random_scales(loaded, seed: int) -> dict[str, torch.Tensor]:
+    """A scale per input feature of every projection, spread over two decades; o_proj's tied per KV head."""
+    generator = torch.Generator().manual_seed(seed)
+    scales = {}
     for name in PROJECTIONS:
-        size = awq.out_in(tiny.model.get_submodule(name)).shape[1]
-        random_scales[name] = awq.tie_heads(random_scale(size), tiny.config) if name.endswith("o_proj") \
-            else random_scale(size)
+        size = awq.out_in(loaded.model.get_submodule(name)).shape[1]
+        scale = torch.exp(torch.randn(size, generator=generator) * 1.2)
+        scales[name] = awq.tie_heads(scale, loaded.config) if name.endswith("o_proj") else scale
+    return scales
+
+
+def test_folding_the_scales_keeps_the_float_function(tiny, calibrated):
+    """Scales folded, nothing rounded: the same logits as the original (random scales and the calibrated ones), and
+    the original model's tensors untouched."""
+    before = {name: tensor.clone() for name, tensor in tiny.model.state_dict().items()}
     ids = prompt(40, 11)
     want = all_logits(tiny, ids)
-    for scales in (random_scales, {name: choice.scale for name, choice in calibrated[1].choices.items()}):
+    for scales in (random_scales(tiny, 5), {name: choice.scale for name, choice in calibrated[1].choices.items()}):
         folded = awq.fold_scales(tiny, scales)
         norm, original_norm = folded.model.layers[0].input_layernorm, tiny.model.layers[0].input_layernorm
         assert not torch.equal(norm.weight, original_norm.weight)
         torch.testing.assert_close(all_logits(folded, ids), want, rtol=1e-4, atol=1e-4)
     assert all(torch.equal(tensor, before[name]) for name, tensor in tiny.model.state_dict().items())
     assert isinstance(tiny.model.layers[0].mlp.down_proj, Linear)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama-tied"])
+def test_other_families_fold_and_load_back(family, sequences, tmp_path):
+    """Qwen2's q/k/v biases (the v bias divided with its rows), Qwen3's per-head q/k norms and an LM head tied to the
+    embedding: folding keeps the logits, and the saved file loads back to the calibrated model's logits."""
+    loaded = TinyFamily(family, tmp_path / family).loaded
+    ids = prompt(30, 2)
+    torch.testing.assert_close(all_logits(awq.fold_scales(loaded, random_scales(loaded, 6)), ids),
+                               all_logits(loaded, ids), rtol=1e-4, atol=1e-4)
+    quantized, _, _ = awq_file.calibrate_and_save(loaded, GROUP, tmp_path / "awq.safetensors", sequences=sequences)
+    assert torch.equal(all_logits(awq_file.load(loaded, tmp_path / "awq.safetensors"), ids), all_logits(quantized, ids))
+    if family == "qwen2":
+        assert quantized.model.layers[0].self_attn.qkv_proj.bias is not None
 
 
 def test_awq_output_error_is_at_most_rtns_on_the_calibration_inputs(tiny, sequences, calibrated):

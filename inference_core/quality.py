@@ -7,7 +7,9 @@ first:
   setting such as an int8 cache shows in the number: attention reads K and V back from the cache even in a prefill).
 - `greedy_agreement`: the same prompts generated greedily by the reference and by a candidate; how much of the
   reference's output the candidate reproduces before its first different token.
-A table row also carries the weights' size (`quant.weight_bytes`) and the KV cache's bytes per token.
+A table row also carries the weights' size (`quant.weight_bytes`), the KV cache's bytes per token and the dtype
+the projections compute in: a quantized projection's activation dtype is picked by timing on a CPU
+(`quant.compute_dtype`), and an int8 row scores differently with bf16 activations than with fp32 ones.
 
 The eval text, `data/eval_text.txt`: the first 39,608 characters (12,065 SmolLM2 tokens, so one chunk fills
 SmolLM2's 8,192-token context) of "tinyshakespeare", the file `data/tinyshakespeare/input.txt` of Andrej Karpathy's
@@ -39,7 +41,7 @@ EVAL_TEXT = Path(__file__).with_name("data") / "eval_text.txt"
 # Tokens forwarded per runner call while measuring perplexity. Their fp32 logits are [512, vocab]: 96 MiB for
 # SmolLM2's 49,152 ids, where a whole 8,192-token chunk's would be 1.5 GiB.
 SLICE_TOKENS = 512
-COLUMNS = ("name", "quant", "kv_dtype", "weights_mib", "kv_bytes_per_token", "perplexity", "delta_pct",
+COLUMNS = ("name", "quant", "kv_dtype", "activations", "weights_mib", "kv_bytes_per_token", "perplexity", "delta_pct",
            "greedy_agreement", "diverged", "first_divergence", "seconds")
 
 
@@ -132,6 +134,13 @@ def perplexity(loaded: LoadedModel, config: EngineConfig, token_ids: list[int], 
                       time.perf_counter() - started)
 
 
+def activation_dtype(loaded: LoadedModel) -> str:
+    """The dtype the projections compute in: a quantized projection's (`QuantLinear.compute`), else the model's."""
+    compute = next((module.compute for module in loaded.model.modules()
+                    if isinstance(getattr(module, "compute", None), torch.dtype)), loaded.dtype)
+    return str(compute).removeprefix("torch.")
+
+
 def prompt_token_ids(loaded: LoadedModel, rows: list[dict]) -> list[list[int]]:
     """Benchmark prompt rows (`inference_core.prompts`) -> prompt ids, through the chat template except for the
     `completion` kind, as the bench tokenizes them."""
@@ -191,6 +200,7 @@ def quality_table(loaded: LoadedModel, variants: list[Variant], token_ids: list[
         measured = perplexity(model, config, token_ids, window)
         reference_ppl = reference_ppl or measured.perplexity
         row = {"name": variant.name, "quant": variant.quant.name, "kv_dtype": variant.kv_dtype,
+               "activations": activation_dtype(model),
                "weights_mib": round(weight_bytes(model.model) / 2**20, 1),
                "kv_bytes_per_token": measured.kv_bytes_per_token, "perplexity": round(measured.perplexity, 4),
                "delta_pct": round(100 * (measured.perplexity / reference_ppl - 1), 2),

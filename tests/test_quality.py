@@ -18,7 +18,7 @@ from inference_core import EngineConfig
 from inference_core.cli import main
 from inference_core.quality import (COLUMNS, EVAL_TEXT, eval_token_ids, greedy_agreement, greedy_generations,
                                     perplexity)
-from inference_core.quant import QuantConfig, quantize
+from inference_core.quant import QuantConfig, compute_dtype, quantize
 
 from test_model_families import TINY, write_word_level_tokenizer
 
@@ -126,6 +126,8 @@ def test_cli_prints_the_table_and_writes_rows_and_host(tiny, tmp_path, capsys):
     assert (reference["delta_pct"], reference["greedy_agreement"], reference["diverged"]) == (0.0, 1.0, 0)
     assert reference["first_divergence"] is None
     assert [row["kv_bytes_per_token"] for row in rows] == [512, 160, 512, 160]
+    activations = str(compute_dtype("cpu", torch.float32)).removeprefix("torch.")  # measured once per process
+    assert [row["activations"] for row in rows] == ["float32", "float32", activations, activations]
     assert rows[2]["weights_mib"] < rows[0]["weights_mib"] == rows[1]["weights_mib"]
     assert report["first_divergence_by_prompt"]["reference"] == {"p0": None, "p1": None}
 

@@ -492,7 +492,7 @@ class Engine:
             info["token_ids"] = list(tokens[:block.num_filled])
         snapshot["requests"] = [
             {"seq_id": seq.seq_id, "prompt_tokens": seq.num_prompt_tokens,
-             "stored_tokens": max(0, seq.num_computed_tokens - seq.block_table.count(FREED) * block_size),
+             "stored_tokens": self.kv_cache.held_tokens(seq),
              "cached_prompt_tokens": seq.num_cached_tokens, "block_table": list(seq.block_table)}
             for seq in seqs]
         snapshot["bytes_per_token"] = self.kv_cache.bytes_per_token

@@ -299,13 +299,17 @@ class PagedKVCache(_Storage):
     def free(self, seq: Sequence) -> None:
         self.manager.free(seq)
 
+    def held_tokens(self, seq: Sequence) -> int:
+        """Tokens whose KV this sequence still holds: its computed tokens less those in blocks that fell out of a
+        sliding window."""
+        return max(0, seq.num_computed_tokens - seq.block_table.count(FREED) * self.block_size)
+
     def usage(self, seq: Sequence) -> tuple[int, int]:
         """(bytes holding this sequence's tokens, bytes of the blocks it holds); blocks that fell out of a sliding
         window hold nothing."""
-        num_freed = seq.block_table.count(FREED)
-        held = max(0, seq.num_computed_tokens - num_freed * self.block_size)
-        return (held * self.bytes_per_token,
-                (len(seq.block_table) - num_freed) * self.block_size * self.bytes_per_token)
+        num_held_blocks = len(seq.block_table) - seq.block_table.count(FREED)
+        return (self.held_tokens(seq) * self.bytes_per_token,
+                num_held_blocks * self.block_size * self.bytes_per_token)
 
     def blocks_in_use(self) -> int:
         return self.manager.num_used_blocks

@@ -21,7 +21,7 @@ import gradio as gr
 from inference_core import SamplingParams
 from inference_core.compiled import compile_unavailable
 from inference_core.config import KV_DTYPES, KV_MODES
-from inference_core.quant import GROUP_SIZES, SCHEMES, compute_dtype, weight_bytes
+from inference_core.quant import GROUP_SIZES, compute_dtype, weight_bytes
 from inference_core.speculative import MAX_K
 from ui.batching import build_batching_tab
 from ui.chat import CHAT_OUTPUTS, arm_chat, chat_turn, clear_chat, stats_table_html, stop_chat
@@ -127,20 +127,10 @@ def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
             draft_layers, compiled, weights, quant_group, kv_dtype, sliding_window]
 
 
-def weight_schemes(pool: EnginePool) -> list[str]:
-    """The weight settings this model can use: quantization on the CPU only, AWQ where a calibrated file exists."""
-    if pool.loaded.device.type != "cpu":
-        return ["none"]
-    from inference_core.awq_file import default_path
-
-    return [scheme for scheme in SCHEMES
-            if scheme != "awq" or any(default_path(pool.loaded, group).exists() for group in GROUP_SIZES)]
-
-
 def _memory_widgets(pool: EnginePool, defaults: LaneSettings, prefix: str) -> list[gr.components.Component]:
     """Weights, int4 group, KV dtype and sliding window, each saying what it does to memory on this model."""
     loaded = pool.loaded
-    schemes = weight_schemes(pool)
+    schemes = pool.weight_schemes()
     base_mib = weight_bytes(loaded.model) / 2 ** 20
     if loaded.device.type != "cpu":
         weights_info = f"{base_mib:.0f} MiB in {loaded.dtype_name}; weight quantization runs on the CPU only so far"
@@ -174,7 +164,7 @@ def available_setups(pool: EnginePool) -> list[str]:
     """The race setups this device can run: those with a compiled lane only where compilation is available, with
     quantized weights only where quantization runs."""
     can_compile = compile_unavailable(pool.loaded.device) is None
-    schemes = weight_schemes(pool)
+    schemes = pool.weight_schemes()
     return [name for name, setup in RACE_SETUPS.items()
             if (can_compile or not any(lane.compile for lane in setup.lanes.values()))
             and all(lane.weights in schemes for lane in setup.lanes.values())]

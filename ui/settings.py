@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from inference_core import ConfigError, Engine, EngineConfig, LoadedModel, SamplingParams, wake_device
 from inference_core.cost import StepCosts
 from inference_core.engine_loop import EngineLoop
-from inference_core.quant import QuantConfig, quantize, weight_bytes
+from inference_core.quant import GROUP_SIZES, SCHEMES, QuantConfig, quantize
 from inference_core.speculative import SpecConfig
 
 KV_MODE_LABELS = {"paged": "paged KV cache", "contiguous": "contiguous KV cache", "none": "no KV cache (recompute)"}
@@ -152,9 +152,15 @@ class EnginePool:
         self.weight_variants.move_to_end(quant)
         return self.weight_variants[quant]
 
-    def weights_mib(self, quant: QuantConfig) -> float:
-        """Measured size of the weights as stored for `quant` (parameters and quantized buffers)."""
-        return weight_bytes(self.weights(quant).model) / 2 ** 20
+    def weight_schemes(self) -> list[str]:
+        """The weight settings this model can use: quantization on the CPU only, AWQ where a calibrated file
+        exists."""
+        if self.loaded.device.type != "cpu":
+            return ["none"]
+        from inference_core.awq_file import default_path
+
+        return [scheme for scheme in SCHEMES
+                if scheme != "awq" or any(default_path(self.loaded, group).exists() for group in GROUP_SIZES)]
 
     def first_lane(self) -> str:
         """The lane that takes the next race's first step: A and B take turns, so neither always meets whatever a

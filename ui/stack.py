@@ -47,12 +47,10 @@ class Rung:
 
 def ladder(pool: EnginePool, with_compiled: bool = True) -> tuple[list[Rung], list[str]]:
     """The rungs this device can run (and why any were left out)."""
-    from ui.layout import weight_schemes  # the page's own rule for which weight settings run here
-
     paged = LaneSettings(kv_mode="paged")
     spec = dict(spec_method="ngram", spec_k=SPEC_K)
     can_compile = with_compiled and compile_unavailable(pool.loaded.device) is None
-    schemes = weight_schemes(pool)
+    schemes = pool.weight_schemes()
     rungs = [Rung("no KV cache", "every step recomputes the whole text", LaneSettings(kv_mode="none")),
              Rung("KV cache", "keys and values kept: a step computes one token", LaneSettings(kv_mode="contiguous")),
              Rung("paged + prefix cache", "blocks on demand; shared prompt prefixes reused", paged)]

@@ -21,8 +21,11 @@ import argparse
 import os
 import sys
 
+from dataclasses import replace
+
 from inference_core import ConfigError, load_model
 from inference_core.config import parse_device
+from server.policy import ServePolicy
 from ui.settings import DEFAULT_MAX_RUN_S
 
 
@@ -36,16 +39,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="draft model for speculative decoding (same forms as --model), or 'none'")
     parser.add_argument("--device", default=env("PLAYGROUND_DEVICE", "auto"), help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default=env("PLAYGROUND_DTYPE", "auto"), help="auto, float32, bfloat16, float16")
-    parser.add_argument("--host", default=env("PLAYGROUND_HOST", env("GRADIO_SERVER_NAME", "127.0.0.1")))
+    default_host = "0.0.0.0" if env("SPACE_ID") else "127.0.0.1"  # a Space reaches the app from outside the container
+    parser.add_argument("--host", default=env("PLAYGROUND_HOST", env("GRADIO_SERVER_NAME", default_host)))
     parser.add_argument("--port", type=int, default=int(env("PLAYGROUND_PORT", env("GRADIO_SERVER_PORT", "7860"))))
     parser.add_argument("--max-seq-len", type=int, default=int(env("PLAYGROUND_MAX_SEQ_LEN", "2048")),
                         help="context length of every engine (prompt + new tokens)")
-    parser.add_argument("--max-queue", type=int, default=32, help="requests that may wait; more are turned away")
+    parser.add_argument("--max-queue", type=int, default=int(env("PLAYGROUND_MAX_QUEUE", "32")),
+                        help="requests that may wait or run; more are turned away (the API answers 429)")
+    parser.add_argument("--public", action=argparse.BooleanOptionalAction,
+                        default=env("PLAYGROUND_PUBLIC", "1" if env("SPACE_ID") else "0") not in ("0", "", "false"),
+                        help="public mode (default on a Space): allowlisted models only, no local paths, per-caller "
+                             "rate and token limits")
+    parser.add_argument("--allow-model", action="append", default=_env_list("PLAYGROUND_ALLOW_MODELS"),
+                        help="public mode: a model the app may serve (repeat; default: the --model given)")
+    parser.add_argument("--allow-endpoint", action="append", default=_env_list("PLAYGROUND_ALLOW_ENDPOINTS"),
+                        help="an OpenAI-compatible server a lane may race against (repeat); in public mode only "
+                             "these, elsewhere any URL")
+    parser.add_argument("--max-prompt-tokens", type=int, default=int(env("PLAYGROUND_MAX_PROMPT_TOKENS", "0")),
+                        help="longest prompt accepted (0: the context; public mode: 2048)")
+    parser.add_argument("--max-new-tokens", type=int, default=int(env("PLAYGROUND_MAX_NEW_TOKENS", "0")),
+                        help="most new tokens per request (0: 512; public mode: 256)")
+    parser.add_argument("--requests-per-minute", type=int, default=int(env("PLAYGROUND_REQUESTS_PER_MINUTE", "-1")),
+                        help="per caller (0: unlimited; default: unlimited, public mode 20)")
+    parser.add_argument("--tokens-per-hour", type=int, default=int(env("PLAYGROUND_TOKENS_PER_HOUR", "-1")),
+                        help="prompt + new tokens per caller (0: unlimited; default: unlimited, public mode 20000)")
     parser.add_argument("--max-run-seconds", type=float,
                         default=float(env("PLAYGROUND_MAX_RUN_SECONDS", DEFAULT_MAX_RUN_S)),
                         help="device time one race (both lanes) or one chat turn may take; longer ones are refused "
                              "before they start (from an estimate) and stopped if they run over")
     return parser.parse_args(argv)
+
+
+def _env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+def serve_policy(args: argparse.Namespace) -> ServePolicy:
+    """The deployment's caps from the flags: public mode's defaults where a flag was left at its default."""
+    overrides = {"allowed_models": tuple(args.allow_model or ()), "allowed_endpoints": tuple(args.allow_endpoint or ()),
+                 "max_queue": args.max_queue}
+    for name, value in (("max_prompt_tokens", args.max_prompt_tokens), ("max_new_tokens", args.max_new_tokens)):
+        if value < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {value}.")
+        if value:
+            overrides[name] = value
+    for name in ("requests_per_minute", "tokens_per_hour"):
+        value = getattr(args, name)
+        if value < -1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be 0 (unlimited) or more, got {value}.")
+        if value >= 0:
+            overrides[name] = value
+    if args.max_queue < 1:
+        raise ConfigError(f"--max-queue must be at least 1, got {args.max_queue}.")
+    if args.public:
+        return ServePolicy.public_defaults(**overrides)
+    return ServePolicy(**overrides)
 
 
 def create_demo(args: argparse.Namespace):
@@ -55,24 +103,37 @@ def create_demo(args: argparse.Namespace):
 
     if args.max_run_seconds <= 0:
         raise ConfigError(f"--max-run-seconds must be positive, got {args.max_run_seconds:g}.")
+    policy = serve_policy(args)
+    policy.check_model_spec(args.model, args.model)
+    if args.draft_model.lower() not in ("", "none"):
+        policy.check_model_spec(args.draft_model, args.draft_model)
     device = parse_device(args.device)
     loaded = load_model(args.model, str(device), args.dtype)
     draft = None if args.draft_model.lower() in ("", "none") else \
         load_model(args.draft_model, str(device), loaded.dtype_name)  # the target's dtype
-    pool = EnginePool(loaded, max_seq_len=args.max_seq_len, draft=draft, max_run_s=args.max_run_seconds)
+    policy = replace(policy, max_prompt_tokens=min(policy.max_prompt_tokens, args.max_seq_len))
+    pool = EnginePool(loaded, max_seq_len=args.max_seq_len, draft=draft, max_run_s=args.max_run_seconds,
+                      policy=policy)
     ui.warm_up(pool)  # also builds a draft engine, so a draft model the engine refuses (another tokenizer) fails here
     demo = ui.build_demo(pool).queue(max_size=args.max_queue, default_concurrency_limit=1)
     return demo, pool
 
 
 def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from server.app import create_app
+
     args = parse_args(argv)
     try:
-        demo, _ = create_demo(args)
+        demo, pool = create_demo(args)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    demo.launch(server_name=args.host, server_port=args.port)
+    mode = "public mode" if pool.policy.public else "private mode"
+    print(f"Serving the playground and its OpenAI-compatible API ({mode}) at http://{args.host}:{args.port} "
+          f"(API base http://{args.host}:{args.port}/v1)", flush=True)
+    uvicorn.run(create_app(demo, pool), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

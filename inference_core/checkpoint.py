@@ -13,16 +13,21 @@ from pathlib import Path
 
 import torch
 
-from inference_core.bundled import bundled_gguf_path, converted_gguf_dir
+from inference_core.bundled import bundled_model_dir, converted_gguf_dir
 from inference_core.config import ConfigError, ModelConfig
 
 BUNDLED_NAMES = ("bundled", "smollm2", "SmolLM2-135M-Instruct")
+# What a Hub id downloads: the files this module and the tokenizer read (a chat_template.jinja only where the
+# repository has one), and the shard index transformers needs for the benches' peer. The README's `preload_from_hub`
+# lists the same files of the Space's default model, so that a Space starts without downloading.
+HUB_FILE_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                     "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def resolve_model_dir(spec: str) -> Path:
     """'bundled' | path to a .gguf file | local directory | Hub id (owner/name) -> a local directory."""
     if spec in BUNDLED_NAMES:
-        return converted_gguf_dir(bundled_gguf_path())
+        return bundled_model_dir()
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -39,10 +44,8 @@ def resolve_model_dir(spec: str) -> Path:
 def _download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
-    patterns = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"]
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, allow_patterns=list(HUB_FILE_PATTERNS)))
     except Exception as error:  # network down, gated repo, unknown id: all need the same advice
         raise ConfigError(f"could not fetch {repo_id!r} from the Hugging Face Hub ({type(error).__name__}: "
                           f"{error}). Check the id and the network, or pass a local directory.") from error

@@ -9,6 +9,7 @@
     python -m inference_core awq [--model M] [--quant-group 32] [--out PATH]
     python -m inference_core quality [--quant none,int8,int4] [--kv-dtype auto,int8] [--window N] [--no-agreement]
         [--json PATH] ...
+    python -m inference_core verify-cache [--model bundled|FILE.gguf]
 
 `generate` with `--batching none` (the default) runs its prompts one after another on one engine (so a later prompt
 can hit the prefix cache) and streams text to stdout. With `--batching static|dynamic|continuous` it submits every
@@ -16,7 +17,8 @@ prompt at once (`--priority` per prompt, lower first), steps the engine until al
 text in prompt order. Either way `--json` prints one JSON list with an object per prompt, in prompt order: `prompt`,
 `token_ids`, `text`, `stats` (`GenerationStats.as_dict()`, with `preemptions`, `queue_ms`, `batch_size_mean`).
 Bad settings, and settings that do nothing together, exit with status 2 and a one-line message that says what to
-change.
+change. `verify-cache` re-hashes every file of a GGUF's converted cache (start-up checks only sizes and modification
+times) and converts again if one differs.
 """
 
 from __future__ import annotations
@@ -176,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(awq, dtype="float32")
     awq.add_argument("--quant-group", type=int, default=32, help="input features per int4 scale and zero")
     awq.add_argument("--out", help="the file to write (default: the AWQ cache, where --quant awq looks)")
+
+    verify = commands.add_parser("verify-cache", help="re-hash a GGUF's converted cache against its manifest and "
+                                                      "convert again if a file differs")
+    verify.add_argument("--model", default="bundled", help="'bundled' (the default) or a .gguf file")
     return parser
 
 
@@ -316,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             from inference_core.awq_file import run_awq
 
             return run_awq(args)
+        if args.command == "verify-cache":
+            from inference_core.bundled import run_verify_cache
+
+            return run_verify_cache(args)
         if args.command == "race":
             from inference_core.race import run_race_bench
 

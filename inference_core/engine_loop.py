@@ -34,6 +34,7 @@ from inference_core.request import Request
 
 log = logging.getLogger(__name__)
 RECENT_STEPS = 20  # steps per engine whose durations `status()` averages
+CANCELLED = "cancelled"  # what observers see when a request is cancelled (it gets no final event)
 
 
 class LoopHandle:
@@ -82,6 +83,7 @@ class LoopHandle:
             self.loop.cancel(self)
 
     def _deliver(self, request: Request, event) -> None:  # called in the loop thread
+        self.loop.observe(self, event)
         self.queue.put((self, event))
 
 
@@ -95,6 +97,7 @@ class EngineLoop:
         self._became_busy = 0
         self._recent_ms: dict[Engine, deque[float]] = {}
         self._step_listeners: dict[Engine, list[Callable[[StepReport], None]]] = {}
+        self._observers: list[Callable[[LoopHandle, object], None]] = []
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._closed = False
@@ -122,9 +125,33 @@ class EngineLoop:
             self._busy_since[engine] = self._became_busy
         engine.enqueue(request)
 
-    def cancel(self, handle: LoopHandle) -> None:
-        self.call(handle.engine.cancel, handle.request)
+    def cancel(self, handle: LoopHandle, wait: bool = True) -> None:
+        """Free `handle`'s request between two steps. wait=False returns at once (an asyncio handler must not block
+        its event loop for a step)."""
+        if wait:
+            self.call(self._cancel, handle)
+        elif not self._closed:
+            self._commands.put((lambda: self._cancel(handle), Future()))
+            self._start()
         handle.done = True
+
+    def _cancel(self, handle: LoopHandle) -> None:
+        if not handle.request.finished:
+            handle.engine.cancel(handle.request)
+            self.observe(handle, CANCELLED)
+
+    def add_observer(self, observer: Callable[["LoopHandle", object], None]) -> None:
+        """Call `observer(handle, event)` in the loop thread for every event of every request (a TokenEvent, a
+        FinishEvent, the error of a failed step, or CANCELLED): how the metrics see the page's and the API's requests
+        alike. An observer that raises is logged and does not affect the request."""
+        self.call(self._observers.append, observer)
+
+    def observe(self, handle: "LoopHandle", event) -> None:
+        for observer in self._observers:
+            try:
+                observer(handle, event)
+            except Exception:
+                log.exception("observer failed")
 
     def drain(self, engine: Engine) -> None:
         """No more requests are coming to `engine` (a static batch may start partial)."""

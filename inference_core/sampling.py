@@ -15,6 +15,9 @@ import torch
 from inference_core.config import ConfigError
 
 
+MIN_TEMPERATURE = 1e-3
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_new_tokens: int = 256
@@ -30,8 +33,9 @@ class SamplingParams:
                 or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer of at least 1 ({{max_new_tokens}}), "
                               f"got {self.max_new_tokens!r}.")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
+        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g} (smaller ones overflow "
+                              f"the logits in fp32), got {self.temperature}.")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}.")
         if not 0 < self.top_p <= 1:
@@ -68,6 +72,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token when the tokens ranked above it already reach top_p (the top token always stays).
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
+        drop_sorted[..., 0] = False  # even when top_p rounds to 0 in fp32
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

@@ -118,7 +118,8 @@ def test_max_new_tokens_that_exactly_fill_the_context_run(bundled, paged, kv_mod
 
 
 @pytest.mark.parametrize("settings, words", [
-    (dict(temperature=-1.0), ["temperature must be >= 0", "got -1.0"]),
+    (dict(temperature=-1.0), ["temperature must be 0 (greedy) or at least 0.001", "got -1.0"]),
+    (dict(temperature=1e-300), ["temperature must be 0 (greedy) or at least 0.001", "overflow"]),
     (dict(top_p=0.0), ["top_p must be in (0, 1]", "got 0.0"]),
     (dict(top_p=1.5), ["top_p must be in (0, 1]", "got 1.5"]),
     (dict(top_k=-1), ["top_k must be >= 0", "got -1"]),

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import ui
+from ui.race_table import SUMMARY_COLUMNS
 from ui.settings import EnginePool
 from ui.setups import RACE_SETUPS
 
@@ -136,25 +137,31 @@ def _wait_idle(pool: EnginePool, timeout_s: float = 20.0) -> None:
     assert pool.blocks_in_use() == 0
 
 
+def _table(page, elem_id: str) -> list[dict[str, str]]:
+    """A table's rows as the page shows them, by column header (Gradio's DataFrame grid: ARIA roles); an empty cell
+    is a value not measured yet."""
+    table = page.locator(f"#{elem_id}")
+    headers = [cell.get_attribute("title") for cell in table.locator("[role=columnheader]").all()]
+    return [dict(zip(headers, (cell.inner_text().strip() for cell in row.locator("[role=gridcell]").all())))
+            for row in table.locator("[role=row]").all() if row.locator("[role=gridcell]").count()]
+
+
 def _shown_figures(page) -> dict[str, dict]:
-    """Each lane's numbers as the page shows them: in its header and in the summary table."""
-    table = {}
-    for row in page.locator("#race-summary table.race-summary tr").all()[1:]:
-        cells = [cell.inner_text() for cell in row.locator("td").all()]
-        table[cells[0]] = cells[1:]
+    """Each lane's numbers as the page shows them: in its header and in its row of the summary table."""
+    table = {row["lane"]: row for row in _table(page, "race-summary")}
     shown = {}
-    for index, lane in enumerate("AB"):
+    for lane in "AB":
         header = page.locator(f"#lane-{lane.lower()}-output .lane-numbers").inner_text()
         tokens = int(re.match(r"(\d+) tokens", header)[1])
         ttft = re.search(r"TTFT (\d+) ms", header)
         speed = re.search(r"([\d.]+) tok/s", header)
+        row = table[f"Lane {lane}"]
         shown[lane] = {
             "header": (tokens, int(ttft[1]) if ttft else None, float(speed[1]) if speed else None),
-            "table": (int(table["tokens generated"][index].split()[0]),
-                      int(table["TTFT"][index].removesuffix(" ms")) if table["TTFT"][index] != "-" else None,
-                      float(table["decode tokens/s"][index]) if table["decode tokens/s"][index] != "-" else None),
-            "prompt": table["prompt tokens"][index], "state": page.locator(f"#lane-{lane.lower()}-output .lane")
-            .get_attribute("data-state")}
+            "table": (int(row["tokens generated"]), int(row["TTFT (ms)"]) if row["TTFT (ms)"] else None,
+                      float(row["decode tokens/s"]) if row["decode tokens/s"] else None),
+            "prompt": tuple(int(row[name]) for name in ("prompt tokens", "from prefix cache", "computed in prefill")),
+            "state": page.locator(f"#lane-{lane.lower()}-output .lane").get_attribute("data-state")}
     return shown
 
 
@@ -165,7 +172,7 @@ def _assert_numbers_agree(page) -> dict[str, dict]:
     for lane in "AB":
         assert shown[lane]["header"] == shown[lane]["table"], shown
     (_, ttft_a, decode_a), (_, ttft_b, decode_b) = shown["A"]["table"], shown["B"]["table"]
-    line = page.locator("#race-summary .race-speedup")
+    line = page.locator("#race-summary-notes .race-speedup")
     ttft_clause = line.locator('[data-figure="ttft"]')
     assert float(ttft_clause.get_attribute("data-ratio")) == pytest.approx(ttft_b / ttft_a, rel=0.02, abs=0.01)
     ttft_ratio = float(ttft_clause.get_attribute("data-ratio"))  # a ratio that rounds to 1.00x reads "the same"
@@ -208,15 +215,22 @@ def test_race_with_default_settings_fills_every_panel(served, browser, tmp_path)
     # The chart has a curve per lane, the table a measured TTFT and tokens/s for both lanes and a speed-up.
     expect(page.locator("#race-chart .js-plotly-plot")).to_have_count(1)
     assert page.locator("#race-chart .js-plotly-plot .scatterlayer .trace").count() >= 2
-    summary = page.locator("#race-summary").inner_text()
-    print(summary)  # shown with -s: the in-app numbers the README compares with the bench
-    assert len(re.findall(r"\d+ ms", summary)) >= 2
-    assert f"{RACE_TOKENS} (length)" in summary and re.search(r"decode \d+\.\d+x (faster|slower)", summary)
+    rows = _table(page, "race-summary")
+    notes = page.locator("#race-summary-notes").inner_text()
+    print(rows, notes)  # shown with -s: the in-app numbers the README compares with the bench
+    assert [(row["lane"], row["tokens generated"], row["finish reason"]) for row in rows] == [
+        ("Lane A", str(RACE_TOKENS), "length"), ("Lane B", str(RACE_TOKENS), "length")]
+    assert all(int(row["TTFT (ms)"]) > 0 and float(row["decode tokens/s"]) > 0 for row in rows)
+    # Lane B keeps no KV cache: nothing reserved, no bytes per token (an empty cell).
+    assert [(row["KV reserved (MiB)"] != "0", row["KV per token (KiB)"]) for row in rows] == [(True, "45"), (False, "")]
+    assert re.search(r"decode \d+\.\d+x (faster|slower)", notes)
+    # The table is data, a column per figure with its unit, and a copy button puts it on the clipboard.
+    assert list(rows[0]) == list(SUMMARY_COLUMNS)
+    expect(page.locator("#race-summary button[aria-label='Copy table data']")).to_have_count(1)
     shown = _assert_numbers_agree(page)
     # The prefix cache is private to each visitor: the start-up warm-up's blocks of this prompt are not this
-    # visitor's, so a first race computes the whole prompt in both lanes.
-    assert shown["A"]["prompt"] == "41 = 0 from prefix cache + 41 computed"
-    assert shown["B"]["prompt"] == "41 = 0 from prefix cache + 41 computed"
+    # visitor's, so a first race computes the whole prompt in both lanes (prompt, from prefix cache, computed).
+    assert shown["A"]["prompt"] == shown["B"]["prompt"] == (41, 0, 41)
     # Lane text scrolls in a box of its own instead of growing the page; no lane speculates: no acceptance chart.
     box = page.locator("#lane-b-output .lane-text")
     assert box.evaluate("e => [getComputedStyle(e).overflowY, getComputedStyle(e).maxHeight]") == ["auto", "240px"]
@@ -265,7 +279,7 @@ def test_first_race_after_a_fresh_start_measures_like_the_second(fresh_app, brow
     assert sorted(first_lanes) == ["A", "B"]
     # Lane B (no KV cache) does the same work in both races; lane A's second race reuses this visitor's own blocks.
     assert 1 / FIRST_RACE_TOLERANCE <= ttft_b[0] / ttft_b[1] <= FIRST_RACE_TOLERANCE, ttft_b
-    assert prompts_a == ["41 = 0 from prefix cache + 41 computed", "41 = 32 from prefix cache + 9 computed"]
+    assert prompts_a == [(41, 0, 41), (41, 32, 9)]  # prompt tokens, from prefix cache, computed
     page.close()
 
 
@@ -293,14 +307,14 @@ def test_two_chat_turns_reuse_the_prefix_cache(served, browser):
     page = _open_chat(browser, url)
     for turn, text in enumerate(("Name three primary colours.", "Which of them is warmest?"), 1):
         _send(page, text)
-        expect(page.locator("#chat-stats tr")).to_have_count(turn + 1, timeout=120_000)
-    rows = page.locator("#chat-stats tr")
-    first, second = (rows.nth(i).locator("td") for i in (1, 2))
-    second_prompt, second_cached = int(second.nth(2).inner_text()), int(second.nth(3).inner_text())
+        expect(page.locator("#chat-stats [role=row]")).to_have_count(turn + 1, timeout=120_000)  # and the headers
+    first, second = _table(page, "chat-stats")
+    assert (first["turn"], second["turn"]) == ("1", "2")
+    second_prompt, second_cached = int(second["prompt tokens"]), int(second["from prefix cache"])
     # The start-up warm-up's chat turn left the chat template's first block cached, but not for this visitor.
-    assert int(first.nth(3).inner_text()) == 0
+    assert int(first["from prefix cache"]) == 0
     # The second turn's prompt starts with the whole first turn: at least the first prompt's full blocks are reused.
-    assert second_cached >= (int(first.nth(2).inner_text()) // 16) * 16 > 0
+    assert second_cached >= (int(first["prompt tokens"]) // 16) * 16 > 0
     assert second_cached < second_prompt
     expect(page.locator("#chat-log")).to_contain_text("Which of them is warmest?")
     expect(page.locator("#chat-kv-view .kv-cell")).to_have_count(2048 // 16)
@@ -337,9 +351,8 @@ def test_two_visitors_chatting_at_once_are_batched_but_see_nothing_of_each_other
     titles = others.evaluate_all("cells => cells.map(c => c.title)")
     assert titles and all("tokens" not in title for title in titles)
     for page in pages:
-        expect(page.locator("#chat-stats tr")).to_have_count(2, timeout=180_000)
-    cells = second.locator("#chat-stats tr").nth(1).locator("td")
-    assert int(cells.nth(3).inner_text()) == 0  # same prompt as the other visitor's, no hit on their blocks
+        expect(page.locator("#chat-stats [role=row]")).to_have_count(2, timeout=180_000)
+    assert _table(second, "chat-stats")[0]["from prefix cache"] == "0"  # same prompt as the other visitor's, no hit
     assert "shared with other requests" in second.locator("#chat-status").inner_text()
     for context in contexts:
         context.close()
@@ -371,8 +384,9 @@ def test_stop_leaves_every_panel_final_and_consistent(served, browser):
     # and says the blocks went back, and the header, the table, the speed-up line and the status agree.
     for lane in "ab":
         expect(page.locator(f"#lane-{lane}-output .lane")).to_have_attribute("data-state", "stopped")
-    summary = page.locator("#race-summary").inner_text()
-    assert "when the lane ends" not in summary and summary.count("(stopped)") == 2
+    rows = _table(page, "race-summary")
+    assert [row["finish reason"] for row in rows] == ["stopped", "stopped"]
+    assert all(row["KV in use (MiB)"] and row["KV reserved (MiB)"] for row in rows)  # no cell waits for the end
     kv_view = page.locator("#kv-view").inner_text()
     assert "(live)" not in kv_view and "(at its last token)" in kv_view
     assert "returned its blocks: the pool now has 0 blocks held" in kv_view
@@ -452,9 +466,11 @@ def test_speculative_race_highlights_every_kind_of_token(served, browser, tmp_pa
     chart = page.locator("#race-acceptance .js-plotly-plot")
     expect(chart.locator(".barlayer .trace .point")).to_have_count(5)
     assert chart.locator(".scatterlayer .trace path.js-line").count() == 1
-    summary = page.locator("#race-summary").inner_text()
-    print(summary)  # shown with -s: the in-app numbers of the speculative preset
-    assert "engine's count" in summary and re.search(r"decode \d+\.\d+x (faster|slower)", summary)
+    rows = _table(page, "race-summary")
+    print(rows)  # shown with -s: the in-app numbers of the speculative preset
+    assert rows[0]["drafts accepted"].endswith("drafts) = engine's count")
+    assert rows[1]["drafts accepted"] == "no speculation"
+    assert re.search(r"decode \d+\.\d+x (faster|slower)", page.locator("#race-summary-notes").inner_text())
     path = DOCS / "speculative-race.png" if os.environ.get("UPDATE_DOCS_SCREENSHOT") else tmp_path / "spec.png"
     page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 50_000
@@ -469,4 +485,27 @@ def test_speculative_race_highlights_every_kind_of_token(served, browser, tmp_pa
     expect(page.locator("#lane-a-spec-k")).to_be_hidden()
     expect(page.locator("#lane-a-spec-layers")).to_be_hidden()
     page.close()
+    _wait_idle(pool)
+
+
+def test_external_lane_races_this_apps_own_api_in_a_second_process(served, browser, fresh_app):
+    """Lane B targets `python app.py` started as a second process, through its OpenAI-compatible API (as it would a
+    vLLM or llama.cpp server): both lanes stream, the table names the external engine with its own TTFT and tokens/s,
+    and the greedy texts of the same model agree."""
+    from playwright.sync_api import expect
+
+    pool, url = served
+    page = _open(browser, url)
+    _set_race_tokens(page, 16)
+    _unfold(page, "lane-b-settings")
+    page.fill("#lane-b-endpoint textarea", fresh_app)
+    page.keyboard.press("Tab")
+    expect(page.locator("#lane-b-settings")).to_contain_text("external engine", timeout=10_000)
+    page.click("#race-run")
+    expect(page.locator("#race-status")).to_contain_text("Finished.", timeout=RACE_TIMEOUT_MS)
+    assert page.locator('#race-identical [data-verdict="identical"]').count() == 1
+    expect(page.locator("#lane-b-output .lane-text")).not_to_be_empty()
+    row = page.locator("#race-summary tr", has_text="external engine")
+    expect(row).to_have_count(1)
+    assert re.search(r"external engine.*\d", row.text_content())  # its measured TTFT and tokens/s
     _wait_idle(pool)

@@ -1,7 +1,8 @@
-"""The GGUF conversion cache (`inference_core.bundled`): a valid cache is reused without converting, a partial or
-corrupt one is detected and rebuilt, a failed conversion leaves nothing behind, and what the conversion writes equals
-transformers' own reading of the same GGUF file (every dequantized weight, q/k un-permutation included, and the
-chat-template token ids).
+"""The GGUF conversion cache (`inference_core.bundled`): a valid cache is reused without converting or reading its
+files, a partial or corrupt one is detected and rebuilt (a byte changed under the same size and time only by the
+on-demand full check), a cache without the bundled package is used after its check, a failed conversion leaves
+nothing behind, and what the conversion writes equals transformers' own reading of the same GGUF file (every
+dequantized weight, q/k un-permutation included, and the chat-template token ids).
 
 The bundled GGUF is converted once into a module-level temporary cache (about 20 s); the tests that damage it each end
 with a rebuilt, valid cache. transformers' GGUF model and tokenizer are loaded once for the module (about 20 s).
@@ -11,13 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from inference_core import bundled as bundled_module
-from inference_core.bundled import bundled_gguf_path, cache_is_valid, cache_root, converted_gguf_dir
+from inference_core import cli
+from inference_core.bundled import (VERIFY_ENV, bundled_gguf_path, bundled_model_dir, cache_is_valid, cache_root,
+                                    converted_gguf_dir, verify_cache)
+from inference_core.config import ConfigError
 from inference_core.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: stable run times on a busy CPU
@@ -30,6 +35,12 @@ CHATS = [
     [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello. How can I help?"},
      {"role": "user", "content": "Translate 'thé glacé' to English, s'il vous plaît. 🍵"}],
 ]
+
+
+@pytest.fixture(autouse=True)
+def cheap_check_by_default(monkeypatch):
+    """Every test starts with the default start-up check, whatever the environment asks for."""
+    monkeypatch.delenv(VERIFY_ENV, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +87,20 @@ def count_conversions(monkeypatch):
 
 
 @pytest.fixture
+def count_hashes(monkeypatch):
+    """Wrap the real SHA-256 reader and record every file it reads."""
+    calls = []
+    real_sha256 = bundled_module._sha256
+
+    def spy(path):
+        calls.append(path.name)
+        return real_sha256(path)
+
+    monkeypatch.setattr(bundled_module, "_sha256", spy)
+    return calls
+
+
+@pytest.fixture
 def forbid_conversion(monkeypatch):
     def refuse(gguf_path, out_dir):
         raise AssertionError("a valid cache was converted again")
@@ -88,7 +113,7 @@ def modification_times(directory) -> dict[str, int]:
 
 
 def assert_clean_valid_cache(directory, gguf_path) -> None:
-    assert cache_is_valid(directory, gguf_path)
+    assert cache_is_valid(directory, gguf_path, full=True)
     assert sorted(path.name for path in directory.iterdir()) == EXPECTED_FILES
     assert os.listdir(directory.parent) == [directory.name]  # no staging directory left behind
 
@@ -102,15 +127,72 @@ def test_manifest_describes_every_file(converted, gguf_path):
     assert manifest["source"] == {"path": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     assert sorted(manifest["files"]) == [name for name in EXPECTED_FILES if name != "manifest.json"]
     for name, entry in manifest["files"].items():
-        assert entry["size"] == (converted / name).stat().st_size
+        stat = (converted / name).stat()
+        assert (entry["size"], entry["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns)
         assert entry["sha256"] == bundled_module._sha256(converted / name)
     assert_clean_valid_cache(converted, gguf_path)
 
 
-def test_valid_cache_is_reused(converted, gguf_path, cache_dir, forbid_conversion):
+def test_valid_cache_is_reused_without_reading_it(converted, gguf_path, cache_dir, forbid_conversion, count_hashes):
     before = modification_times(converted)
     assert converted_gguf_dir(gguf_path, cache_dir=cache_dir) == converted
     assert modification_times(converted) == before
+    assert count_hashes == []  # sizes and modification times only
+
+
+def test_touched_file_is_rehashed_once(converted, gguf_path, cache_dir, forbid_conversion, count_hashes):
+    """A newer modification time with the same content (a copy, a touch): that file alone is re-hashed, the manifest
+    records its new time, and the next start reads nothing again."""
+    weights = converted / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert converted_gguf_dir(gguf_path, cache_dir=cache_dir) == converted
+    assert count_hashes == ["model.safetensors"]
+    manifest = json.loads((converted / "manifest.json").read_text())
+    assert manifest["files"]["model.safetensors"]["mtime_ns"] == stat.st_mtime_ns + 10**9
+    count_hashes.clear()
+    assert converted_gguf_dir(gguf_path, cache_dir=cache_dir) == converted
+    assert count_hashes == []
+    assert_clean_valid_cache(converted, gguf_path)
+
+
+def test_verify_cache_rehashes_every_file(converted, gguf_path, cache_dir, forbid_conversion, count_hashes,
+                                          monkeypatch, capsys):
+    monkeypatch.setenv("INFERENCE_CORE_CACHE", str(cache_dir))
+    assert verify_cache() == (converted, False)
+    assert sorted(count_hashes) == [name for name in EXPECTED_FILES if name != "manifest.json"]
+    assert cli.main(["verify-cache"]) == 0
+    assert capsys.readouterr().out.startswith(f"{converted}: every file matches its SHA-256 (")
+    assert cli.main(["verify-cache", "--model", "Qwen/Qwen3-0.6B"]) == 2
+    assert "give 'bundled' or an existing .gguf file" in capsys.readouterr().err
+
+
+def test_cache_without_the_bundled_package(converted, gguf_path, cache_dir, monkeypatch, forbid_conversion):
+    """The Docker image ships the converted cache without the GGUF: the cache is checked against its own manifest and
+    used; a damaged one is refused with what to install, since there is nothing to convert it from."""
+    def not_installed():
+        raise ConfigError("the bundled model is not installed")
+
+    monkeypatch.setattr(bundled_module, "bundled_gguf_path", not_installed)
+    assert bundled_model_dir(cache_dir=cache_dir) == converted
+    config = converted / "config.json"
+    original = config.read_text()
+    try:
+        config.write_text(original.replace('"num_hidden_layers": 30', '"num_hidden_layers": 29'))  # same size
+        with pytest.raises(ConfigError, match="requirements-tools.txt"):
+            bundled_model_dir(cache_dir=cache_dir)
+    finally:
+        config.write_text(original)
+    with pytest.raises(ConfigError, match="not installed"):
+        bundled_model_dir(cache_dir=cache_dir / "empty")
+    assert_clean_valid_cache(converted, gguf_path)
+
+
+def test_conversion_without_the_tools_says_what_to_install(gguf_path, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"needs gguf, .*pip install -r requirements-tools.txt"):
+        bundled_module.convert_gguf(gguf_path, tmp_path)
+    assert os.listdir(tmp_path) == []
 
 
 def test_cache_root_follows_the_environment(converted, gguf_path, cache_dir, monkeypatch, forbid_conversion):
@@ -135,24 +217,40 @@ def truncate(path) -> None:
     os.truncate(path, path.stat().st_size - 4096)
 
 
-def flip_byte(path) -> None:
-    """Flip one bit in the middle of the weight data: same size, different content."""
+def flip_byte_keeping_time(path) -> None:
+    """Flip one bit in the middle of the weight data: same size and modification time, different content."""
+    stat = path.stat()
     with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
+        f.seek(stat.st_size // 2)
         value = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([value ^ 0x01]))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
-@pytest.mark.parametrize("damage", [truncate, flip_byte], ids=["truncated", "flipped-byte"])
-def test_corrupt_weights_are_detected_and_rebuilt(converted, gguf_path, cache_dir, count_conversions, damage):
+def test_truncated_weights_are_detected_and_rebuilt(converted, gguf_path, cache_dir, count_conversions):
     weights = converted / "model.safetensors"
     size = weights.stat().st_size
-    damage(weights)
-    assert not cache_is_valid(converted, gguf_path)
+    truncate(weights)
+    assert not cache_is_valid(converted, gguf_path)  # the size alone tells
     assert converted_gguf_dir(gguf_path, cache_dir=cache_dir) == converted
     assert len(count_conversions) == 1
     assert weights.stat().st_size == size
+    assert_clean_valid_cache(converted, gguf_path)
+
+
+def test_flipped_byte_is_found_by_the_full_check_only(converted, gguf_path, cache_dir, count_conversions,
+                                                      monkeypatch):
+    """A byte changed under the same size and time passes the start-up check; INFERENCE_CORE_VERIFY_CACHE=1 finds it
+    and rebuilds."""
+    flip_byte_keeping_time(converted / "model.safetensors")
+    assert cache_is_valid(converted, gguf_path)
+    assert not cache_is_valid(converted, gguf_path, full=True)
+    assert converted_gguf_dir(gguf_path, cache_dir=cache_dir) == converted
+    assert count_conversions == []
+    monkeypatch.setenv(VERIFY_ENV, "1")
+    assert converted_gguf_dir(gguf_path, cache_dir=cache_dir) == converted
+    assert len(count_conversions) == 1
     assert_clean_valid_cache(converted, gguf_path)
 
 

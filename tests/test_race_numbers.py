@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import pandas as pd
 import pytest
 
 import ui
@@ -17,7 +18,8 @@ from ui.chat import CHAT_OUTPUTS, chat_turn
 from ui.control import RunControl
 from ui.kv_view import render_pool
 from ui.race import LANE_SETTING_FIELDS, run_race
-from ui.race_view import LaneTrace, not_comparable, summary_html
+from ui.race_table import FIGURES, summary_frame, summary_notes_html
+from ui.race_view import LaneTrace, not_comparable
 from ui.settings import EnginePool, LaneSettings
 from ui.setups import RACE_SETUPS, presets, setup_values
 
@@ -56,42 +58,48 @@ def test_speed_up_line_names_the_winner_and_prompt_tokens_are_split(pool):
     # sooner; its compute-only prefill rate (9 tokens / 87 ms) was lower than lane B's, and made A look slower.
     a = _finished(pool, "A", LaneSettings("paged"), cached=32, ttft_ms=87, decode=25.5)
     b = _finished(pool, "B", LaneSettings("none"), cached=0, ttft_ms=177, decode=4.1)
-    summary = _text(summary_html([a, b]))
-    assert "prompt tokens 41 = 32 from prefix cache + 9 computed 41 = 0 from prefix cache + 41 computed" in summary
-    assert "prompt tokens/s 471 232" in summary  # all prompt tokens over TTFT: the faster lane has the higher rate
-    assert "first token 2.03x sooner (87 vs 177 ms)" in summary and "decode 6.22x faster (25.5 vs 4.1 tok/s)" in summary
-    reverse = _text(summary_html([b, a]))
+    table = summary_frame([a, b])
+    assert list(table["prompt tokens"]) == [41, 41]
+    assert list(table["from prefix cache"]) == [32, 0] and list(table["computed in prefill"]) == [9, 41]
+    assert list(table["prompt tokens/s"]) == [471, 232]  # all prompt tokens over TTFT: the faster lane's is higher
+    assert list(table["TTFT (ms)"]) == [87, 177] and list(table["decode tokens/s"]) == [25.5, 4.1]
+    notes = _text(summary_notes_html([a, b]))
+    assert "first token 2.03x sooner (87 vs 177 ms)" in notes and "decode 6.22x faster (25.5 vs 4.1 tok/s)" in notes
+    reverse = _text(summary_notes_html([b, a]))
     assert "first token 2.03x later (177 vs 87 ms)" in reverse and "decode 6.22x slower (4.1 vs 25.5 tok/s)" in reverse
     same = _finished(pool, "B", LaneSettings("contiguous"), ttft_ms=87.2, decode=25.5)
-    assert "first token the same (87 vs 87 ms)" in _text(summary_html([a, same]))
-    # Every figure says what it measures, as a tooltip on its row.
-    assert summary_html([a, b]).count('title="') >= 8 and "What each figure measures" in summary
+    assert "first token the same (87 vs 87 ms)" in _text(summary_notes_html([a, same]))
+    # Every figure is a column of the table and says what it measures in the note under it.
+    assert set(FIGURES) <= set(table.columns) and "What each figure measures" in notes
+    assert all(f"<b>{label}</b>: " in summary_notes_html([a, b]) for label in FIGURES)
 
 
 def test_notes_explain_a_losing_configuration(pool):
     early_exit = LaneSettings("paged", spec_method="early-exit", spec_k=4)
     losing = _finished(pool, "A", early_exit, tokens=14, decode=5.0, spec_steps=[(1, 0)] * 12)
     lookup = _finished(pool, "B", LaneSettings("paged", spec_method="ngram", spec_k=5), decode=26.5)
-    notes = dict(re.findall(r'data-note="([\w-]+)">(.*?)</li>', summary_html([losing, lookup])))
+    notes = dict(re.findall(r'data-note="([\w-]+)">(.*?)</li>', summary_notes_html([losing, lookup])))
     assert notes["low-acceptance"].startswith("Lane A loses because only 0% of its early exit drafts were accepted "
                                               "(0 of 12)")
     assert "not trained to predict its output" in notes["low-acceptance"]
     # No cache: its last step recomputed the whole text, 10x lane A's step.
     recompute = _finished(pool, "B", LaneSettings("none"), step_ms=555.0, decode=4.0)
     notes = dict(re.findall(r'data-note="([\w-]+)">(.*?)</li>',
-                            summary_html([_finished(pool, "A", LaneSettings("paged"), step_ms=56.0), recompute])))
+                            summary_notes_html([_finished(pool, "A", LaneSettings("paged"), step_ms=56.0),
+                                                recompute])))
     assert notes["recompute"].startswith("Lane B has no KV cache (recompute): every new token recomputes the whole "
                                          "text so far (50 tokens by its last step), so its last step took 555 ms "
                                          "against 56 ms for lane A")
     # Prefix cache on vs off with nothing cached yet says how to see it work; a hit says what it saved.
-    cold = summary_html([_finished(pool, "A", LaneSettings("paged")),
+    cold = summary_notes_html([_finished(pool, "A", LaneSettings("paged")),
                          _finished(pool, "B", LaneSettings("paged", prefix_cache=False))])
     assert 'data-note="prefix-cache-empty"' in cold and "Run the race again" in cold
-    warm = summary_html([_finished(pool, "A", LaneSettings("paged"), cached=32),
+    warm = summary_notes_html([_finished(pool, "A", LaneSettings("paged"), cached=32),
                          _finished(pool, "B", LaneSettings("paged", prefix_cache=False))])
     assert "Lane A found 32 of its 41 prompt tokens in its prefix cache" in warm and "prefix-cache-empty" not in warm
     # Two configurations that tie get no notes.
-    tie = summary_html([_finished(pool, "A", LaneSettings("paged")), _finished(pool, "B", LaneSettings("contiguous"))])
+    tie = summary_notes_html([_finished(pool, "A", LaneSettings("paged")),
+                              _finished(pool, "B", LaneSettings("contiguous"))])
     assert "race-notes" not in tie
 
 
@@ -115,11 +123,9 @@ def _header_numbers(lane_html: str) -> str:
     return re.search(r'class="lane-numbers"[^>]*>([^<]*)<', lane_html)[1]
 
 
-def _table_numbers(summary: str, column: int) -> tuple[str, str]:
-    text = _text(summary)
-    ttft = re.search(r"TTFT (\S+(?: ms)?) (\S+(?: ms)?) prompt", text).groups()[column]
-    tokens = re.search(r"tokens generated (\d+)(?: \(\w+\))? (\d+)", text).groups()[column]
-    return tokens, ttft
+def _table_numbers(summary: pd.DataFrame, row: int) -> tuple[int, int | None]:
+    """A lane's (tokens generated, TTFT ms) in the summary table."""
+    return summary["tokens generated"][row], summary["TTFT (ms)"][row]
 
 
 def test_stop_ends_the_race_with_every_panel_final_and_the_numbers_agreeing(pool):
@@ -129,13 +135,13 @@ def test_stop_ends_the_race_with_every_panel_final_and_the_numbers_agreeing(pool
     for values in run_race(pool, control, "Write a poem about the sea.", "", 200, *lane("paged"), *lane("contiguous")):
         update = race_outputs(values)
         updates.append(update)
-        if isinstance(update["summary"], str):
+        if isinstance(update["summary"], pd.DataFrame):
             shown_summary = update["summary"]
         # Whenever a lane's header is sent, it shows the numbers of the table on the page.
-        for column, name in enumerate(("lane_a", "lane_b")):
-            if isinstance(update[name], str) and shown_summary and "TTFT" in _header_numbers(update[name]):
-                tokens, ttft = _table_numbers(shown_summary, column)
-                assert _header_numbers(update[name]).startswith(f"{tokens} tokens, TTFT {ttft}")
+        for row, name in enumerate(("lane_a", "lane_b")):
+            if isinstance(update[name], str) and shown_summary is not None and "TTFT" in _header_numbers(update[name]):
+                tokens, ttft = _table_numbers(shown_summary, row)
+                assert _header_numbers(update[name]).startswith(f"{tokens} tokens, TTFT {ttft} ms")
                 compared += 1
         if len(updates) == 4:
             control.request_stop()
@@ -145,12 +151,13 @@ def test_stop_ends_the_race_with_every_panel_final_and_the_numbers_agreeing(pool
     assert last["run_button"]["interactive"] is True and not control.armed
     for name in ("lane_a", "lane_b"):
         assert 'data-state="stopped"' in last[name]
-    summary = _text(last["summary"])
-    assert summary.count("(stopped)") == 2 and "when the lane ends" not in summary
+    summary = last["summary"]
+    assert list(summary["finish reason"]) == ["stopped", "stopped"]
+    assert all(value is not None for value in summary["KV in use (MiB)"]) and summary["KV reserved (MiB)"].all()
     assert "(at its last token)" in last["kv_view"] and "(live)" not in last["kv_view"]
     assert "the pool now has 0 blocks held" in last["kv_view"]
     assert 'data-verdict="identical-so-far"' in last["identical"]
-    tokens_a = int(_table_numbers(last["summary"], 0)[0])
+    tokens_a = _table_numbers(last["summary"], 0)[0]
     assert 4 <= tokens_a < 200 and f"Lane A: {tokens_a} tokens" in last["status"]
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
 
@@ -195,7 +202,7 @@ def test_a_race_that_runs_over_the_limit_is_stopped_at_it(bundled, monkeypatch):
     last = race_outputs(list(run_race(limited, None, "Write a poem about the sea.", "", 200, *lane("paged"),
                                   *lane("contiguous")))[-1])
     assert last["status"].startswith("Stopped at this app's limit of 0.6 s of device time per race.")
-    device_s = [float(s) for s in re.findall(r"device time ([\d.]+) s ([\d.]+) s", _text(last["summary"]))[0]]
+    device_s = list(last["summary"]["device time (s)"])
     assert 0.6 < sum(device_s) < 0.6 + 1.0  # stopped within a step or so of the limit
     assert limited.active_requests() == 0 and limited.blocks_in_use() == 0
 
@@ -221,7 +228,8 @@ def test_stopped_chat_turn_keeps_its_answer_and_its_row(pool):
     last = outputs[-1]
     row = last["turn_stats"][0]
     assert row["finish_reason"] == "stopped" and 0 < row["generated_tokens"] < 200
-    assert f"{row['generated_tokens']} (stopped)" in last["stats_table"]
+    assert (last["stats_table"]["tokens generated"][0], last["stats_table"]["finish reason"][0]) == (
+        row["generated_tokens"], "stopped")
     assert last["history"][-1]["role"] == "assistant" and last["history"][-1]["content"]
     assert last["status"].startswith(f"Stopped after {row['generated_tokens']} tokens")
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0

@@ -69,8 +69,12 @@ def test_race_streams_to_identical_greedy_lanes(pool):
     assert len(updates) >= 3  # a start, streamed text, a final frame
     assert 'data-verdict="identical"' in last["identical"] and "same 24 token ids" in last["identical"]
     assert 'data-done="true"' in last["lane_a"] and 'data-done="true"' in last["lane_b"]
-    assert re.search(r"decode <b>(\d+\.\d\dx (faster|slower)|the same)</b>", last["summary"])
-    assert last["summary"].count("24 (length)") == 2
+    assert re.search(r"decode <b>(\d+\.\d\dx (faster|slower)|the same)</b>", last["summary_notes"])
+    summary = last["summary"]  # a row per lane
+    assert list(summary["lane"]) == ["Lane A", "Lane B"] and list(summary["tokens generated"]) == [24, 24]
+    assert list(summary["finish reason"]) == ["length", "length"]
+    assert list(summary["prompt tokens"]) == [summary["from prefix cache"][i] + summary["computed in prefill"][i]
+                                              for i in range(2)]
     assert len(last["chart"].data) == 4  # a curve and a TTFT marker per lane
     assert last["kv_view"].count('class="kv-cell"') == 512 // 16  # lane A is paged, lane B contiguous
     assert last["status"].startswith("Finished.")
@@ -123,7 +127,10 @@ def test_chat_second_turn_reuses_the_first_from_the_prefix_cache(pool):
     assert first["turn"] == 1 and second["turn"] == 2
     # Turn 2's prompt is turn 1's prompt + answer + the new message: every full block of turn 1's prompt is reused.
     assert second["cached_prompt_tokens"] >= first["prompt_tokens"] // 16 * 16 > 0
-    assert "from prefix cache" in out["stats_table"] and out["kv_view"].count('class="kv-cell"') == 32
+    table = out["stats_table"]  # a row per turn
+    assert list(table["turn"]) == [1, 2] and list(table["from prefix cache"]) == [0, second["cached_prompt_tokens"]]
+    assert list(table["TTFT (ms)"]) == [round(first["ttft_ms"]), round(second["ttft_ms"])]
+    assert out["kv_view"].count('class="kv-cell"') == 32
     assert pool.active_requests() == 0
 
 
@@ -241,10 +248,12 @@ def test_speculative_race_highlights_tokens_and_counts_acceptance_like_the_engin
     assert [list(pair) for pair in bars.customdata] == [
         [spec["accepted_by_position"][p - 1], spec["drafted_by_position"][p - 1]] for p in positions]
     assert len(running.y) == spec["steps"] and running.y[-1] == pytest.approx(spec["acceptance_rate"])
-    assert f"{spec['acceptance_rate']:.0%} ({spec['accepted']} of {spec['drafted']} drafts) = engine's count" \
-        in last["summary"]
-    assert f"{spec['mean_accepted_length']:.2f} ({spec['steps']} steps)" in last["summary"]
-    assert re.search(r"\d+ ms / \d+ ms \(\d+% drafting\)", last["summary"])
+    lane_a_row = last["summary"].set_index("lane").loc["Lane A"]
+    assert lane_a_row["drafts accepted"] == \
+        f"{spec['acceptance_rate']:.0%} ({spec['accepted']} of {spec['drafted']} drafts) = engine's count"
+    assert lane_a_row["tokens per verification step"] == f"{spec['mean_accepted_length']:.2f} ({spec['steps']} steps)"
+    assert re.fullmatch(r"\d+ ms / \d+ ms \(\d+% drafting\)", lane_a_row["draft / verify time"])
+    assert last["summary"].set_index("lane").loc["Lane B", "drafts accepted"] == "no speculation"
     assert "of drafts accepted" in last["status"]
     # The chart is sent only when it changed: at the start, after a verification step was counted, when lane A's
     # count was checked against the engine's, and in the final frame; never once per token.
@@ -258,7 +267,7 @@ def test_race_without_speculation_hides_the_acceptance_chart(pool):
     # The first and the last update hide it; none draws it.
     assert updates[0]["acceptance"]["visible"] is False and updates[-1]["acceptance"]["visible"] is False
     assert all(_figure(update["acceptance"]) is None for update in updates)
-    assert "drafts accepted" not in updates[-1]["summary"]
+    assert "drafts accepted" not in updates[-1]["summary"].columns
 
 
 def test_cancelling_a_speculative_race_frees_both_lanes(pool, bench_prompts):
@@ -279,7 +288,7 @@ def test_draft_model_lane_and_its_choice_in_the_page(bundled):
                                   *lane("paged", spec_method="draft", spec_k=3), *lane("paged")))[-1])
     assert 'data-verdict="identical"' in last["identical"]
     assert _kinds(last["lane_a"]) == {"plain", "accepted", "bonus"}
-    assert "100% (18 of 18 drafts) = engine's count" in last["summary"]
+    assert last["summary"]["drafts accepted"][0] == "100% (18 of 18 drafts) = engine's count"
     assert with_draft.active_requests() == 0 and with_draft.blocks_in_use() == 0
 
     def draft_sources(pool: EnginePool) -> list[str]:
@@ -296,8 +305,8 @@ def test_chat_turn_with_speculation_reports_acceptance(pool):
         out = dict(zip(CHAT_OUTPUTS, values))
     spec = out["turn_stats"][0]["spec"]
     assert spec is not None and spec["drafted"] > 0
-    assert "<th>drafts accepted</th>" in out["stats_table"]
-    assert f"{spec['acceptance_rate']:.0%} ({spec['accepted']} of {spec['drafted']})" in out["stats_table"]
+    assert out["stats_table"]["drafts accepted"][0].startswith(
+        f"{spec['acceptance_rate']:.0%} ({spec['accepted']} of {spec['drafted']}), ")
     assert pool.active_requests() == 0
 
 
@@ -397,12 +406,14 @@ def test_memory_presets_race_int8_lanes_and_show_their_memory(pool):
         assert last["status"].startswith("Finished."), last["status"]
         assert 'data-verdict="agreement"' in last["identical"]
         assert re.search(r"agree on the first <b>\d+</b> of 12 tokens", last["identical"])
+        summary = last["summary"]
         if "weights" in lane_a_overrides:
-            a_mib, b_mib = map(int, re.findall(r"(\d+) MiB \((?:int8|float32)\)", last["summary"]))
+            assert list(summary["weights dtype"]) == ["int8", "float32"]
+            a_mib, b_mib = summary["weights (MiB)"]
             assert b_mib > 2.5 * a_mib  # int8 projections; embeddings and norms stay fp32
         else:
             # 2 x 30 layers x 3 KV heads x (64 + 4) bytes, against x 64 x 4 bytes in fp32
-            assert "<td>12.0 KiB</td><td>45.0 KiB</td>" in last["summary"]
+            assert list(summary["KV per token (KiB)"]) == [12.0, 45.0]
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
 
 
@@ -417,12 +428,15 @@ def test_stack_climbs_every_rung_and_reports_measured_rows(pool):
     assert list(table.columns) == list(TABLE_COLUMNS)
     assert list(table["rung"]) == ["no KV cache", "KV cache", "paged + prefix cache", "int8 weights", "int4 weights",
                                    "speculative", "everything together"]
-    assert (table["tokens"] == 8).all() and (table["decode tok/s"] > 0).all()
+    assert (table["tokens"] == 8).all() and (table["decode tokens/s"] > 0).all()
+    assert list(table["vs no KV cache (x)"]) == [round(speed / table["decode tokens/s"][0], 2)
+                                                 for speed in table["decode tokens/s"]]
     rows = table.set_index("rung")
-    assert rows.loc["int4 weights", "weights MiB"] < rows.loc["int8 weights", "weights MiB"] \
-        < rows.loc["KV cache", "weights MiB"] / 2.5
-    assert (rows.loc[["no KV cache", "KV cache", "paged + prefix cache", "speculative"], "quality delta %"] == 0).all()
-    assert rows.loc["int4 weights", "quality delta %"] != 0
+    assert rows.loc["int4 weights", "weights (MiB)"] < rows.loc["int8 weights", "weights (MiB)"] \
+        < rows.loc["KV cache", "weights (MiB)"] / 2.5
+    unchanged = ["no KV cache", "KV cache", "paged + prefix cache", "speculative"]
+    assert (rows.loc[unchanged, "quality delta (%)"] == 0).all()
+    assert rows.loc["int4 weights", "quality delta (%)"] != 0
     assert "--quant int4 --quant-group 32 --spec ngram --spec-k 5" in rows.loc["everything together", "command"]
     assert frames[-1]["status"].startswith("Finished: 7 rungs") and "compiled decode (unticked)" in frames[-1]["status"]
     assert len(pool.perplexities) == 3

@@ -1,5 +1,6 @@
 """The Gradio playground over `inference_core`: layout builders (`layout`), streaming handlers (`race`, `chat`),
-plotly figures (`figures`) and the KV pool picture (`kv_view`). UI code sees only plain values from the engine."""
+the API for programs (`api`), plotly figures (`figures`) and the KV pool picture (`kv_view`). UI code sees only plain
+values from the engine."""
 
 from ui.layout import build_demo, warm_up
 

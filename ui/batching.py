@@ -490,7 +490,8 @@ def build_batching_tab(pool: EnginePool) -> None:
                          f"{duration(pool.max_run_s)} of device time and {MAX_TOTAL_NEW_TOKENS} new tokens.",
                          elem_id="batching-status")
     timeline = gr.Plot(timeline_figure([], 0.0), show_label=False, elem_id="batching-timeline")
-    results = gr.Dataframe(results_frame([], 0.0), interactive=False, wrap=True, label="Results per mode",
+    results = gr.DataFrame(results_frame([], 0.0), interactive=False, wrap=True, label="Results per mode",
+                           buttons=["copy", "fullscreen"],
                            column_widths=["10%", "8%", "8%", "8%", "9%", "8%", "8%", "8%", "8%", "10%", "7%", "8%"],
                            elem_id="batching-results")
     gr.Markdown(f"<small>{RESULT_NOTES}</small>", elem_id="batching-results-notes")
@@ -498,7 +499,7 @@ def build_batching_tab(pool: EnginePool) -> None:
         chart = gr.Plot(activity_figure([]), show_label=False, elem_id="batching-chart")
         pool_view = gr.HTML(elem_id="batching-pool")
 
-    quick = {"queue": False, "show_progress": "hidden"}
+    quick = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}  # the page's own events
     # The one-line summary follows the person's edits (`input`, not `change`: a preset sets several widgets at once,
     # and their change events would race each other with half-updated values) and the preset's own values.
     widgets = [num_requests, max_new_tokens, lengths, max_num_seqs, kv_pool, arrival, rate, seed]
@@ -513,5 +514,5 @@ def build_batching_tab(pool: EnginePool) -> None:
         partial(run_batching, pool), [control, preset, mode, num_requests, max_new_tokens, lengths, max_num_seqs,
                                       kv_pool, arrival, rate, seed, typed],
         [outputs[name] for name in LAB_OUTPUTS], show_progress="hidden", concurrency_limit=8,
-        concurrency_id="engine")
+        concurrency_id="engine", api_visibility="private")
     stop.click(stop_batching, control, None, **quick)

@@ -2,9 +2,9 @@
 
 `chat_turn` is the streaming handler behind Send: it sends the whole conversation through the model's chat template
 to the chat slot's engine, so a later turn's prompt starts with the earlier turns and (paged KV with the prefix
-cache) reuses their KV blocks; the per-turn table shows how many prompt tokens came from the cache. It yields, in
-`CHAT_OUTPUTS` order: the chat log, the conversation state, the per-turn table, the KV view, the input box and a
-status line. A turn can speculate (the settings' draft source); the table then gives its acceptance numbers. Stop
+cache) reuses their KV blocks; the per-turn table (a DataFrame) shows how many prompt tokens came from the cache. It
+yields, in `CHAT_OUTPUTS` order: the chat log, the conversation state, the per-turn table, the KV view, the input box
+and a status line. A turn can speculate (the settings' draft source); the table then gives its acceptance numbers. Stop
 (`ui.control`) ends the turn after the step in flight: the partial answer stays, with its row in the table
 (finish reason "stopped"), and the request returns its blocks. A turn estimated to take longer than the app's limit
 is refused before it starts, and one that runs over is stopped the same way.
@@ -18,15 +18,22 @@ import queue
 import time
 
 import gradio as gr
+import pandas as pd
 
 from inference_core import ConfigError, FinishEvent
 from inference_core.engine_loop import merge
-from ui.control import RunControl
+from ui.control import RunControl, caller_of
 from ui.kv_view import render_pool
-from ui.race import PANEL_REFRESH_S, TEXT_REFRESH_S, WAIT_NOTE_S
-from ui.settings import PAGE_WORDS, EnginePool, LaneSettings, check_run_cost, duration, waiting_note
+from ui.race import PANEL_REFRESH_S, TEXT_REFRESH_S, WAIT_NOTE_S, settings_from_values
+from server.remote import submit_remote
+from ui.settings import (PAGE_WORDS, EnginePool, LaneSettings, admit, check_run_cost, duration, external_lane,
+                         waiting_note)
 
 CHAT_OUTPUTS = ("chat_log", "history", "turn_stats", "stats_table", "kv_view", "input", "status")
+STATS_COLUMNS = ("turn", "configuration", "prompt tokens", "from prefix cache", "TTFT (ms)", "decode tokens/s",
+                 "tokens generated", "finish reason")
+# The table's label, also what the empty table says.
+STATS_LABEL = "Each turn's numbers appear here: TTFT, decode tokens/s and prompt tokens reused from the prefix cache"
 log = logging.getLogger(__name__)
 
 
@@ -41,24 +48,23 @@ def _acceptance_cell(spec: dict | None) -> str:
             f"{spec['verify_ms']:.0f} ms")
 
 
-def stats_table_html(turn_stats: list[dict]) -> str:
-    if not turn_stats:
-        return "<p>Each turn's numbers appear here: TTFT, decode tokens/s and prompt tokens reused from the cache.</p>"
+def stats_frame(turn_stats: list[dict]) -> pd.DataFrame:
+    """The per-turn table: a row per turn, rounded as the status line rounds; with a "drafts accepted" column when a
+    turn speculated. No turns: the headers alone."""
     speculated = any(row.get("spec") for row in turn_stats)
-    rows = "".join(
-        f"<tr><td>{row['turn']}</td><td>{html.escape(row['config'])}</td><td>{row['prompt_tokens']}</td>"
-        f"<td>{row['cached_prompt_tokens']}</td><td>{row['ttft_ms']:.0f} ms</td>"
-        f"<td>{row['decode_tokens_per_s']:.1f}</td><td>{row['generated_tokens']} ({row['finish_reason']})</td>"
-        + (f"<td>{_acceptance_cell(row.get('spec'))}</td>" if speculated else "") + "</tr>"
-        for row in turn_stats)
-    return ('<table class="chat-stats"><tr><th>turn</th><th>configuration</th><th>prompt tokens</th>'
-            "<th>from prefix cache</th><th>TTFT</th><th>decode tok/s</th><th>tokens</th>"
-            + ("<th>drafts accepted</th>" if speculated else "") + "</tr>" + rows + "</table>")
+    columns = STATS_COLUMNS + (("drafts accepted",) if speculated else ())
+    rows = [[row["turn"], row["config"], row["prompt_tokens"], row["cached_prompt_tokens"], round(row["ttft_ms"]),
+             round(row["decode_tokens_per_s"], 1), row["generated_tokens"], row["finish_reason"]]
+            + ([_acceptance_cell(row.get("spec"))] if speculated else []) for row in turn_stats]
+    return pd.DataFrame(rows, columns=list(columns), dtype=object)
 
 
 def _kv_html(pool: EnginePool, engine, seq_id: int) -> str:
     """The chat engine's pool, read between the loop's steps. Only this turn's blocks show their text; other
-    visitors' requests batched on the same engine appear anonymously."""
+    visitors' requests batched on the same engine appear anonymously. With no engine (an external one answered
+    the turn), a line saying so."""
+    if engine is None:
+        return "<p>An external engine answered this turn; its KV cache is not visible from here.</p>"
     snapshot = pool.loop.call(engine.kv_snapshot)
     if snapshot is None:
         return "<p>This configuration has no paged KV pool; pick the paged KV mode to watch its blocks.</p>"
@@ -76,7 +82,7 @@ def _shared_note(stats) -> str:
 def chat_turn(pool: EnginePool, control: RunControl | None, message: str, history: list[dict],
               turn_stats: list[dict], system: str, max_new_tokens, *setting_values):
     """Streaming handler. `control`: the visitor's Stop switch (None: no Stop); `setting_values`: the chat's
-    LaneSettings fields in order."""
+    settings widgets' values, in `ui.race.LANE_SETTING_FIELDS` order."""
     control = control if control is not None else RunControl()
     try:
         yield from _turn(pool, control, message, history, turn_stats, system, max_new_tokens, setting_values)
@@ -91,15 +97,18 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
         yield (gr.skip(),) * 6 + ("Stopped before the turn started: nothing ran.",)
         return
     try:
-        settings = LaneSettings(*setting_values)
-        engine = pool.get("chat", settings)
+        settings = settings_from_values(setting_values)
+        # An external engine (`server.remote`) answers instead of ours; ours still tokenizes, for the caps.
+        engine = pool.get("chat", LaneSettings() if settings.external else settings)
         if not (message or "").strip():
             raise ConfigError("the message is empty; type something first.")
         conversation = ([{"role": "system", "content": system.strip()}] if (system or "").strip() else []) \
             + history + [{"role": "user", "content": message}]
         request = engine.make_request(conversation, settings.sampling(max_new_tokens), spec=settings.spec(),
                                       cache_salt=control.visitor)
-        check_run_cost(pool, {"chat": settings}, len(engine.prompt_ids(conversation)), int(max_new_tokens), "turn")
+        check_run_cost(pool, {"chat": settings}, len(request.seq), int(max_new_tokens), "turn")
+        admit(pool, control.caller, len(request.seq), int(max_new_tokens))
+        remote = external_lane(pool, settings) if settings.external else None
     except ConfigError as error:  # bad settings or message, or too much work: say what to change on the page
         words = {**PAGE_WORDS, "longer_context": " (or press 'New chat')"}
         yield (gr.skip(),) * 6 + (f"**Cannot send:** {error.in_words(words)}",)
@@ -107,7 +116,7 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
     except (ValueError, TypeError) as error:
         yield (gr.skip(),) * 6 + (f"**Cannot send:** {error}",)
         return
-    if pool.needs_compiling(engine):
+    if remote is None and pool.needs_compiling(engine):
         yield (gr.skip(),) * 6 + ("Compiling the decode step, once for these settings (a minute or two on a "
                                   "CPU; a second start loads it from the disk cache in seconds)...",)
         pool.compile(engine)
@@ -118,7 +127,12 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
     pool.settle_before_timed_work()
     # Through the shared engine loop: other visitors' turns on the same configuration share its steps. The same
     # Stop and time-limit handling as the race's lanes (stop after the step in flight).
-    handle = pool.loop.enqueue(engine, request, sink=queue.Queue())
+    if remote is None:
+        handle = pool.loop.enqueue(engine, request, sink=queue.Queue())
+    else:
+        handle = submit_remote(*remote, conversation, max_tokens=int(max_new_tokens),
+                               temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed)
+        engine = None  # nothing of this turn lives in our engine: no KV view
     turn = merge([handle], should_stop=lambda: control.stop_requested or busy_s > pool.max_run_s,
                  heartbeat_s=WAIT_NOTE_S)
     try:
@@ -148,7 +162,7 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
                 status += _shared_note(stats)
                 if not isinstance(kv_html, str):  # a turn too short for a live view: the pool as the turn left it
                     kv_html = _kv_html(pool, engine, seq_id)
-                yield (history, history, turn_stats, stats_table_html(turn_stats), kv_html, gr.skip(), status)
+                yield (history, history, turn_stats, stats_frame(turn_stats), kv_html, gr.skip(), status)
                 continue
             answer, busy_s = answer + event.text, event.time_s
             now = time.perf_counter()
@@ -166,9 +180,10 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
         turn.close()
 
 
-def arm_chat(control: RunControl):
-    """Send, before the turn is queued: arm the visitor's Stop."""
-    control.arm()
+def arm_chat(control: RunControl, request: gr.Request):
+    """Send, before the turn is queued: arm the visitor's Stop (noting who the visitor is, for the deployment's
+    per-caller limits)."""
+    control.arm(caller_of(request))
     return "Waiting for the device..."
 
 
@@ -178,4 +193,4 @@ def stop_chat(control: RunControl) -> None:
 
 
 def clear_chat():
-    return [], [], [], stats_table_html([]), "", "New conversation."
+    return [], [], [], stats_frame([]), "", "New conversation."

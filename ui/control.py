@@ -18,6 +18,7 @@ from dataclasses import dataclass
 class RunControl:
     armed: bool = False  # a run was started (Run or Send pressed) and has not ended yet
     stop_requested: bool = False
+    caller: str | None = None  # the visitor's client address, for the deployment's per-caller limits
     _visitor: str | None = None
 
     @property
@@ -30,8 +31,9 @@ class RunControl:
             self._visitor = uuid.uuid4().hex
         return self._visitor
 
-    def arm(self) -> None:
+    def arm(self, caller: str | None = None) -> None:
         self.armed, self.stop_requested = True, False
+        self.caller = caller or self.caller
 
     def request_stop(self) -> bool:
         """Ask the armed run to stop; False when nothing is running (then Stop does nothing)."""
@@ -41,3 +43,14 @@ class RunControl:
 
     def end(self) -> None:
         self.armed = self.stop_requested = False
+
+
+def caller_of(request) -> str | None:
+    """A page visitor's client address from Gradio's request: behind a proxy (a Space) the first X-Forwarded-For
+    hop, else the socket's peer; None outside a served page (tests driving a handler directly)."""
+    if request is None:
+        return None
+    forwarded = (request.headers or {}).get("x-forwarded-for", "")
+    if forwarded:
+        return forwarded.split(",")[0].strip()
+    return request.client.host if getattr(request, "client", None) else None

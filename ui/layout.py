@@ -2,14 +2,19 @@
 `warm_up` readies the engines the page's first race will use before the app serves.
 
 Element ids that tests and scripts rely on: race-setup, race-setup-about, race-prompt, race-run, race-stop,
-lane-a-output, lane-b-output, race-chart, race-acceptance, race-summary, race-identical, kv-view, chat-input,
-chat-send, chat-stop, chat-log (plus race-status, chat-status, chat-stats, chat-kv-view). Each settings group has ids
+lane-a-output, lane-b-output, race-chart, race-acceptance, race-summary (a table, a row per lane), race-summary-notes
+(the speed-up line and notes under it), race-identical, kv-view, chat-input, chat-send, chat-stop, chat-log (plus
+race-status, chat-status, chat-stats (a table, a row per turn), chat-kv-view). Each settings group has ids
 with its prefix (lane-a, lane-b, chat): -kv, -block-size, -prefix-cache, -temperature, -top-p, -seed, -spec (the draft
 source), -spec-k and -spec-layers. A setting that does not apply to the chosen mode is disabled (block size and prefix
 cache without the paged cache, top-p and seed when greedy) or hidden (draft length without a draft source, the
 early-exit depth for other sources). Every generation hands its requests to the pool's one engine loop
 (`inference_core.engine_loop`), which owns the device: a second tab's requests are batched with the first's where
 they share a configuration, and take turns with them step by step where they do not.
+
+The app's API for programs is the `race` and `chat` endpoints of `ui.api`; every event of the page itself is private
+(`api_visibility="private"`: not listed, not callable with `gradio_client`). Tables are DataFrames (sortable, with
+a copy button).
 """
 
 from __future__ import annotations
@@ -17,17 +22,21 @@ from __future__ import annotations
 from functools import partial
 
 import gradio as gr
+import pandas as pd
 
 from inference_core import SamplingParams
 from inference_core.compiled import compile_unavailable
 from inference_core.config import KV_DTYPES, KV_MODES
 from inference_core.quant import GROUP_SIZES, compute_dtype, weight_bytes
 from inference_core.speculative import MAX_K
+from ui.api import add_api
 from ui.batching import build_batching_tab
-from ui.chat import CHAT_OUTPUTS, arm_chat, chat_turn, clear_chat, stats_table_html, stop_chat
+from ui.chat import CHAT_OUTPUTS, STATS_LABEL, arm_chat, chat_turn, clear_chat, stats_frame, stop_chat
 from ui.control import RunControl
 from ui.figures import speed_figure
-from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_race, stop_race, warm_up_race
+from ui.race import (LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_race, settings_from_values, stop_race,
+                     warm_up_race)
+from ui.race_table import SUMMARY_COLUMNS
 from ui.settings import (BLOCK_SIZES, DEFAULT_LAYERS, KV_DTYPE_LABELS, KV_MODE_LABELS, SPEC_METHOD_LABELS,
                          WEIGHTS_LABELS, EnginePool, LaneSettings, duration)
 from ui.setups import DEFAULT_LANES, RACE_SETUPS, presets, setup_values
@@ -37,7 +46,9 @@ MAX_PROMPT_CHARS = 20_000
 # Races, chat turns and lab runs only hand requests to the one engine loop and stream what it sends back, so many may
 # be in flight at once: requests on one configuration share its steps (batched), configurations take turns.
 GENERATION = {"concurrency_limit": 8, "concurrency_id": "engine"}
-QUICK = {"queue": False, "show_progress": "hidden"}
+PRIVATE = {"api_visibility": "private"}  # the page's own events: not part of the API (see ui.api)
+QUICK = {"queue": False, "show_progress": "hidden", **PRIVATE}
+TABLE = {"interactive": False, "wrap": True, "buttons": ["copy", "fullscreen"]}  # read-only; columns sort
 
 
 def _zero_gpu() -> bool:
@@ -76,8 +87,8 @@ def warm_up(pool: EnginePool) -> None:
 
 def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
                       prefix: str) -> list[gr.components.Component]:
-    """Widgets for one LaneSettings, in field order, wired so that settings that do not apply are disabled or hidden.
-    The draft model is offered only when the app loaded one."""
+    """Widgets for one LaneSettings, in `LANE_SETTING_FIELDS` order, wired so that settings that do not apply are
+    disabled or hidden. The draft model is offered only when the app loaded one."""
     paged, sampling = defaults.kv_mode == "paged", not defaults.greedy
     kv_mode = gr.Radio([(KV_MODE_LABELS[mode], mode) for mode in KV_MODES[::-1] if mode in KV_MODE_LABELS],
                        value=defaults.kv_mode, label=f"{label} KV cache", elem_id=f"{prefix}-kv")
@@ -123,8 +134,29 @@ def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
     spec_method.change(lambda method: (gr.update(visible=method != "none"), gr.update(visible=method != "none"),
                                        gr.update(visible=method == "early-exit")),
                        spec_method, [spec_k, spec_adaptive, draft_layers], **QUICK)
+    endpoint, endpoint_model = _external_widgets(pool, defaults, prefix)
     return [kv_mode, block_size, prefix_cache, temperature, top_p, seed, spec_method, spec_k, spec_adaptive,
-            draft_layers, compiled, weights, quant_group, kv_dtype, sliding_window]
+            draft_layers, compiled, weights, quant_group, kv_dtype, sliding_window, endpoint, endpoint_model]
+
+
+def _external_widgets(pool: EnginePool, defaults: LaneSettings, prefix: str) -> list[gr.components.Component]:
+    """Where the lane runs: this app's engine, or an external OpenAI-compatible server (`server.remote`). In public
+    mode only the URLs allowed at launch are offered (none: the choice is hidden)."""
+    policy = pool.policy
+    about = ("run this lane on an OpenAI-compatible server instead (vLLM, SGLang, llama.cpp's server, this app on "
+             "another machine): only temperature, top-p and seed apply there; its TTFT and tokens/s are wall-clock "
+             "as this app sees them")
+    if policy.public:
+        endpoint = gr.Dropdown([("this app's engine", "")] + [(url, url) for url in policy.allowed_endpoints],
+                               value=defaults.endpoint, label="engine", info=about,
+                               visible=bool(policy.allowed_endpoints), elem_id=f"{prefix}-endpoint")
+    else:
+        endpoint = gr.Textbox(defaults.endpoint, label="external engine URL (empty: this app's engine)", info=about,
+                              elem_id=f"{prefix}-endpoint")
+    endpoint_model = gr.Textbox(defaults.endpoint_model, label="external model id (empty: the first it lists)",
+                                visible=not policy.public or bool(policy.allowed_endpoints),
+                                elem_id=f"{prefix}-endpoint-model")
+    return [endpoint, endpoint_model]
 
 
 def _memory_widgets(pool: EnginePool, defaults: LaneSettings, prefix: str) -> list[gr.components.Component]:
@@ -210,8 +242,10 @@ def _build_race_tab(pool: EnginePool) -> None:
         lane_b = gr.HTML("<b>Lane B</b>", elem_id="lane-b-output")
         # Drawn at page load, so the browser has its plotting code ready before the first race starts.
         chart = gr.Plot(speed_figure({}), label="tokens/s over each lane's own device time", elem_id="race-chart")
+    summary = gr.DataFrame(pd.DataFrame(columns=SUMMARY_COLUMNS), label="Each lane's measured numbers",
+                           elem_id="race-summary", **TABLE)
     with gr.Row(equal_height=False):
-        summary = gr.HTML(elem_id="race-summary")
+        summary_notes = gr.HTML(elem_id="race-summary-notes")
         with gr.Column():
             identical = gr.HTML(elem_id="race-identical")
             acceptance = gr.Plot(label="speculative decoding: share of drafts accepted", elem_id="race-acceptance",
@@ -228,10 +262,11 @@ def _build_race_tab(pool: EnginePool) -> None:
     setup.change(lambda name: setup_values(RACE_SETUPS[name], prompts, LANE_SETTING_FIELDS), setup,
                  [preset, prompt, system, about] + lanes, **QUICK)
     outputs = {"lane_a": lane_a, "lane_b": lane_b, "chart": chart, "acceptance": acceptance, "summary": summary,
-               "identical": identical, "kv_view": kv_view, "status": status, "run_button": run}
+               "summary_notes": summary_notes, "identical": identical, "kv_view": kv_view, "status": status,
+               "run_button": run}
     race = run.click(arm_race, control, [status, run], **QUICK).then(
         _gpu_task(partial(run_race, pool)), [control, prompt, system, max_new_tokens] + lanes,
-        [outputs[name] for name in RACE_OUTPUTS], show_progress="hidden", **GENERATION)
+        [outputs[name] for name in RACE_OUTPUTS], show_progress="hidden", **GENERATION, **PRIVATE)
     stop.click(stop_race, control, None, **QUICK, **_stop_cancels([race]))
 
 
@@ -241,7 +276,7 @@ def _lane_summary(name: str, settings: LaneSettings) -> str:
 
 def _lane_summary_update(name: str, *values):
     try:
-        return gr.update(label=_lane_summary(name, LaneSettings(*values)))
+        return gr.update(label=_lane_summary(name, settings_from_values(values)))
     except (ValueError, TypeError):  # a half-typed value: keep the last summary
         return gr.skip()
 
@@ -266,7 +301,7 @@ def _build_chat_tab(pool: EnginePool) -> None:
         clear = gr.Button("New chat", scale=1)
     status = gr.Markdown("Later turns reuse the earlier turns' KV blocks through the prefix cache (paged KV mode).",
                          elem_id="chat-status")
-    stats_table = gr.HTML(stats_table_html([]), elem_id="chat-stats")
+    stats_table = gr.DataFrame(stats_frame([]), label=STATS_LABEL, elem_id="chat-stats", **TABLE)
     kv_view = gr.HTML(elem_id="chat-kv-view")
 
     outputs = {"chat_log": chat_log, "history": history, "turn_stats": turn_stats, "stats_table": stats_table,
@@ -274,7 +309,7 @@ def _build_chat_tab(pool: EnginePool) -> None:
     handler = _gpu_task(partial(chat_turn, pool))
     inputs = [control, message, history, turn_stats, system, max_new_tokens] + settings
     chat_outputs = [outputs[name] for name in CHAT_OUTPUTS]
-    events = [trigger(arm_chat, control, status, **QUICK).then(handler, inputs, chat_outputs, **GENERATION)
+    events = [trigger(arm_chat, control, status, **QUICK).then(handler, inputs, chat_outputs, **GENERATION, **PRIVATE)
               for trigger in (send.click, message.submit)]
     stop.click(stop_chat, control, None, **QUICK, **_stop_cancels(events))
     for trigger in (clear.click, chat_log.clear):
@@ -297,4 +332,5 @@ def build_demo(pool: EnginePool) -> gr.Blocks:
             build_batching_tab(pool)
         with gr.Tab("Stack"):
             build_stack_tab(pool)
+        add_api(pool, _gpu_task, **GENERATION)
     return demo

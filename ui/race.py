@@ -5,8 +5,10 @@ Before anything runs it estimates the race's device time from step costs measure
 over the app's limit with a message that says what to change. It interleaves the two requests with
 `inference_core.race.interleave` (the lane that has used less device time steps next; each lane is timed by its own
 steps only; the first step alternates between races) and yields, in `RACE_OUTPUTS` order: each lane's text, the
-tokens/s chart, the acceptance chart, the summary table, the identical-output check, the KV view, a status line and
-the Run button's state. What the panels show is built in `ui.race_view`. Text is refreshed every TEXT_REFRESH_S,
+tokens/s chart, the acceptance chart, the summary table (a DataFrame), the speed-up line and notes under it, the
+identical-output check, the KV view, a status line and the Run button's state; when it ends it returns the lanes'
+traces (None when the race did not start or failed), which the `race` API endpoint (`ui.api`) reads. What the
+panels show is built in `ui.race_view` and `ui.race_table`. Text is refreshed every TEXT_REFRESH_S,
 the charts, table, lane numbers and KV view every PANEL_REFRESH_S (twice a second, never per token), and a panel
 that has not changed is not sent again: the browser and the server share the device's CPU with the lanes, so every
 redraw saved is time the lanes keep.
@@ -21,25 +23,38 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import fields
 
 import gradio as gr
+import pandas as pd
 
 from inference_core import ConfigError, FinishEvent, SamplingParams
 from inference_core.engine_loop import merge
 from inference_core.race import interleave
-from ui.control import RunControl
+from ui.control import RunControl, caller_of
 from ui.figures import acceptance_figure, speed_figure
-from ui.race_view import LaneTrace, identical_html, kv_view_html, lane_html, summary_html
-from ui.settings import PAGE_WORDS, EnginePool, LaneSettings, check_run_cost, duration, waiting_note
+from ui.race_table import summary_frame, summary_notes_html
+from ui.race_view import LaneTrace, identical_html, kv_view_html, lane_html
+from server.remote import submit_remote
+from ui.settings import (PAGE_WORDS, EnginePool, LaneSettings, admit, check_run_cost, duration, external_lane,
+                         waiting_note)
 
 TEXT_REFRESH_S = 0.25
 WAIT_NOTE_S = 1.0  # a run that has had no event for this long says what it waits for
 PANEL_REFRESH_S = 0.45
-RACE_OUTPUTS = ("lane_a", "lane_b", "chart", "acceptance", "summary", "identical", "kv_view", "status", "run_button")
-LANE_SETTING_FIELDS = tuple(f.name for f in fields(LaneSettings))  # the widgets' values arrive in this order
+RACE_OUTPUTS = ("lane_a", "lane_b", "chart", "acceptance", "summary", "summary_notes", "identical", "kv_view", "status",
+                "run_button")
+# The lane settings the page offers, in the order the widgets' values arrive (`ui.layout`); any other LaneSettings
+# field keeps its default.
+LANE_SETTING_FIELDS = ("kv_mode", "block_size", "prefix_cache", "temperature", "top_p", "seed", "spec_method",
+                       "spec_k", "spec_adaptive", "draft_layers", "compile", "weights", "quant_group", "kv_dtype",
+                       "sliding_window", "endpoint", "endpoint_model")
 WARM_UP_TOKENS = 8
 log = logging.getLogger(__name__)
+
+
+def settings_from_values(values) -> LaneSettings:
+    """A lane's LaneSettings from its widgets' values, in LANE_SETTING_FIELDS order."""
+    return LaneSettings(**dict(zip(LANE_SETTING_FIELDS, values, strict=True)))
 
 
 def _frame(**values) -> tuple:
@@ -64,10 +79,11 @@ def warm_up_race(pool: EnginePool, lanes: dict[str, LaneSettings], prompt: str, 
 
 def run_race(pool: EnginePool, control: RunControl | None, prompt: str, system: str, max_new_tokens, *lane_values):
     """Streaming handler. `control`: the visitor's Stop switch (None: no Stop); `lane_values`: lane A's then lane
-    B's LANE_SETTING_FIELDS values."""
+    B's LANE_SETTING_FIELDS values. Returns the lanes' traces once the race has run (None when it did not start or
+    failed: the last update's status says why)."""
     control = control if control is not None else RunControl()
     try:
-        yield from _race(pool, control, prompt, system, max_new_tokens, lane_values)
+        return (yield from _race(pool, control, prompt, system, max_new_tokens, lane_values))
     finally:
         control.end()
 
@@ -79,15 +95,20 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
         return
     count = len(LANE_SETTING_FIELDS)
     try:
-        settings = {"A": LaneSettings(*lane_values[:count]), "B": LaneSettings(*lane_values[count:2 * count])}
-        engines = {name: pool.get(f"lane-{name}", s) for name, s in settings.items()}
-        prompt_ids = engines["A"].prompt_ids(prompt or "", (system or "").strip() or None)
+        settings = {"A": settings_from_values(lane_values[:count]),
+                    "B": settings_from_values(lane_values[count:2 * count])}
+        local = {name: s for name, s in settings.items() if not s.external}
+        engines = {name: pool.get(f"lane-{name}", s) for name, s in local.items()}
+        tokenizer = next(iter(engines.values()), None) or pool.get("lane-A", LaneSettings())
+        prompt_ids = tokenizer.prompt_ids(prompt or "", (system or "").strip() or None)
         requests = {name: engines[name].make_request(prompt_ids, s.sampling(max_new_tokens), spec=s.spec(),
                                                      cache_salt=control.visitor)
-                    for name, s in settings.items()}
+                    for name, s in local.items()}
         for request in requests.values():
             request.keep_final_kv_snapshot = True  # the KV view's picture at the last token
         estimates = check_run_cost(pool, settings, len(prompt_ids), int(max_new_tokens), "race")
+        admit(pool, control.caller, len(prompt_ids), int(max_new_tokens), requests=len(settings))
+        externals = {name: external_lane(pool, s) for name, s in settings.items() if s.external}
     except ConfigError as error:  # bad settings or prompt, or too much work: say what to change on the page
         yield _frame(status=f"**Cannot start the race:** {error.in_words(PAGE_WORDS)}", run_button=idle)
         return
@@ -101,8 +122,8 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
                                 "when it is done.",
                          run_button=gr.update(interactive=False))
             pool.compile(engine)
-    traces = [LaneTrace(name, settings[name], engines[name], len(prompt_ids), loop=pool.loop,
-                        request=requests[name]) for name in "AB"]
+    traces = [LaneTrace(name, settings[name], engines.get(name), len(prompt_ids), loop=pool.loop,
+                        request=requests.get(name)) for name in "AB"]
     by_name = {trace.name: trace for trace in traces}
     first = pool.first_lane()
     speculates = any(trace.acceptance is not None for trace in traces)
@@ -110,15 +131,17 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
               f"tokens per lane. Estimated device time (from steps measured on this device): lane A "
               f"{duration(estimates[0])}, lane B {duration(estimates[1])}. The lane that has used less device time "
               f"steps next; lane {first} takes the first step this time (it alternates between races).")
-    sent = {}  # what was last sent by output (HTML, or the acceptance chart's version): unchanged panels are not resent
+    # What was last sent by output (HTML, a table, the acceptance chart's version): unchanged panels are not resent.
+    sent = {}
 
     def start_frame() -> tuple:
         for trace in traces:
             trace.refresh()
             if trace.stats is None:
                 trace.snapshot_kv()
-        sent.update(lane_a=lane_html(traces[0], "A"), lane_b=lane_html(traces[1], "B"), summary=summary_html(traces),
-                    identical=identical_html(traces, False), kv_view=kv_view_html(traces),
+        sent.update(lane_a=lane_html(traces[0], "A"), lane_b=lane_html(traces[1], "B"), summary=summary_frame(traces),
+                    summary_notes=summary_notes_html(traces), identical=identical_html(traces, False),
+                    kv_view=kv_view_html(traces),
                     acceptance=_acceptance_version(traces))
         acceptance = gr.update(value=acceptance_figure(_acceptance_lanes(traces)) if speculates else None,
                                visible=speculates)
@@ -128,18 +151,24 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
     def changed_only(frame: dict) -> dict:
         """Drop the outputs whose value equals the one last sent. The acceptance chart is represented by its
         version, and drawn only when that changed (a verification step was counted, or a lane finished)."""
-        changed = {name: value for name, value in frame.items() if sent.get(name) != value}
+        changed = {name: value for name, value in frame.items() if not _same(sent.get(name), value)}
         sent.update(changed)
         if "acceptance" in changed:
             changed["acceptance"] = acceptance_figure(_acceptance_lanes(traces))
         return changed
 
     def over_limit() -> bool:
-        return sum(trace.times_s[-1] for trace in traces if trace.times_s) > pool.max_run_s
+        return sum(trace.times_s[-1] for trace in traces if trace.times_s and trace.engine is not None) \
+            > pool.max_run_s
 
     pool.settle_before_timed_work()
     sink = queue.Queue()
-    handles = [pool.loop.enqueue(engines[name], requests[name], tag=name, sink=sink)
+    messages = ([{"role": "system", "content": system.strip()}] if (system or "").strip() else []) \
+        + [{"role": "user", "content": prompt}]
+    handles = [pool.loop.enqueue(engines[name], requests[name], tag=name, sink=sink) if name in engines else
+               submit_remote(*externals[name], messages, max_tokens=int(max_new_tokens),
+                             temperature=settings[name].temperature, top_p=settings[name].top_p,
+                             seed=settings[name].seed, tag=name, sink=sink)
                for name in sorted("AB", key=lambda lane: lane != first)]
     race = merge(handles, should_stop=lambda: control.stop_requested or over_limit(), heartbeat_s=WAIT_NOTE_S)
     try:
@@ -175,7 +204,8 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
                         other.snapshot_kv()
             frame = {"lane_a": lane_html(traces[0], "A"), "lane_b": lane_html(traces[1], "B")}
             if panels_due or finished:
-                frame.update(summary=summary_html(traces), identical=identical_html(traces, False),
+                frame.update(summary=summary_frame(traces), summary_notes=summary_notes_html(traces),
+                             identical=identical_html(traces, False),
                              kv_view=kv_view_html(traces), acceptance=_acceptance_version(traces))
             changed = changed_only(frame)
             if panels_due or finished:
@@ -206,8 +236,16 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
                  chart=speed_figure(_chart_lanes(traces)),
                  acceptance=gr.update(value=acceptance_figure(_acceptance_lanes(traces)) if speculates else None,
                                       visible=speculates),
-                 summary=summary_html(traces), identical=identical_html(traces, True), kv_view=kv_view_html(traces),
-                 status=done, run_button=idle)
+                 summary=summary_frame(traces), summary_notes=summary_notes_html(traces),
+                 identical=identical_html(traces, True), kv_view=kv_view_html(traces), status=done, run_button=idle)
+    return traces
+
+
+def _same(sent, value) -> bool:
+    """Whether an output's new value equals the one last sent (tables compared cell by cell)."""
+    if isinstance(value, pd.DataFrame):
+        return isinstance(sent, pd.DataFrame) and sent.equals(value)
+    return sent == value
 
 
 def _lane_result(trace: LaneTrace) -> str:
@@ -239,9 +277,10 @@ def _acceptance_lanes(traces: list[LaneTrace]) -> dict[str, dict]:
     return lanes
 
 
-def arm_race(control: RunControl):
-    """Run, before the race is queued: arm the visitor's Stop and disable Run at once."""
-    control.arm()
+def arm_race(control: RunControl, request: gr.Request):
+    """Run, before the race is queued: arm the visitor's Stop (noting who the visitor is, for the deployment's
+    per-caller limits) and disable Run at once."""
+    control.arm(caller_of(request))
     return "Waiting for the device...", gr.update(interactive=False)
 
 

@@ -1,11 +1,10 @@
-"""What the race shows, as pure functions of the lanes' traces: each lane's header and text, the summary table with
-the speed-up line and plain-language notes, the lossless check and the KV view.
+"""What the race shows, as pure functions of the lanes' traces: each lane's header and text, the speed-up line and
+plain-language notes, the lossless check and the KV view (the summary table is `ui.race_table`).
 
 Every number comes from one `LaneFigures` per lane, taken once per refresh from the lane's trace (the engine's final
 stats once the lane has finished or stopped, its streamed events before that), so the lane header, the summary table
-and the speed-up line always show the same numbers. What each figure measures is in `FIGURES`, shown as a tooltip on
-its row and in the note under the table; every speed-up clause names the lane that wins and the two numbers it is
-computed from, so it cannot point the wrong way.
+and the speed-up line always show the same numbers. Every speed-up clause names the lane that wins and the two
+numbers it is computed from, so it cannot point the wrong way.
 """
 
 from __future__ import annotations
@@ -15,36 +14,14 @@ from dataclasses import dataclass, field
 
 from inference_core import Engine, FinishEvent, GenerationStats
 from inference_core.engine_loop import EngineLoop
-from inference_core.quant import weight_bytes
 from inference_core.request import Request
 from ui.figures import LANE_COLOURS
 from ui.kv_view import pool_counts, render_pool
 from ui.settings import KV_MODE_LABELS, SPEC_METHOD_LABELS, LaneSettings
-from ui.speculation import AcceptanceCount, HighlightedText, legend_html, speculation_summary_rows
+from ui.speculation import AcceptanceCount, HighlightedText, legend_html
 
 FINISH_REASONS = {"length": "max new tokens reached", "eos": "end of text", "stop": "stop string",
                   "stopped": "stopped"}
-# (row label, what it measures): the summary's tooltips and the note under it.
-FIGURES = {
-    "TTFT": "time to first token: the lane's own device time from the start of its request to its first token "
-            "(prompt processing and the first sampling); lower is better",
-    "prompt tokens": "the prompt's tokens: those whose KV came from the lane's prefix cache (kept from earlier "
-                     "requests, no compute) and those computed in the prefill step",
-    "prompt tokens/s": "all prompt tokens, cached or computed, divided by TTFT; higher is better",
-    "decode tokens/s": "tokens after the first, divided by the lane's own device time from its first token to its "
-                       "last; higher is better",
-    "tokens generated": "tokens the lane produced, and why it ended",
-    "device time": "the lane's own busy time for its whole request: only its own steps count, never the other "
-                   "lane's",
-    "KV memory in use": "the KV cache holding this request's tokens when it ended",
-    "KV memory reserved": "KV memory set aside for this request: its blocks (paged) or a whole context (contiguous)",
-    "weights": "the model's weights as this lane's engine stores them (parameters and quantized buffers), measured",
-    "KV bytes per token": "K and V of one token over all layers in the lane's KV dtype (int8: values plus a scale "
-                          "per token and head)",
-    "compiled decode": "whether decode steps ran through the compiled step (AOTInductor on a CPU, torch.compile with CUDA "
-                       "graphs on CUDA); the one-time compile or load happened before the race (or in the step that "
-                       "first used a new batch size) and is not in TTFT or decode tokens/s",
-}
 LOW_ACCEPTANCE = 0.25  # a speculating lane below this share of accepted drafts gets a note on why it loses
 WHY_DRAFTS_FAIL = {
     "early-exit": "this model's first layers were not trained to predict its output, so they rarely agree with "
@@ -84,7 +61,7 @@ class LaneTrace:
 
     name: str
     settings: LaneSettings
-    engine: Engine
+    engine: Engine | None  # None: an external engine (`server.remote`), of which only the streamed text is seen
     prompt_tokens: int
     loop: EngineLoop | None = None  # the engine loop that steps `engine` (its state is read between steps)
     request: Request | None = None  # this lane's request: the only one whose text the KV view shows
@@ -148,6 +125,8 @@ class LaneTrace:
         return self.shown
 
     def _kv_snapshot(self) -> dict | None:
+        if self.engine is None:
+            return None
         return self.loop.call(self.engine.kv_snapshot) if self.loop is not None else self.engine.kv_snapshot()
 
     def snapshot_kv(self) -> None:
@@ -203,76 +182,6 @@ def lane_html(trace: LaneTrace, name: str) -> str:
             # column-reverse keeps the box scrolled to its newest line as text streams in
             f'<div class="lane-text" style="white-space:pre-wrap;margin-top:6px;max-height:240px;overflow-y:auto;'
             f'display:flex;flex-direction:column-reverse"><div>{text}</div></div></div>')
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f} ms"
-
-
-def _prompt_cell(f: LaneFigures) -> str:
-    if f.cached_prompt_tokens is None:
-        return f"{f.prompt_tokens}" if f.ended else f"{f.prompt_tokens} (split at the first token)"
-    computed = f.prompt_tokens - f.cached_prompt_tokens
-    return f"{f.prompt_tokens} = {f.cached_prompt_tokens} from prefix cache + {computed} computed"
-
-
-def _kv_cell(f: LaneFigures, attribute: str) -> str:
-    if f.stats is None:
-        return "-" if f.ended else "when the lane ends"
-    return f"{getattr(f.stats, attribute) / 2 ** 20:.2f} MiB"
-
-
-SUMMARY_ROWS = [
-    ("TTFT", lambda t, f: _ms(f.ttft_ms)),
-    ("prompt tokens", lambda t, f: _prompt_cell(f)),
-    ("prompt tokens/s", lambda t, f: f"{f.prompt_tokens_per_s:.0f}" if f.prompt_tokens_per_s else "-"),
-    ("decode tokens/s", lambda t, f: f"{f.decode_tokens_per_s:.1f}" if f.decode_tokens_per_s else "-"),
-    ("tokens generated", lambda t, f: f"{f.tokens}" + (f" ({f.state})" if f.stats else "")),
-    ("device time", lambda t, f: "-" if f.device_s is None else f"{f.device_s:.2f} s"),
-    ("KV memory in use", lambda t, f: _kv_cell(f, "kv_bytes_in_use")),
-    ("KV memory reserved", lambda t, f: _kv_cell(f, "kv_bytes_reserved")),
-    ("weights", lambda t, f: _weights_cell(t.engine)),
-    ("KV bytes per token", lambda t, f: f"{t.engine.kv_cache.bytes_per_token / 1024:.1f} KiB"
-                                        if t.engine.kv_cache.bytes_per_token else "- (no KV cache)"),
-    ("compiled decode", lambda t, f: _compile_cell(t.engine.compile_stats())),
-]
-
-
-def _weights_cell(engine: Engine) -> str:
-    loaded = engine.loaded
-    how = loaded.quant.name if loaded.quant is not None else loaded.dtype_name
-    return f"{weight_bytes(loaded.model) / 2 ** 20:.0f} MiB ({how})"
-
-
-def _compile_cell(stats: dict | None) -> str:
-    if stats is None:
-        return "no (eager)"
-    graphs = f"{stats['graphs']} graph{'s' if stats['graphs'] != 1 else ''}"
-    if stats.get("from_disk"):
-        return f"yes: loaded from the disk cache in {stats['warmup_s']:.1f} s once ({graphs}, compiled on an earlier start)"
-    return f"yes: compiled in {stats['warmup_s']:.1f} s once ({graphs}, {stats['recompiles']} recompiles)"
-
-
-def summary_html(traces: list[LaneTrace]) -> str:
-    """The summary table (from each lane's shown figures), the speed-up line, the notes, and what each figure means."""
-    figures = [trace.shown or trace.refresh() for trace in traces]
-
-    def row(label: str, cells: list[str], note: str | None) -> str:
-        tip = f' title="{html.escape(note)}" style="text-decoration:underline dotted;cursor:help"' if note else ""
-        return f"<tr><td{tip}>{label}</td>{''.join(f'<td>{cell}</td>' for cell in cells)}</tr>"
-
-    rows = [row("configuration", [html.escape(t.settings.describe()) for t in traces], None)]
-    rows += [row(label, [value(t, f) for t, f in zip(traces, figures)], FIGURES[label])
-             for label, value in SUMMARY_ROWS]
-    if any(t.acceptance is not None for t in traces):
-        rows += [row(label, [value(t) for t in traces], None) for label, value in speculation_summary_rows()]
-    head = "".join(f'<th style="color:{LANE_COLOURS[t.name]}">Lane {t.name}</th>' for t in traces)
-    notes = "".join(f'<li data-note="{kind}">{text}</li>' for kind, text in race_notes(traces, figures))
-    meaning = "; ".join(f"<b>{label}</b>: {note}" for label, note in FIGURES.items())
-    return (f'<table class="race-summary"><tr><th></th>{head}</tr>{"".join(rows)}</table>'
-            f"{speedup_html(figures)}" + (f'<ul class="race-notes">{notes}</ul>' if notes else "")
-            + f'<details style="font-size:12px;color:#475569"><summary>What each figure measures</summary>'
-              f"{meaning}.</details>")
 
 
 def _compare(what: str, ratio: float, better: str, worse: str, numbers: str, kind: str) -> str:
@@ -335,40 +244,51 @@ def race_notes(traces: list[LaneTrace], figures: list[LaneFigures]) -> list[tupl
 
 
 def identical_html(traces: list[LaneTrace], finished: bool) -> str:
+    return lossless_check(traces, finished)[1]
+
+
+def _verdict(kind: str, body: str) -> tuple[str, str]:
+    return kind, f'<p data-verdict="{kind}">{body}</p>'
+
+
+def lossless_check(traces: list[LaneTrace], finished: bool) -> tuple[str, str]:
+    """(verdict, HTML) of the lossless check. Verdicts: "identical", "different", "pending" (identical so far, still
+    running), "identical-so-far" (stopped), "agreement" (greedy lanes of different arithmetic: how long they agree),
+    "not-checked" (the lanes' token ids say nothing about losslessness)."""
     first, second = traces
+    if first.engine is None or second.engine is None:
+        return _external_check(first, second, finished)
     reason = not_comparable(first.settings, second.settings)
     if reason == DIFFERENT_ARITHMETIC and first.settings.greedy and second.settings.greedy:
         a, b = first.token_ids, second.token_ids
         common = min(len(a), len(b))
         agree = next((i for i in range(common) if a[i] != b[i]), common)
-        return (f'<p data-verdict="agreement">Greedy agreement: the lanes compute with different weights, KV '
-                f"precision or attention window, and their token ids agree on the first <b>{agree}</b> of {common} "
-                "tokens. (Near-ties flip under small numeric changes; after the first difference the texts go "
-                "their own ways. `python -m inference_core quality` measures perplexity.)</p>")
+        return _verdict("agreement", "Greedy agreement: the lanes compute with different weights, KV precision or "
+                        f"attention window, and their token ids agree on the first <b>{agree}</b> of {common} tokens. "
+                        "(Near-ties flip under small numeric changes; after the first difference the texts go their "
+                        "own ways. `python -m inference_core quality` measures perplexity.)")
     if reason:
-        return (f'<p data-verdict="not-checked">Lossless check: not applicable, {reason}. Set both temperatures to 0, '
-                "or give both lanes the same temperature, top-p and seed without speculation, to compare token "
-                "ids.</p>")
+        return _verdict("not-checked", f"Lossless check: not applicable, {reason}. Set both temperatures to 0, or give "
+                        "both lanes the same temperature, top-p and seed without speculation, to compare token ids.")
     how = "greedy lanes" if first.settings.greedy else f"lanes sampling with seed {int(first.settings.seed)}"
     a, b = first.token_ids, second.token_ids
     common = min(len(a), len(b))
     mismatch = next((i for i in range(common) if a[i] != b[i]), None)
     decode = first.engine.tokenizer.decode
     if mismatch is not None:
-        return (f'<p data-verdict="different">Lossless check: <b>different</b>. The token ids first differ at '
-                f"position {mismatch}: lane A {a[mismatch]} {html.escape(repr(decode([a[mismatch]])))}, lane B "
-                f"{b[mismatch]} {html.escape(repr(decode([b[mismatch]])))}.</p>")
+        return _verdict("different", f"Lossless check: <b>different</b>. The token ids first differ at position "
+                        f"{mismatch}: lane A {a[mismatch]} {html.escape(repr(decode([a[mismatch]])))}, lane B "
+                        f"{b[mismatch]} {html.escape(repr(decode([b[mismatch]])))}.")
     if not finished:
-        return f'<p data-verdict="pending">Lossless check: identical so far ({common} tokens compared).</p>'
+        return _verdict("pending", f"Lossless check: identical so far ({common} tokens compared).")
     stopped = any(t.stats is None or t.stats.finish_reason == "stopped" for t in traces)
     if len(a) != len(b) and not stopped:
-        return (f'<p data-verdict="different">Lossless check: <b>different</b> at position {common}: one lane '
-                f"stopped after {common} tokens, the other went on to {max(len(a), len(b))}.</p>")
+        return _verdict("different", f"Lossless check: <b>different</b> at position {common}: one lane stopped after "
+                        f"{common} tokens, the other went on to {max(len(a), len(b))}.")
     if stopped:
-        return (f'<p data-verdict="identical-so-far">Lossless check: identical as far as both got: the {how} agree '
-                f"on all {common} token ids they both produced before the race was stopped.</p>")
-    return f'<p data-verdict="identical">Lossless check: <b>identical</b>. Both {how} produced the same {common} ' \
-           "token ids.</p>"
+        return _verdict("identical-so-far", f"Lossless check: identical as far as both got: the {how} agree on all "
+                        f"{common} token ids they both produced before the race was stopped.")
+    return _verdict("identical", f"Lossless check: <b>identical</b>. Both {how} produced the same {common} token ids.")
 
 
 DIFFERENT_ARITHMETIC = ("the lanes compute with different weights, KV precision or attention window, so their texts "
@@ -394,8 +314,26 @@ def not_comparable(a: LaneSettings, b: LaneSettings) -> str | None:
     return None
 
 
+def _external_check(first: LaneTrace, second: LaneTrace, finished: bool) -> tuple[str, str]:
+    """An external lane streams text, not our token ids: compare the texts, which says whether the engines agree
+    when both run greedy (the same model and arithmetic give the same text)."""
+    if not (first.settings.greedy and second.settings.greedy):
+        return _verdict("not-checked", "Text check: not applicable, a lane samples. Set both temperatures to 0 to "
+                        "compare the engines' texts.")
+    a, b = first.text, second.text
+    common = min(len(a), len(b))
+    agree = next((i for i in range(common) if a[i] != b[i]), common)
+    if agree == common and (not finished or len(a) == len(b)):
+        state = "identical" if finished else "pending"
+        return _verdict(state, f"Text check (an external lane streams text, not token ids): the greedy texts are "
+                        f"{'<b>identical</b>' if finished else 'identical so far'} ({common} characters compared).")
+    return _verdict("agreement", f"Text check (an external lane streams text, not token ids): the greedy texts agree "
+                    f"on the first <b>{agree}</b> of {max(len(a), len(b))} characters. A different model, dtype or "
+                    "kernel on the other engine changes near-ties.")
+
+
 def kv_view_html(traces: list[LaneTrace]) -> str:
     views = [trace.kv_html for trace in traces if trace.kv_html]
-    if not views and not any(trace.settings.kv_mode == "paged" for trace in traces):
+    if not views and not any(trace.settings.kv_mode == "paged" and trace.engine is not None for trace in traces):
         return "<p>Neither lane uses the paged KV cache; set a lane's KV mode to paged to watch its block pool.</p>"
     return "".join(views) or "<p>The paged pool appears here once the race starts.</p>"

@@ -13,6 +13,7 @@ behind the estimate shown before a run, the limit on a run's device time, and wh
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from inference_core.cost import StepCosts
 from inference_core.engine_loop import EngineLoop
 from inference_core.quant import GROUP_SIZES, SCHEMES, QuantConfig, quantize
 from inference_core.speculative import SpecConfig
+from server.policy import CallerLimits, ServePolicy
 
 KV_MODE_LABELS = {"paged": "paged KV cache", "contiguous": "contiguous KV cache", "none": "no KV cache (recompute)"}
 BLOCK_SIZES = (4, 8, 16, 32)
@@ -63,6 +65,10 @@ class LaneSettings:
     quant_group: int = 32  # int4 and AWQ: input features per scale and zero
     kv_dtype: str = "auto"  # KV cache storage: one of KV_DTYPE_LABELS
     sliding_window: int | None = 0  # attend to the last N tokens; 0 (or None): the checkpoint's own window, if any
+    # An external OpenAI-compatible server (vLLM, SGLang, llama.cpp's server, this app's API elsewhere): the lane runs
+    # there through `server.remote` instead of on this engine, and only the sampling settings above apply.
+    endpoint: str = ""  # its URL; empty: this app's own engine
+    endpoint_model: str = ""  # the model id to ask it for; empty: the first one it lists
 
     def engine_config(self, max_seq_len: int) -> EngineConfig:
         window = _whole(self.sliding_window) or None
@@ -87,14 +93,23 @@ class LaneSettings:
                           draft_layers=_whole(layers))
 
     @property
+    def external(self) -> bool:
+        return bool((self.endpoint or "").strip())
+
+    @property
     def greedy(self) -> bool:
         return float(self.temperature) == 0.0
 
     @property
     def speculates(self) -> bool:
-        return self.spec_method not in (None, "", "none")
+        return not self.external and self.spec_method not in (None, "", "none")
 
     def describe(self) -> str:
+        if self.external:
+            model = f" ({self.endpoint_model})" if self.endpoint_model else ""
+            sampling = "greedy" if self.greedy else \
+                f"temperature {float(self.temperature):g}, top-p {float(self.top_p):g}"
+            return f"external engine {self.endpoint.strip()}{model}, {sampling}"
         parts = [KV_MODE_LABELS.get(self.kv_mode, self.kv_mode)]
         if self.kv_mode == "paged":
             parts.append(f"block {int(self.block_size)}")
@@ -123,7 +138,8 @@ class EnginePool:
     dropped from the pool while it still serves requests finishes them (its requests and the loop hold it)."""
 
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, max_engines: int = 10,
-                 draft: LoadedModel | None = None, max_run_s: float = DEFAULT_MAX_RUN_S):
+                 draft: LoadedModel | None = None, max_run_s: float = DEFAULT_MAX_RUN_S,
+                 policy: ServePolicy | None = None):
         self.loaded = loaded
         self.draft = draft
         self.max_seq_len = min(max_seq_len or 2048, loaded.config.max_position_embeddings)
@@ -133,7 +149,11 @@ class EnginePool:
         self.perplexities: dict[tuple[QuantConfig, str], float] = {}  # the Stack tab's quality, by (weights, KV dtype)
         self.costs = StepCosts(loaded, self.max_seq_len)
         self.max_run_s = max_run_s
+        # What this deployment lets callers do (caps, public mode) and each caller's use so far: page and API alike.
+        self.policy = policy or ServePolicy()
+        self.limits = CallerLimits(self.policy)
         self.races_started = 0
+        self._lock = threading.Lock()  # `get` is called from the page's worker threads and the API's at once
         # The one thread that owns the device: every tab's requests go through it, batched per engine.
         self.loop = EngineLoop()
 
@@ -184,11 +204,17 @@ class EnginePool:
             engine.complete("Hello", SamplingParams(max_new_tokens=4), spec=SpecConfig("draft", k=2))
 
     def estimate_s(self, settings: list[LaneSettings], prompt_tokens: int, new_tokens: int) -> list[float]:
-        """Estimated device time of one request per lane (see `inference_core.cost`)."""
-        return [self.costs.request_seconds(s.kv_mode, prompt_tokens, new_tokens) for s in settings]
+        """Estimated device time of one request per lane (see `inference_core.cost`); an external lane uses none of
+        this device."""
+        return [0.0 if s.external else self.costs.request_seconds(s.kv_mode, prompt_tokens, new_tokens)
+                for s in settings]
 
     def get(self, slot: str, settings: LaneSettings) -> Engine:
         key = (slot, settings.engine_config(self.max_seq_len), settings.quant())
+        with self._lock:
+            return self._get(key)
+
+    def _get(self, key) -> Engine:
         if key in self.engines:
             self.engines.move_to_end(key)
             return self.engines[key]
@@ -254,7 +280,8 @@ def check_run_cost(pool: EnginePool, lanes: dict[str, LaneSettings], prompt_toke
     if sum(estimates) <= pool.max_run_s:
         return estimates
     slowest = max(zip(lanes, estimates), key=lambda pair: pair[1])[0]
-    fits = pool.costs.most_new_tokens([s.kv_mode for s in lanes.values()], prompt_tokens, pool.max_run_s, new_tokens)
+    here = [s.kv_mode for s in lanes.values() if not s.external]
+    fits = pool.costs.most_new_tokens(here, prompt_tokens, pool.max_run_s, new_tokens)
     changes = [f"lower {{max_new_tokens}} to {fits} or less" if fits else "shorten the prompt"]
     why = ""
     if lanes[slowest].kv_mode == "none":
@@ -264,3 +291,30 @@ def check_run_cost(pool: EnginePool, lanes: dict[str, LaneSettings], prompt_toke
     raise ConfigError(f"this {what} would hold the shared device for {duration(sum(estimates))}{whose}, over this "
                       f"app's limit of {duration(pool.max_run_s)} per {what}. To run it, "
                       f"{' or '.join(changes)}.")
+
+
+def admit(pool: EnginePool, caller: str | None, prompt_tokens: int, new_tokens: int, requests: int = 1) -> None:
+    """The deployment's caps on a page run (`pool.policy`) and the caller's own limits (`pool.limits`; in public mode
+    a visitor's requests per minute and tokens per hour): a ConfigError in the page's words (a `LimitExceeded` says
+    when to try again) instead of a run. `requests`: lanes running the prompt (a race has two)."""
+    pool.policy.check_sizes(prompt_tokens, new_tokens)
+    try:
+        pool.limits.admit(caller or "local", requests * (prompt_tokens + new_tokens))
+    except ConfigError as error:
+        retry = getattr(error, "retry_after_s", None)
+        raise ConfigError(str(error) + (f" Try again in {duration(retry)}." if retry else "")) from None
+
+
+def external_lane(pool: EnginePool, settings: LaneSettings) -> tuple[str, str]:
+    """(URL, model id) of an external lane: the URL checked against the deployment's policy (public mode: only the
+    allowed ones), the model asked of the server when none was named. ConfigError with the reason otherwise."""
+    from server.remote import list_models
+
+    url = settings.endpoint.strip()
+    pool.policy.check_endpoint(url)
+    if settings.endpoint_model.strip():
+        return url, settings.endpoint_model.strip()
+    models = list_models(url)
+    if not models:
+        raise ConfigError(f"the external engine at {url} lists no models.")
+    return url, models[0]

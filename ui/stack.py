@@ -34,8 +34,8 @@ from ui.settings import PAGE_WORDS, EnginePool, LaneSettings, check_run_cost, du
 QUALITY_TOKENS = 1024  # tokens of the evaluation text each weight setting's perplexity is measured on
 SPEC_K = 5
 STACK_OUTPUTS = ("figure", "table", "status", "run_button")
-TABLE_COLUMNS = ("rung", "adds", "decode tok/s", "vs no KV cache", "TTFT ms", "weights MiB", "KV MiB reserved",
-                 "perplexity", "quality delta %", "tokens", "command")
+TABLE_COLUMNS = ("rung", "adds", "decode tokens/s", "vs no KV cache (x)", "TTFT (ms)", "weights (MiB)",
+                 "KV reserved (MiB)", "perplexity", "quality delta (%)", "tokens", "command")
 
 
 @dataclass(frozen=True)
@@ -113,11 +113,11 @@ def stack_figure(rows: list[dict]) -> go.Figure:
     figure = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s (higher is better)",
                                                            "TTFT ms (lower is better)"))
     names = [row["rung"] for row in rows]
-    figure.add_trace(go.Bar(x=names, y=[row["decode tok/s"] for row in rows], marker_color="#2563eb",
-                            text=[f"{row['decode tok/s']:.1f}" for row in rows], textposition="outside",
+    figure.add_trace(go.Bar(x=names, y=[row["decode tokens/s"] for row in rows], marker_color="#2563eb",
+                            text=[f"{row['decode tokens/s']:.1f}" for row in rows], textposition="outside",
                             name="decode tok/s"), row=1, col=1)
-    figure.add_trace(go.Bar(x=names, y=[row["TTFT ms"] for row in rows], marker_color="#ea580c",
-                            text=[f"{row['TTFT ms']:.0f}" for row in rows], textposition="outside", name="TTFT ms"),
+    figure.add_trace(go.Bar(x=names, y=[row["TTFT (ms)"] for row in rows], marker_color="#ea580c",
+                            text=[f"{row['TTFT (ms)']:.0f}" for row in rows], textposition="outside", name="TTFT ms"),
                      row=1, col=2)
     if not rows:
         figure.add_annotation(text="Each rung's bars appear here as the ladder is climbed.", xref="paper",
@@ -163,13 +163,13 @@ def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str
                 break
             stats = final.stats
             ppl, delta = quality_delta(pool, rung.settings)
-            decode = stats.decode_tokens_per_s
-            rows.append({"rung": rung.name, "adds": rung.adds, "decode tok/s": round(decode, 1),
-                         "vs no KV cache": f"{decode / rows[0]['decode tok/s']:.2f}x" if rows else "1.00x",
-                         "TTFT ms": round(stats.ttft_ms), "weights MiB": round(weight_bytes(engine.loaded.model)
-                                                                               / 2 ** 20),
-                         "KV MiB reserved": round(stats.kv_bytes_reserved / 2 ** 20, 2), "perplexity": round(ppl, 3),
-                         "quality delta %": round(delta, 2), "tokens": stats.generated_tokens,
+            decode = round(stats.decode_tokens_per_s, 1)  # the speed-up is the ratio of the speeds shown
+            rows.append({"rung": rung.name, "adds": rung.adds, "decode tokens/s": decode,
+                         "vs no KV cache (x)": round(decode / rows[0]["decode tokens/s"], 2) if rows else 1.0,
+                         "TTFT (ms)": round(stats.ttft_ms),
+                         "weights (MiB)": round(weight_bytes(engine.loaded.model) / 2 ** 20),
+                         "KV reserved (MiB)": round(stats.kv_bytes_reserved / 2 ** 20, 2), "perplexity": round(ppl, 3),
+                         "quality delta (%)": round(delta, 2), "tokens": stats.generated_tokens,
                          "command": command(rung.settings, prompt, (system or "").strip(), new_tokens)})
             yield _frame(figure=stack_figure(rows), table=pd.DataFrame(rows, columns=TABLE_COLUMNS))
         stopped = " Stopped before the last rungs." if len(rows) < len(rungs) else ""
@@ -222,14 +222,16 @@ def build_stack_tab(pool: EnginePool) -> None:
         stop = gr.Button("Stop", variant="stop", elem_id="stack-stop", scale=1)
     status = gr.Markdown(elem_id="stack-status")
     figure = gr.Plot(stack_figure([]), elem_id="stack-chart", show_label=False)
-    table = gr.DataFrame(pd.DataFrame(columns=TABLE_COLUMNS), elem_id="stack-table", wrap=True, interactive=False)
+    table = gr.DataFrame(pd.DataFrame(columns=TABLE_COLUMNS), elem_id="stack-table", wrap=True, interactive=False,
+                         buttons=["copy", "fullscreen"])
     prompt = gr.State(prompts[grounded]["prompt"])
     system = gr.State(prompts[grounded].get("system", ""))
+    quick = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}  # the page's own events
     preset.change(lambda key: (prompts[key]["prompt"], prompts[key].get("system", "")), preset, [prompt, system],
-                  queue=False, show_progress="hidden")
+                  **quick)
     outputs = {"figure": figure, "table": table, "status": status, "run_button": run}
-    run.click(RunControl.arm, control, None, queue=False, show_progress="hidden").then(
+    run.click(RunControl.arm, control, None, **quick).then(
         partial(climb, pool), [control, prompt, system, new_tokens, with_compiled],
         [outputs[name] for name in STACK_OUTPUTS], show_progress="hidden", concurrency_limit=1,
-        concurrency_id="stack")
-    stop.click(RunControl.request_stop, control, None, queue=False, show_progress="hidden")
+        concurrency_id="stack", api_visibility="private")
+    stop.click(RunControl.request_stop, control, None, **quick)

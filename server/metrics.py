@@ -54,6 +54,8 @@ class Metrics:
                              buckets=TTFT_BUCKETS, registry=registry)
         registry.register(_LiveState(self))
         self._last_token_at: dict[int, float] = {}  # request id -> wall time of its last token (loop thread only)
+        # Running totals behind the two rate gauges (prometheus-client keeps counter values to itself).
+        self.totals = {"prompt": 0, "cached": 0, "drafted": 0, "accepted": 0}
 
     def observe(self, handle, event) -> None:
         """The engine loop's observer: runs in the loop thread for every event of every request."""
@@ -73,20 +75,23 @@ class Metrics:
         elif isinstance(event, FinishEvent):
             stats = event.stats
             self.requests.labels(source, "finished").inc()
+            self.totals["prompt"] += stats.prompt_tokens
+            self.totals["cached"] += stats.cached_prompt_tokens
             self.prompt_tokens.inc(stats.prompt_tokens)
             self.cached_tokens.inc(stats.cached_prompt_tokens)
             self.generated_tokens.inc(stats.generated_tokens)
             self.preemptions.inc(stats.preemptions)
             self.e2e.observe(now - request.submitted_at)
             if stats.spec:
+                self.totals["drafted"] += stats.spec["drafted"]
+                self.totals["accepted"] += stats.spec["accepted"]
                 self.drafted.inc(stats.spec["drafted"])
                 self.accepted.inc(stats.spec["accepted"])
         else:  # the error of a failed step
             self.requests.labels(source, "failed").inc()
 
-    def ratio(self, part: Counter, whole: Counter) -> float:
-        total = whole._value.get()
-        return part._value.get() / total if total else 0.0
+    def ratio(self, part: str, whole: str) -> float:
+        return self.totals[part] / self.totals[whole] if self.totals[whole] else 0.0
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -104,7 +109,7 @@ class _LiveState:
 
     def collect(self):
         metrics, pool = self.metrics, self.metrics.pool
-        status = pool.loop.status() if pool.loop._thread is not None else []
+        status = pool.loop.status()
         waiting = GaugeMetricFamily("playground_queue_length", "Requests queued and not yet running, all engines")
         waiting.add_metric([], sum(s["waiting"] for s in status))
         yield waiting
@@ -113,14 +118,13 @@ class _LiveState:
         yield running
         blocks = GaugeMetricFamily("playground_kv_blocks_in_use", "KV blocks (paged) and slots (contiguous) held, "
                                    "all engines")
-        blocks.add_metric([], pool.loop.call(pool.blocks_in_use) if pool.loop._thread is not None
-                          else pool.blocks_in_use())
+        blocks.add_metric([], pool.loop.call(pool.blocks_in_use))
         yield blocks
         hit = GaugeMetricFamily("playground_prefix_cache_hit_rate", "Prompt tokens from the prefix cache / prompt "
                                 "tokens, since start")
-        hit.add_metric([], metrics.ratio(metrics.cached_tokens, metrics.prompt_tokens))
+        hit.add_metric([], metrics.ratio("cached", "prompt"))
         yield hit
         accept = GaugeMetricFamily("playground_spec_acceptance_rate", "Speculative drafts accepted / drafted, since "
                                    "start")
-        accept.add_metric([], metrics.ratio(metrics.accepted, metrics.drafted))
+        accept.add_metric([], metrics.ratio("accepted", "drafted"))
         yield accept

@@ -157,12 +157,19 @@ def test_metrics_parse_and_move_with_requests(served, client):
     before = metrics(server.url)
     client.chat.completions.create(model="bundled", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                                    temperature=0)
+    long = [{"role": "user", "content": "Tell me about the sea. " * 6}]
+    for _ in range(2):  # the second one's prompt comes from the prefix cache
+        client.chat.completions.create(model="bundled", messages=long, max_tokens=1, temperature=0,
+                                       extra_body={"spec_method": "ngram"})
     with pytest.raises(BadRequestError):
         client.chat.completions.create(model="bundled", messages=[{"role": "user", "content": "Hi"}], max_tokens=-1)
     after = metrics(server.url)
     finished = ("playground_requests_total", (("outcome", "finished"), ("source", "api")))
-    assert after[finished] == before.get(finished, 0) + 1
-    assert after[("playground_generation_tokens_total", ())] == before[("playground_generation_tokens_total", ())] + 5
+    assert after[finished] == before.get(finished, 0) + 3
+    assert after[("playground_generation_tokens_total", ())] == before[("playground_generation_tokens_total", ())] + 7
+    hit_tokens = ("playground_prefix_cache_hit_tokens_total", ())
+    hits = after[hit_tokens] - before[hit_tokens]
+    assert hits >= 16 and 0 < after[("playground_prefix_cache_hit_rate", ())] <= 1
     assert after[("playground_time_to_first_token_seconds_count", ())] > \
         before[("playground_time_to_first_token_seconds_count", ())]
     assert after[("playground_inter_token_latency_seconds_count", ())] >= \

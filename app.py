@@ -1,7 +1,14 @@
-"""Start the playground: parse flags, load the model once, build the Gradio app, queue it and serve it.
+"""Start the playground: parse flags, load the model once, build the Gradio app, queue it and serve it with the
+OpenAI-compatible API, /health and /metrics on the same port (`server.app`).
 
     python app.py [--model bundled] [--draft-model none] [--device auto] [--dtype auto] [--host 127.0.0.1]
                   [--port 7860] [--max-seq-len 2048] [--max-queue 32] [--max-run-seconds 180]
+                  [--public | --no-public] [--allow-model ID ...] [--allow-endpoint URL ...]
+                  [--max-prompt-tokens N] [--max-new-tokens N] [--requests-per-minute N] [--tokens-per-hour N]
+
+Public mode (on by default on a Space) serves only allowlisted models and none from a local path, caps every
+request, limits each caller's requests per minute and tokens per hour, and lets a lane target only the external
+engines allowed here (docs/api.md). The caps apply to the page and the API alike (`server.policy.ServePolicy`).
 
 Each flag can also come from the environment (PLAYGROUND_MODEL, PLAYGROUND_DRAFT_MODEL, PLAYGROUND_DEVICE,
 PLAYGROUND_DTYPE, PLAYGROUND_HOST, PLAYGROUND_PORT, PLAYGROUND_MAX_SEQ_LEN, PLAYGROUND_MAX_RUN_SECONDS); Gradio's

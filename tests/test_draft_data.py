@@ -1,0 +1,33 @@
+"""Draft-head training data: varied prompts that keep the benchmark set out, and the model's own answers generated
+in batches equal to its answers one at a time."""
+
+from __future__ import annotations
+
+from conftest import make_engine
+from inference_core import SamplingParams
+from inference_core.draft_data import _four_grams, bench_four_grams, chat_prompts, generate, load, save
+
+
+def test_prompts_are_many_distinct_seeded_and_held_out_from_the_benchmark():
+    prompts = chat_prompts(5000)
+    assert len(prompts) >= 1500 and len(set(prompts)) == len(prompts)
+    assert chat_prompts(50, seed=1) == chat_prompts(50, seed=1) != chat_prompts(50, seed=2)
+    held_out = bench_four_grams()
+    assert held_out and not any(_four_grams(prompt) & held_out for prompt in prompts)
+    assert any(prompt.startswith("Summarize this passage") for prompt in prompts)  # shipped public-domain text
+    assert any("Python" in prompt for prompt in prompts)
+
+
+def test_batched_answers_equal_solo_answers(bundled, tmp_path):
+    prompts = chat_prompts(6, seed=3)
+    seen = []
+    samples = generate(bundled, prompts, max_new_tokens=8, batch_size=4, max_seq_len=512,
+                       progress=lambda done, total: seen.append((done, total)))
+    assert [s["prompt"] for s in samples] == list(range(6)) and seen[-1] == (6, 6)
+    engine = make_engine(bundled, max_seq_len=512)
+    for sample, prompt in zip(samples, prompts):
+        solo = engine.complete(prompt, SamplingParams(max_new_tokens=8))
+        assert sample["ids"] == engine.prompt_ids(prompt) + solo.token_ids
+        assert sample["prompt_tokens"] == len(engine.prompt_ids(prompt))
+    save(tmp_path / "data.jsonl", samples)
+    assert load(tmp_path / "data.jsonl") == samples

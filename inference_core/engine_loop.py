@@ -37,20 +37,16 @@ RECENT_STEPS = 20  # steps per engine whose durations `status()` averages
 CANCELLED = "cancelled"  # what observers see when a request is cancelled (it gets no final event)
 
 
-class LoopHandle:
-    """One submitted request, seen from the submitting thread. Iterate it for its events (TokenEvent..., then one
-    FinishEvent); the iterator raises the error of a failed step."""
+class EventHandle:
+    """A request's events seen from the thread that submitted it, through `queue` ((handle, event) pairs; several
+    handles may share one sink, see `merge`). Iterate it for its events (TokenEvent..., then one FinishEvent); the
+    iterator raises the error of a failed step. Subclasses say how to `stop` and `cancel` the request: `LoopHandle`
+    for our engine loop, `server.remote.RemoteHandle` for an external engine."""
 
-    def __init__(self, loop: "EngineLoop", engine: Engine, request: Request, tag=None,
-                 sink: queue.Queue | None = None):
-        self.loop, self.engine, self.request, self.tag = loop, engine, request, tag
-        # (handle, event) pairs; several handles may share one sink (see `merge`).
+    def __init__(self, tag=None, sink: queue.Queue | None = None):
+        self.tag = tag
         self.queue: queue.Queue = sink if sink is not None else queue.Queue()
         self.done = False
-
-    @property
-    def request_id(self) -> int:
-        return self.request.request_id
 
     def __iter__(self) -> Iterator[TokenEvent | FinishEvent]:
         try:
@@ -71,6 +67,25 @@ class LoopHandle:
         if isinstance(event, FinishEvent):
             self.done = True
         return event
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+
+class LoopHandle(EventHandle):
+    """One request submitted to the engine loop."""
+
+    def __init__(self, loop: "EngineLoop", engine: Engine, request: Request, tag=None,
+                 sink: queue.Queue | None = None):
+        super().__init__(tag, sink)
+        self.loop, self.engine, self.request = loop, engine, request
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id
 
     def stop(self) -> None:
         """End after the step in flight, with a final event (finish_reason "stopped")."""

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from inference_core import ConfigError, FinishEvent, SamplingParams, TokenEvent
 from inference_core.engine_loop import LoopHandle
 from inference_core.sampling import MIN_TEMPERATURE
-from server.policy import LimitExceeded, cache_salt, looks_like_path
+from server.policy import LimitExceeded, cache_salt, client_address, looks_like_path
 from ui.settings import BLOCK_SIZES, LaneSettings, check_run_cost
 
 log = logging.getLogger(__name__)
@@ -264,11 +264,9 @@ class OpenAIAPI:
         return response
 
     def caller(self, http: Request) -> str:
-        """The client's address (behind a Space's proxy, the first X-Forwarded-For hop, in public mode)."""
-        forwarded = http.headers.get("x-forwarded-for")
-        if self.policy.public and forwarded:
-            return forwarded.split(",")[0].strip()
-        return http.client.host if http.client else "unknown"
+        """The client's address (in public mode, behind a Space's proxy, the first X-Forwarded-For hop)."""
+        return client_address(http.headers, http.client.host if http.client else None, self.policy.public) \
+            or "unknown"
 
     async def _answer(self, http: Request, kind: str):
         raw = await http.body()

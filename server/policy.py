@@ -135,6 +135,13 @@ class CallerLimits:
             self._tokens[caller].append((time.monotonic(), -tokens))
 
 
+def client_address(headers, peer: str | None, behind_proxy: bool) -> str | None:
+    """Who a caller is, for the per-caller limits: behind a proxy (a Space) the first X-Forwarded-For hop, else the
+    socket's peer address."""
+    forwarded = headers.get("x-forwarded-for", "") if behind_proxy else ""
+    return forwarded.split(",")[0].strip() if forwarded else peer
+
+
 def cache_salt(api_key: str | None, caller: str) -> str:
     """The prefix-cache salt of an API caller: one per API key (a key's requests reuse each other's prefixes, no one
     else's), else one per client address. It is a hash, so the key never sits in engine state."""

@@ -19,6 +19,7 @@ import time
 import httpx
 
 from inference_core import ConfigError, FinishEvent, TokenEvent
+from inference_core.engine_loop import EventHandle
 from inference_core.request import GenerationStats
 
 CONNECT_TIMEOUT_S = 5.0
@@ -55,35 +56,13 @@ def _why(error: Exception) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
-class RemoteHandle:
+class RemoteHandle(EventHandle):
     """One streaming request to an external engine, read like a `LoopHandle`."""
 
     def __init__(self, tag, sink: queue.Queue | None = None):
-        self.tag = tag
-        self.queue: queue.Queue = sink if sink is not None else queue.Queue()
-        self.done = False
-        self.request = None  # no engine request: nothing of it lives on this device
+        super().__init__(tag, sink)
         self._stop = threading.Event()
         self._cancel = threading.Event()
-        self.response: httpx.Response | None = None
-
-    def received(self, event):
-        if isinstance(event, BaseException):
-            self.done = True
-            raise event
-        if isinstance(event, FinishEvent):
-            self.done = True
-        return event
-
-    def next_event(self, timeout: float | None = None):
-        return self.received(self.queue.get(timeout=timeout)[1])
-
-    def __iter__(self):
-        try:
-            while not self.done:
-                yield self.next_event()
-        finally:
-            self.cancel()
 
     def stop(self) -> None:
         """End now with a final event (finish_reason "stopped"): the stream is closed, which cancels it there."""

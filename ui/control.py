@@ -13,6 +13,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from server.policy import client_address
+
 
 @dataclass
 class RunControl:
@@ -46,11 +48,9 @@ class RunControl:
 
 
 def caller_of(request) -> str | None:
-    """A page visitor's client address from Gradio's request: behind a proxy (a Space) the first X-Forwarded-For
-    hop, else the socket's peer; None outside a served page (tests driving a handler directly)."""
+    """A page visitor's client address from Gradio's request (`server.policy.client_address`, trusting a proxy's
+    X-Forwarded-For); None outside a served page (tests driving a handler directly)."""
     if request is None:
         return None
-    forwarded = (request.headers or {}).get("x-forwarded-for", "")
-    if forwarded:
-        return forwarded.split(",")[0].strip()
-    return request.client.host if getattr(request, "client", None) else None
+    peer = request.client.host if getattr(request, "client", None) else None
+    return client_address(request.headers or {}, peer, behind_proxy=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from inference_core.bench import _machine, forward_clock, load_hf_model, write_report
+from inference_core.bench import machine_info, forward_clock, load_hf_model, write_report
 from inference_core.config import BATCHING_MODES, ConfigError, EngineConfig
 from inference_core.engine import Engine, FinishEvent, LoadedModel, TokenEvent, load_model
 from inference_core.prompts import DEFAULT_PROMPTS, load_prompts
@@ -204,7 +204,7 @@ def run_batch_bench(args) -> int:
     longest_blocks = math.ceil((max(map(len, prompts)) + args.max_new_tokens) / block_size)
     kv_cache_tokens = args.kv_cache_tokens or args.max_num_seqs * longest_blocks * block_size
     warmup = (prompts[:args.max_num_seqs], [0.0] * min(args.max_num_seqs, len(prompts)), WARMUP_TOKENS)
-    machine = {**_machine(loaded.device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    machine = {**machine_info(loaded.device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                "cpu_count": os.cpu_count()}
     arguments = {"prompts": str(args.prompts or DEFAULT_PROMPTS), "requests": args.requests,
                  "max_new_tokens": args.max_new_tokens, "arrival": args.arrival, "modes": modes, "peers": peers,

@@ -191,7 +191,7 @@ def run_bench(args) -> int:
     report = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "prompts": [prompt_id for prompt_id, _ in prompts], "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-              "roofline_tokens_per_s": round(limit, 1), "machine": _machine(loaded.device), "rows": table,
+              "roofline_tokens_per_s": round(limit, 1), "machine": machine_info(loaded.device), "rows": table,
               "ours_vs_peers": _ours_vs_peers(table, set(engines), set(peers))}
     print(format_table(report))
     write_report(report, args.json_path)
@@ -261,7 +261,7 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _machine(device: torch.device) -> dict:
+def machine_info(device: torch.device) -> dict:
     info = {"platform": platform.platform(), "processor": _cpu_name(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx": torch.cpu._is_amx_tile_supported()}

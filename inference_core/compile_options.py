@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from inference_core.bench import _machine, write_report
+from inference_core.bench import machine_info, write_report
 from inference_core.compiled import CompiledDecoder
 from inference_core.config import EngineConfig
 from inference_core.engine import make_kv_cache
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: compile {cold_s:.1f} s (again {warm_s:.1f} s), {step_ms:.2f} ms/step, "
               f"{rows[0]['step_ms'] / step_ms:.2f}x eager", flush=True)
     write_report({"model": loaded.name, "dtype": args.dtype, "layout": layout, "context_tokens": 200,
-                  "machine": _machine(loaded.device), "rows": rows}, args.json_path)
+                  "machine": machine_info(loaded.device), "rows": rows}, args.json_path)
     return 0
 
 

@@ -29,14 +29,15 @@ from typing import Iterator
 from inference_core.block_manager import FREED
 from inference_core.compiled import CompiledDecoder, compile_unavailable
 from inference_core.config import ConfigError, EngineConfig
+from inference_core.draft_heads import DraftHeads, EagleDrafter, MedusaDrafter, find_heads, load_heads
 from inference_core.kv_cache import ContiguousKVCache, PagedKVCache, RecomputeKVCache
 from inference_core.loader import LoadedModel, check_draft_model, load_model, wake_device
 from inference_core.request import FinishEvent, GenerationStats, Request, StopGeneration, TokenEvent
 from inference_core.runner import ModelRunner
 from inference_core.sampling import SamplingParams, sample_batch
 from inference_core.scheduler import ScheduledWork, Scheduler
-from inference_core.speculative import (DraftModelDrafter, EarlyExitDrafter, NgramDrafter, SpecConfig, next_k,
-                                        speculative_step)
+from inference_core.speculative import (MAX_K, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, SpecConfig,
+                                        next_k, speculative_step)
 from inference_core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["Engine", "FinishEvent", "GenerationStats", "LoadedModel", "StepReport", "StopGeneration", "TokenEvent",
@@ -102,6 +103,7 @@ class Engine:
         self.steps_taken = 0
         self.draft_model = draft_model
         self.draft_runner: ModelRunner | None = None  # the draft model's, built by its first request
+        self.draft_heads: dict[str, DraftHeads] = {}  # trained heads by kind ("medusa", "eagle"), loaded when asked
         if draft_model is not None:
             check_draft_model(loaded, draft_model)
             if draft_model.config.max_position_embeddings < self.max_seq_len:
@@ -206,9 +208,28 @@ class Engine:
         """No more requests are coming (static batching may start a partial batch)."""
         self.scheduler.drain()
 
+    def load_draft_heads(self, kind: str, path=None) -> DraftHeads:
+        """The engine's trained `kind` heads: from `path`, else (once) from where `train-draft` writes or the shipped
+        ones for the bundled model. A ConfigError says how to train them where there are none."""
+        if path is None and kind in self.draft_heads:
+            return self.draft_heads[kind]
+        if path is None:
+            path = find_heads(self.loaded.name, self.loaded.config, kind)
+        if path is None:
+            raise ConfigError(f"no trained {kind} heads for {self.loaded.name}; train them with `python -m "
+                              f"inference_core train-draft --kind {kind} --model {self.loaded.name}`.")
+        heads = load_heads(path, self.loaded.config, self.loaded.device)
+        self.draft_heads[kind] = heads
+        return heads
+
     def resolve_spec(self, spec: SpecConfig) -> SpecConfig:
         """Settle what the speculative settings leave to the model (early exit's default depth), or refuse them."""
         num_layers = self.loaded.config.num_layers
+        if spec.method in ("medusa", "eagle"):
+            heads = self.load_draft_heads(spec.method)
+            if heads.num_heads and spec.k > heads.num_heads:
+                raise ConfigError(f"these Medusa heads draft at most {heads.num_heads} tokens ahead: draft length k "
+                                  f"({{spec_k}}) must be 1 to {heads.num_heads}, got {spec.k}.")
         if spec.method == "draft" and self.draft_model is None:
             raise ConfigError("speculative method 'draft' needs a draft model: {draft_model} (the engine's "
                               "draft_model).")
@@ -267,10 +288,19 @@ class Engine:
         padding = self.scheduler.pad_rows()  # static batching: finished members' rows, computed and thrown away
         prompt_padding = [self._reserve_prompt_padding(w) for w in work]
         compiled_before = self._compile_seconds()
+        # Trained draft heads read the target's hidden states: they see every position it computes for them.
+        readers = [i for i, request in enumerate(requests) if request.spec.reads_hidden]
+        firsts = [request.seq.num_computed_tokens for request in requests]
         try:
             logits = self.runner.run([r.seq for r in requests] + padding,
                                      [w.num_tokens for w in work] + [len(s) - s.num_computed_tokens for s in padding],
-                                     num_padding=prompt_padding + [0] * len(padding))
+                                     num_padding=prompt_padding + [0] * len(padding), return_hidden=bool(readers))
+            if readers:
+                logits, hidden = logits
+                for i in readers:
+                    if requests[i].drafter is None:
+                        requests[i].drafter = self._drafter(requests[i].spec)
+                    requests[i].drafter.observe(firsts[i], hidden[i])
             # Sequences whose whole text is now computed get a new token; a prefill chunk that is not the prompt's
             # last waits for the next step.
             done = [i for i, request in enumerate(requests) if self._completes(request)]
@@ -329,7 +359,11 @@ class Engine:
                 request.draft_k = next_k(request.draft_k, accepted + len(tokens[-1][2]), accepted,
                                          request.spec.max_k)
             if not tokens:  # nothing drafted or no room: a plain decode step of its own
-                logits = self.runner.run([seq])
+                position = len(seq) - 1
+                logits = self.runner.run([seq], return_hidden=request.spec.reads_hidden)
+                if request.spec.reads_hidden:
+                    logits, hidden = logits
+                    request.drafter.observe(position, hidden[0])
                 tokens = [(sample_batch(logits, [request.params], [request.generator])[0], None, ())]
         except BaseException as error:
             self._fail(request, error)
@@ -387,6 +421,10 @@ class Engine:
             return NgramDrafter(spec)
         if spec.method == "early-exit":
             return EarlyExitDrafter(self.runner, spec.draft_layers)
+        if spec.method == "medusa":
+            return MedusaDrafter(self.load_draft_heads("medusa"), self.loaded.model)
+        if spec.method == "eagle":
+            return EagleDrafter(self.load_draft_heads("eagle"), self.loaded.model, self.max_seq_len + 2 * MAX_K)
         if self.draft_runner is None:
             draft_config = replace(self.config, max_seq_len=self.max_seq_len)
             self.draft_runner = ModelRunner(self.draft_model.model,

@@ -34,14 +34,23 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.in_out = False
+        self.out_in_rows: torch.Tensor | None = None  # in_out only: the same weight as [out, in], where kept
 
-    def use_in_out_layout(self) -> None:
+    def use_in_out_layout(self, keep_out_in: bool = False) -> None:
+        """Store the weight as [in, out]. `keep_out_in` keeps the [out, in] tensor too, for several-row inputs (free
+        where it is shared, as a tied LM head's embedding is)."""
+        if keep_out_in:
+            self.out_in_rows = self.weight.detach()
         self.weight = nn.Parameter(self.weight.detach().t().contiguous(), requires_grad=False)
         self.in_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.in_out:
             return F.linear(x, self.weight, self.bias)
+        if self.out_in_rows is not None and self.bias is None and x.shape[0] > 1:
+            # Several rows: x @ W[in, out] runs about one pass over the weights per row here (49152 x 576, AVX-512,
+            # 2 threads: 19.0 ms for 4 rows, 4.7 ms for one), while W[out, in] @ x^T takes 4.0 ms for all 4.
+            return (self.out_in_rows @ x.t()).t()
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
 
@@ -224,7 +233,9 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear) and module.in_out != (layout == "in_out"):
                 if module.in_out:
                     raise ValueError("weights are already in the in_out layout; reload the model to switch back.")
-                module.use_in_out_layout()
+                # A tied LM head keeps the embedding as its [out, in] form for several-row inputs (no extra memory).
+                module.use_in_out_layout(keep_out_in=module is self.lm_head
+                                         and module.weight is self.embed_tokens.weight)
 
     def rope_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin ([-sin, sin]) tables [max_positions, head_dim] in the model dtype, built once per device
@@ -237,15 +248,20 @@ class CausalLM(nn.Module):
             self._rope_cache = cached = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
         return cached
 
-    def forward(self, batch, kv_cache, num_layers: int | None = None) -> torch.Tensor:
+    def forward(self, batch, kv_cache, num_layers: int | None = None, return_hidden: bool = False):
         """batch.input_ids, batch.positions: [tokens]. Returns fp32 logits [len(batch.logits_indices), vocab].
         `num_layers` < the model's runs only the first layers before the final norm and LM head (an early-exit
-        draft; only those layers' KV is written)."""
+        draft; only those layers' KV is written). With `return_hidden`, returns (logits, hidden): hidden is every
+        token's final-normed hidden state [tokens, hidden_size] (what the LM head reads; trained draft heads read it
+        too)."""
         x = F.embedding(batch.input_ids, self.embed_tokens.weight)
         cos_table, sin_table = self.rope_tables(x.dtype)
         cos, sin = cos_table[batch.positions].unsqueeze(1), sin_table[batch.positions].unsqueeze(1)
         for layer in self.layers[:num_layers]:
             x = layer.forward(x, cos, sin, batch, kv_cache)
+        if return_hidden:
+            hidden = self.norm.forward(x)
+            return self.lm_head.forward(hidden[batch.logits_indices]).float(), hidden
         # Only the last token of each sequence needs logits: the LM head is the largest matmul of a decode step.
         x = self.norm.forward(x[batch.logits_indices])
         return self.lm_head.forward(x).float()

@@ -34,6 +34,7 @@ class ForwardBatch:
     context_lens_tensor: torch.Tensor  # [sequences] int32: tokens each attends to after this step
     num_decodes: int  # the first num_decodes sequences forward one token each against their cache
     query_ranges: list[tuple[int, int]]  # per sequence: its new tokens' [start, end) in the flat batch
+    order: list[int]  # the caller's index of each sequence, in the flat batch's order
     position_ranges: list[tuple[int, int]]  # per sequence: positions [first, last) being computed
     context_lens: list[int]  # per sequence: tokens it attends to after this step (cached + new)
     is_causal: list[bool]  # per sequence: SDPA's own causal mask fits (queries and keys start together)
@@ -104,7 +105,7 @@ class ModelRunner:
                                         dtype=torch.long, device=self.device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
-            num_decodes=num_decodes, query_ranges=query_ranges, position_ranges=position_ranges,
+            num_decodes=num_decodes, query_ranges=query_ranges, order=order, position_ranges=position_ranges,
             context_lens=context_lens, is_causal=is_causal, attention_masks=masks)
         if num_decodes > 1:
             batch.max_decode_context = max(context_lens[:num_decodes])
@@ -119,10 +120,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None, num_logits: int = 1,
-            num_padding: list[int] | None = None) -> torch.Tensor:
+            num_padding: list[int] | None = None, return_hidden: bool = False):
         """Forward the next `num_new_tokens[i]` uncomputed tokens of each sequence (default: all of them); returns
         fp32 logits for each sequence's last `num_logits` forwarded tokens, [len(seqs) * num_logits, vocab] (more than
-        1 for speculative verification). Commits the new KV.
+        1 for speculative verification). Commits the new KV. With `return_hidden`, returns (logits, hidden) where
+        hidden[i] is the final-normed hidden state of sequence i's forwarded tokens, [num_new_tokens[i], hidden_size]
+        (what trained draft heads read; always the eager forward).
 
         `num_padding[i]` PAD_TOKENs are forwarded right after sequence i's new tokens (a static batch's prompts padded
         to its longest): computed like any token, at the next positions, so no real token attends to them; their KV
@@ -130,7 +133,7 @@ class ModelRunner:
         the last real token. The caller has checked that the KV cache has room for them."""
         if num_new_tokens is None:
             num_new_tokens = [len(seq) - seq.num_computed_tokens for seq in seqs]
-        if self.decoder is not None and num_logits == 1 and not any(num_padding or ()) \
+        if self.decoder is not None and num_logits == 1 and not any(num_padding or ()) and not return_hidden \
                 and self.decoder.handles(seqs, num_new_tokens):
             for seq in seqs:
                 self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + 1)
@@ -146,14 +149,20 @@ class ModelRunner:
                 self.kv_cache.ensure_capacity(seq)
             batch = self.prepare(seqs, [count + pads for count, pads in zip(num_new_tokens, num_padding)],
                                  num_logits, num_padding)
-            logits = self.model.forward(batch, self.kv_cache)
+            logits = self.model.forward(batch, self.kv_cache, return_hidden=return_hidden)
         finally:
             for seq, pads in zip(seqs, num_padding):
                 if pads:
                     del seq.token_ids[-pads:]
         for seq, count in zip(seqs, num_new_tokens):
             self.kv_cache.commit(seq, seq.num_computed_tokens + count)
-        return logits
+        if not return_hidden:
+            return logits
+        logits, flat = logits
+        hidden: list[torch.Tensor] = [flat] * len(seqs)
+        for (start, _), index in zip(batch.query_ranges, batch.order):
+            hidden[index] = flat[start:start + num_new_tokens[index]]
+        return logits, hidden
 
     @torch.inference_mode()
     def run_shallow(self, seq: Sequence, num_layers: int) -> torch.Tensor:

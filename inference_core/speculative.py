@@ -22,6 +22,8 @@ Draft sources, each with `propose` (up to k tokens and, when sampling from a mod
   rewrites every layer at those positions.
 - `draft`: a separate, smaller model with the same tokenizer, with its own KV cache that is rolled back to the
   tokens both models agree on before each proposal.
+- `medusa` and `eagle`: heads trained on the target's own answers that read its last hidden state
+  (`inference_core.draft_heads`); the verification pass hands them the hidden states of the positions it keeps.
 """
 
 from __future__ import annotations
@@ -35,14 +37,16 @@ from inference_core.config import ConfigError
 from inference_core.sampling import SamplingParams, probabilities, sample_with_probabilities
 from inference_core.sequence import Sequence
 
-SPEC_METHODS = ("none", "ngram", "early-exit", "draft")
+SPEC_METHODS = ("none", "ngram", "early-exit", "draft", "medusa", "eagle")
+HIDDEN_READERS = ("medusa", "eagle")  # draft sources that read the target's hidden states
 MAX_K = 16
 
 
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
     """Speculative decoding settings of one request. method: 'none', 'ngram' (prompt lookup), 'early-exit' (the
-    target's first `draft_layers` layers as the draft) or 'draft' (the engine's separate draft model). With
+    target's first `draft_layers` layers as the draft), 'draft' (the engine's separate draft model), or 'medusa' /
+    'eagle' (trained draft heads). With
     `adaptive`, k is where the draft length starts: it grows by one after a fully accepted step (up to 2k, at most
     MAX_K) and shrinks by one after a rejection in the first half of the drafts (down to 1)."""
 
@@ -71,6 +75,11 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def reads_hidden(self) -> bool:
+        """Trained draft heads: the engine hands them the target's hidden state at every position it computes."""
+        return self.method in HIDDEN_READERS
 
     @property
     def max_k(self) -> int:
@@ -286,7 +295,10 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
     num_before = len(seq)  # the last token (KV not yet written) is at num_before - 1
     seq.token_ids.extend(drafts)
     # logits: [len(drafts) + 1, vocab] for the positions of the last token and of each draft
-    logits = runner.run([seq], num_logits=len(drafts) + 1)
+    reads_hidden = getattr(drafter, "wants_hidden", False)
+    logits = runner.run([seq], num_logits=len(drafts) + 1, return_hidden=reads_hidden)
+    if reads_hidden:
+        logits, hidden = logits
     if params.greedy:
         target_ids = logits.argmax(dim=-1).tolist()
         accepted = accept_greedy(drafts, target_ids)
@@ -298,6 +310,8 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
         accepted, final_token = accept_sampled(drafts, draft_probs, target_probs, generator)
     # Keep the KV of the last token and the accepted drafts; the tokens themselves are re-appended by the caller.
     del seq.token_ids[num_before:]
+    if reads_hidden:  # the hidden states of the kept positions; the last one predicted the final token
+        drafter.observe(num_before - 1, hidden[0][:accepted + 1])
     runner.kv_cache.rollback(seq, num_before + accepted)
     stats.record(len(drafts), accepted)
     stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3

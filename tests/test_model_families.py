@@ -181,6 +181,27 @@ def test_weight_layouts_agree(family):
                                    atol=1e-5, rtol=0)
 
 
+def test_a_tied_in_out_head_scores_several_rows_through_the_shared_embedding():
+    """Several rows (a speculative verification, batched decodes) through an in_out LM head tied to the embedding
+    use the embedding as its [out, in] form, which costs no memory; an untied head keeps no second copy."""
+    from torch import nn
+
+    from inference_core.model import Linear
+
+    embedding = nn.Parameter(torch.randn(300, 64), requires_grad=False)
+    head = Linear(64, 300, bias=False)
+    head.weight = embedding
+    head.use_in_out_layout(keep_out_in=True)
+    assert head.weight.shape == (64, 300) and head.out_in_rows.data_ptr() == embedding.data_ptr()
+    rows = torch.randn(5, 64)
+    for count in (1, 2, 5):
+        torch.testing.assert_close(head.forward(rows[:count]), rows[:count] @ embedding.t(), atol=1e-5, rtol=0)
+    untied = Linear(64, 300, bias=False)
+    untied.weight = nn.Parameter(torch.randn(300, 64), requires_grad=False)
+    untied.use_in_out_layout()
+    assert untied.out_in_rows is None
+
+
 def test_bfloat16_close_to_float32(family):
     loaded = inference_core.load_model(str(family.directory), device="cpu", dtype="bfloat16")
     assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16

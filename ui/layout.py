@@ -102,7 +102,7 @@ def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
                       interactive=sampling, elem_id=f"{prefix}-top-p")
     seed = gr.Number(value=defaults.seed, precision=0, label="seed (when sampling)", interactive=sampling,
                      elem_id=f"{prefix}-seed")
-    methods = [method for method in SPEC_METHOD_LABELS if method != "draft" or pool.draft is not None]
+    methods = pool.spec_methods()
     labels = {**SPEC_METHOD_LABELS, "draft": f"draft model ({pool.draft.name})" if pool.draft else ""}
     spec_method = gr.Radio([(labels[method], method) for method in methods], value=defaults.spec_method,
                            label="speculative decoding: draft source", elem_id=f"{prefix}-spec")
@@ -194,12 +194,12 @@ def _memory_widgets(pool: EnginePool, defaults: LaneSettings, prefix: str) -> li
 
 def available_setups(pool: EnginePool) -> list[str]:
     """The race setups this device can run: those with a compiled lane only where compilation is available, with
-    quantized weights only where quantization runs."""
+    quantized weights only where quantization runs, with trained draft heads only where this model has them."""
     can_compile = compile_unavailable(pool.loaded.device) is None
-    schemes = pool.weight_schemes()
+    schemes, methods = pool.weight_schemes(), pool.spec_methods()
     return [name for name, setup in RACE_SETUPS.items()
             if (can_compile or not any(lane.compile for lane in setup.lanes.values()))
-            and all(lane.weights in schemes for lane in setup.lanes.values())]
+            and all(lane.weights in schemes and lane.spec_method in methods for lane in setup.lanes.values())]
 
 
 def _build_race_tab(pool: EnginePool) -> None:

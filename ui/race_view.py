@@ -28,6 +28,8 @@ WHY_DRAFTS_FAIL = {
                   "the full model (early exit pays off on models trained for it)",
     "ngram": "prompt lookup only finds drafts where the answer repeats the prompt (try a grounded prompt)",
     "draft": "the draft model rarely agrees with the target",
+    "medusa": "the heads were trained on this model's chat answers; other kinds of text get fewer right",
+    "eagle": "the layer was trained on this model's chat answers; other kinds of text get fewer right",
 }
 
 

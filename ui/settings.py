@@ -27,7 +27,8 @@ from server.policy import CallerLimits, ServePolicy
 
 KV_MODE_LABELS = {"paged": "paged KV cache", "contiguous": "contiguous KV cache", "none": "no KV cache (recompute)"}
 BLOCK_SIZES = (4, 8, 16, 32)
-SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "early exit", "draft": "draft model"}
+SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "early exit", "draft": "draft model",
+                      "medusa": "Medusa heads (trained)", "eagle": "EAGLE layer (trained)"}
 WEIGHTS_LABELS = {"none": "model dtype", "int8": "int8 per channel", "int4": "int4 per group",
                   "awq": "AWQ int4 per group (calibrated)"}
 KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and head"}
@@ -196,6 +197,15 @@ class EnginePool:
         about 130 ms, lane B's about 250); with both, 13-17 ms longer for lane A and no longer for lane B."""
         time.sleep(SETTLE_S)
         self.loop.call(wake_device, self.loaded)  # between the loop's steps: never on top of another visitor's
+
+    def spec_methods(self) -> list[str]:
+        """The draft sources this model can use: a draft model only where the app has one, trained heads only where
+        a heads file for this model exists (shipped for the bundled model, or written by train-draft)."""
+        from inference_core.draft_heads import find_heads
+
+        return [method for method in SPEC_METHOD_LABELS
+                if (method != "draft" or self.draft is not None)
+                and (method not in ("medusa", "eagle") or find_heads(self.loaded.name, self.loaded.config, method))]
 
     def check_draft_model(self) -> None:
         """Run one short speculative request with the draft model, which refuses an unusable one at start-up."""

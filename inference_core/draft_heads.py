@@ -1,0 +1,330 @@
+"""Trained draft heads: small networks on the target model's last hidden state that guess its next tokens, trained
+here on the model's own answers (`python -m inference_core train-draft`, `inference_core.train_draft`) and used as
+speculative draft sources `medusa` and `eagle`. The target model stays frozen and verifies every draft, so the
+output is the target's whatever the heads guess; better heads only mean more accepted drafts.
+
+Both read the target's final-normed hidden state f_t at position t (the vector its LM head turns into the logits of
+token t+1) and score tokens through the target's own LM head rows, restricted to a draft vocabulary: the most
+frequent tokens of the training answers (a few thousand of the model's 49k; FR-Spec and EAGLE-3 do the same). On
+the bundled model the full LM head is a fifth of the weights, so scoring every token would cost a draft step a
+fifth of a whole forward; the restricted head reads a sixth of its rows. A draft outside that vocabulary is never
+proposed, and under sampling its draft probability is 0, which the acceptance rule handles exactly.
+
+- `medusa` (Medusa, Cai et al. 2024): K heads, each a residual block f + SiLU(W_i f + b_i), where head i predicts the
+  token i+1 places after the one the target just predicted. All K drafts come from one hidden state in one batched
+  matmul; the drafts do not see each other.
+- `eagle` (EAGLE, Li et al. 2024): one decoder layer over the pairs (f_j, embedding of token j+1), fused by a linear
+  layer, that predicts the next hidden state f_{j+1}; its own output and the drafted token feed the next draft step,
+  k steps in all. It attends over the request's earlier positions through a small KV cache of its own, kept with
+  the target's true hidden states and rolled back past each step's drafts.
+
+Weights are safetensors files with their metadata (kind, model fingerprint, training note). `find_heads` looks for
+a model's heads in the user cache (where `train-draft` writes) and in the package (the bundled model's, shipped in
+`inference_core/data/draft_heads/`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_core.config import ConfigError, ModelConfig
+from inference_core.model import MLP, Attention, CausalLM, RMSNorm
+from inference_core.sampling import SamplingParams, sample_with_probabilities
+from inference_core.sequence import Sequence
+
+DRAFT_KINDS = ("medusa", "eagle")
+SHIPPED = Path(__file__).parent / "data" / "draft_heads"
+
+
+def fingerprint(config: ModelConfig) -> str:
+    """What a set of heads must match: the shapes of the hidden state and the vocabulary they read and score."""
+    return (f"{config.architecture}:h{config.hidden_size}:l{config.num_layers}:v{config.vocab_size}:"
+            f"heads{config.num_heads}/{config.num_kv_heads}")
+
+
+def lm_head_rows(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM head rows of token `ids`, [len(ids), hidden], in the model dtype (tied models read the
+    embedding, which quantized weights leave in the model dtype)."""
+    if model.config.tie_word_embeddings:
+        return model.embed_tokens.weight[ids].detach()
+    head = model.lm_head
+    if hasattr(head, "in_out"):
+        weight = head.weight.t() if head.in_out else head.weight
+        return weight[ids].detach()
+    # A quantized, untied LM head: read its rows back through the layer itself.
+    eye = torch.eye(model.config.hidden_size, dtype=model.embed_tokens.weight.dtype,
+                    device=model.embed_tokens.weight.device)
+    return head.forward(eye).t()[ids].detach()
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks on the hidden state: head i maps f to f + SiLU(f W_i + b_i). W starts at zero, so every head
+    starts as the target's own next-token prediction."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., num_heads, hidden]."""
+        mixed = torch.einsum("...d,nde->...ne", hidden, self.weight) + self.bias
+        return hidden.unsqueeze(-2) + F.silu(mixed)
+
+
+class EagleLayer(nn.Module):
+    """fc(cat(f_j, e(x_{j+1}))) -> one decoder layer (the target's layer shape, attention over earlier positions) ->
+    RMSNorm, an estimate of f_{j+1}."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, 0)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        for module in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, features, embeddings, cos, sin, cache=None, start: int = 0) -> torch.Tensor:
+        """features, embeddings: [batch, tokens, hidden]; cos, sin: [tokens, 1, head_dim] (the rotary tables at these
+        tokens' positions). Training passes no cache: causal attention within each row. Drafting passes `cache`
+        (keys, values [positions, kv_heads, head_dim]) for batch 1: these tokens' keys and values are written at
+        `start`.. and the tokens attend to everything before them there. Returns [batch, tokens, hidden]."""
+        batch, tokens, hidden = features.shape
+        x = self.fc(torch.cat((features, embeddings), -1))
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm.forward(x).reshape(batch * tokens, hidden),
+                               cos.repeat(batch, 1, 1), sin.repeat(batch, 1, 1))
+        q = q.view(batch, tokens, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = k.view(batch, tokens, attn.num_kv_heads, attn.head_dim)
+        v = v.view(batch, tokens, attn.num_kv_heads, attn.head_dim)
+        if cache is None:
+            keys, values, mask, causal = k.transpose(1, 2), v.transpose(1, 2), None, tokens > 1
+        else:
+            cache_k, cache_v = cache
+            cache_k[start:start + tokens] = k[0]
+            cache_v[start:start + tokens] = v[0]
+            keys = cache_k[:start + tokens].transpose(0, 1).unsqueeze(0)
+            values = cache_v[:start + tokens].transpose(0, 1).unsqueeze(0)
+            causal = False
+            mask = None if tokens == 1 else torch.ones(tokens, start + tokens, dtype=torch.bool,
+                                                      device=x.device).tril(diagonal=start)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=attn.scale,
+                                             enable_gqa=attn.num_heads != attn.num_kv_heads)
+        x = x + attn.o_proj.forward(out.transpose(1, 2).reshape(batch * tokens, attn.q_size)).view(x.shape)
+        x = x + self.mlp.forward(self.post_attention_layernorm.forward(x).reshape(batch * tokens, hidden)
+                                 ).view(x.shape)
+        return self.norm.forward(x)
+
+
+@dataclass
+class DraftHeads:
+    """Trained heads for one model: the network, the draft vocabulary (target token ids) and the file's metadata."""
+
+    kind: str
+    network: nn.Module
+    vocab_ids: torch.Tensor  # [draft vocab] long: target ids the heads score
+    meta: dict
+
+    @property
+    def num_heads(self) -> int:
+        """Medusa: how many tokens ahead the heads reach (the longest draft); EAGLE drafts any length."""
+        return self.network.weight.shape[0] if self.kind == "medusa" else 0
+
+    def state(self) -> dict[str, torch.Tensor]:
+        tensors = {f"network.{name}": value.detach().contiguous() for name, value in self.network.state_dict().items()}
+        tensors["vocab_ids"] = self.vocab_ids.to(torch.int64).contiguous()
+        return tensors
+
+    def save(self, path: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        from safetensors.torch import save_file
+        tensors = {name: value.to(dtype) if value.is_floating_point() else value
+                   for name, value in self.state().items()}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata={"kind": self.kind, "meta": json.dumps(self.meta)})
+
+
+def build_network(kind: str, config: ModelConfig, num_heads: int = 4) -> nn.Module:
+    if kind == "medusa":
+        return MedusaHeads(config.hidden_size, num_heads)
+    if kind == "eagle":
+        return EagleLayer(config)
+    raise ConfigError(f"unknown draft head kind {kind!r}; use one of: {', '.join(DRAFT_KINDS)}.")
+
+
+def load_heads(path: Path, config: ModelConfig, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> DraftHeads:
+    """Heads from a file, checked against the model they will draft for; refused with a clear message otherwise."""
+    from safetensors.torch import load_file
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no draft heads at {path}.")
+    try:
+        kind, meta = _metadata(path)
+    except Exception as error:  # not a safetensors file at all
+        raise ConfigError(f"{path} is not a draft heads file ({error}).") from None
+    if kind not in DRAFT_KINDS:
+        raise ConfigError(f"{path} is not a draft heads file (kind {kind!r}).")
+    if meta.get("fingerprint") != fingerprint(config):
+        raise ConfigError(f"the {kind} heads in {path} were trained for another model ({meta.get('model')}, "
+                          f"{meta.get('fingerprint')}), not this one ({fingerprint(config)}).")
+    tensors = load_file(str(path))
+    state = {name.removeprefix("network."): value.float() for name, value in tensors.items()
+             if name.startswith("network.")}
+    network = build_network(kind, config, state["weight"].shape[0] if kind == "medusa" else 0)
+    network.load_state_dict(state)
+    network.requires_grad_(False)
+    network.to(device=device, dtype=dtype)
+    return DraftHeads(kind, network.eval(), tensors["vocab_ids"].to(device), meta)
+
+
+def heads_file_name(model_name: str, kind: str) -> str:
+    return f"{Path(model_name).name}-{kind}.safetensors"
+
+
+def find_heads(model_name: str, config: ModelConfig, kind: str, cache_dir: Path | None = None) -> Path | None:
+    """Where `kind` heads for this model are: the user cache (what train-draft wrote) first, then the shipped ones;
+    None if there are none trained for its shapes."""
+    from inference_core.bundled import cache_root
+    from inference_core.checkpoint import BUNDLED_NAMES
+    names = [heads_file_name(model_name, kind)]
+    if model_name in BUNDLED_NAMES or Path(model_name).name.startswith("SmolLM2-135M-Instruct"):
+        names.append(heads_file_name("SmolLM2-135M-Instruct", kind))
+    for directory in ((cache_dir or cache_root()) / "draft_heads", SHIPPED):
+        for name in names:
+            path = directory / name
+            if path.is_file() and _metadata(path)[1].get("fingerprint") == fingerprint(config):
+                return path
+    return None
+
+
+def _metadata(path: Path) -> tuple[str | None, dict]:
+    """A heads file's kind and training report, read without loading its tensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata() or {}
+    return metadata.get("kind"), json.loads(metadata.get("meta", "{}"))
+
+
+class _HeadScorer:
+    """Scores hidden states over the draft vocabulary and turns the scores into a draft token (and, when sampling,
+    its draft distribution over the target's whole vocabulary, 0 outside the draft vocabulary)."""
+
+    def __init__(self, heads: DraftHeads, model: CausalLM):
+        self.heads = heads
+        self.vocab_size = model.config.vocab_size
+        self.rows = lm_head_rows(model, heads.vocab_ids).float()  # [draft vocab, hidden]
+
+    def draft(self, hidden: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
+        scores = hidden.float() @ self.rows.t()
+        if params.greedy:
+            return int(self.heads.vocab_ids[int(scores.argmax())]), None
+        logits = torch.full((self.vocab_size,), float("-inf"), device=scores.device)
+        logits[self.heads.vocab_ids] = scores
+        return sample_with_probabilities(logits, params, generator)
+
+
+class MedusaDrafter(_HeadScorer):
+    """Medusa drafts: all from the hidden state at the position that predicted the sequence's last token."""
+
+    wants_hidden = True
+
+    def __init__(self, heads: DraftHeads, model: CausalLM):
+        super().__init__(heads, model)
+        self.feature: torch.Tensor | None = None
+        self.position = -1
+
+    def observe(self, first_position: int, hidden: torch.Tensor) -> None:
+        """The target's hidden states at positions first_position.. (a forward's tokens, accepted ones only)."""
+        self.feature, self.position = hidden[-1].float(), first_position + len(hidden) - 1
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        if self.feature is None or self.position != len(seq) - 2:
+            return [], None  # no hidden state for this position yet (the caller takes a plain step)
+        with torch.inference_mode():
+            guesses = self.heads.network(self.feature)[:max_drafts]  # [heads, hidden]
+            drafts, probs = [], []
+            for guess in guesses:
+                token, q = self.draft(guess, params, generator)
+                drafts.append(token)
+                probs.append(q)
+        return drafts, None if params.greedy else torch.stack(probs)
+
+    def close(self) -> None:
+        self.feature = None
+
+
+class EagleDrafter(_HeadScorer):
+    """EAGLE drafts: the draft layer steps forward from the target's hidden states, k times. It keeps the target's
+    hidden state at every position this request computed (`observe`) and its own keys and values for the positions
+    it has read with true hidden states; each proposal first catches up on the positions verified since, then drafts
+    (its keys and values at draft positions are overwritten by the next catch-up). Positions the target never
+    forwarded for this request (a prompt prefix served from the prefix cache) have no hidden state: the layer then
+    attends only from the first position it saw."""
+
+    wants_hidden = True
+
+    def __init__(self, heads: DraftHeads, model: CausalLM, max_positions: int):
+        super().__init__(heads, model)
+        self.model = model
+        config, device = model.config, heads.vocab_ids.device
+        attn = heads.network.self_attn
+        # fp32 rotary tables (the draft layer runs in fp32), the model's own angles
+        self.rope = tuple(table.float() for table in model.rope_tables(model.embed_tokens.weight.dtype))
+        max_positions = min(max_positions, len(self.rope[0]))
+        self.features = torch.zeros(max_positions, config.hidden_size, device=device)
+        self.cache = (torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device),
+                      torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device))
+        self.first = self.known = self.cached = 0  # features for [first, known); draft KV for [first, cached)
+
+    def observe(self, first_position: int, hidden: torch.Tensor) -> None:
+        end = first_position + len(hidden)
+        if end > len(self.features):  # past the rotary table: no more drafts for this request
+            self.known = -1
+            return
+        if first_position > self.known or first_position < self.first:
+            # A gap (positions not forwarded here) or a restart (recomputed after preemption): begin again there.
+            self.first = self.cached = first_position
+        self.features[first_position:end] = hidden.float()
+        self.known = end
+        self.cached = min(self.cached, first_position)
+
+    def _step(self, features: torch.Tensor, token_ids: list[int], start: int) -> torch.Tensor:
+        """The draft layer over positions start.. (features there, the next tokens' embeddings); returns its
+        outputs [tokens, hidden]."""
+        ids = torch.tensor(token_ids, device=features.device)
+        embeddings = self.model.embed_tokens.weight[ids].float()
+        cos, sin = (table[start:start + len(token_ids)].unsqueeze(1) for table in self.rope)
+        return self.heads.network(features[None], embeddings[None], cos, sin, self.cache, start)[0]
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        last = len(seq) - 1  # the last token's position; the target's hidden state before it predicted it
+        if self.known != last or last <= self.first or last + max_drafts > len(self.features):
+            return [], None
+        drafts, probs = [], []
+        with torch.inference_mode():
+            # Catch up: the pairs (f_j, x_{j+1}) for j in [cached, last), at least the last one (its output drafts).
+            start = min(self.cached, last - 1)
+            out = self._step(self.features[start:last], seq.token_ids[start + 1:last + 1], start)[-1]
+            self.cached = last
+            for index in range(max_drafts):
+                token, q = self.draft(out, params, generator)
+                drafts.append(token)
+                probs.append(q)
+                if index + 1 < max_drafts:
+                    out = self._step(out[None], [token], last + index)[-1]
+        return drafts, None if params.greedy else torch.stack(probs)
+
+    def close(self) -> None:
+        self.features = self.cache = None

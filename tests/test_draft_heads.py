@@ -1,0 +1,190 @@
+"""Trained draft heads (Medusa heads, an EAGLE layer): lossless greedy speculation with the shipped heads on the
+bundled model (contiguous and paged KV); on a tiny model with heads trained in the test, that sampled speculation
+keeps the target's distribution, that the EAGLE drafter's cached steps compute what training computed, and the
+train-draft command end to end; heads for another model, a missing file and too long a Medusa draft are refused."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
+from inference_core.draft_heads import EagleDrafter, find_heads, load_heads
+from inference_core.sequence import Sequence
+from inference_core.speculative import SpecConfig
+from inference_core.train_draft import model_targets, train_heads
+from conftest import assert_nothing_held
+from test_speculative import TINY_VOCAB, build_tiny, exact_marginals
+
+KINDS = ("medusa", "eagle")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("tiny-target"), seed=0, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def tiny_answers(tiny):
+    """The tiny model's own greedy continuations of random prompts: its self-distillation data."""
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4))
+    rng = random.Random(0)
+    sequences = []
+    for _ in range(40):
+        prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(4)]
+        sequences.append(prompt + engine.complete(prompt, SamplingParams(max_new_tokens=28,
+                                                                         ignore_eos=True)).token_ids)
+    return sequences
+
+
+@pytest.fixture(scope="module")
+def tiny_heads(tiny, tiny_answers, tmp_path_factory):
+    """Both kinds trained on the tiny model's answers, saved to files: kind -> (path, validation agreement)."""
+    directory = tmp_path_factory.mktemp("heads")
+    trained = {}
+    for kind in KINDS:
+        heads, curve = train_heads(tiny, kind, tiny_answers, steps=150, num_heads=3, draft_vocab=TINY_VOCAB - 2,
+                                   lr=1e-2, batch_size=128, batch_tokens=512, progress=False)
+        losses = [row["loss"] for row in curve]
+        assert sum(losses[-3:]) / 3 < 0.9 * losses[0], kind  # it learned something (each row is one noisy batch)
+        heads.save(directory / f"{kind}.safetensors")
+        trained[kind] = (directory / f"{kind}.safetensors", heads.meta["validation_top1_agreement"])
+    return trained
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_speculation_with_trained_heads_keeps_the_target_distribution(tiny, tiny_heads, kind,
+                                                                              one_torch_thread):
+    prompt = [1, 5, 9, 3]
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=12, ignore_eos=True)
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=2))
+    engine.load_draft_heads(kind, tiny_heads[kind][0])
+    spec = SpecConfig(kind, k=2)
+    # The first token comes from the prefill; tokens 2 and 3 from one verification step (or its rejection).
+    marginals = exact_marginals(tiny, prompt, params, 3)[1:]
+    trials = 3000
+    counts = torch.zeros(2, TINY_VOCAB, dtype=torch.float64)
+    drafted = accepted = 0
+    for seed in range(trials):
+        result = engine.complete(prompt, dataclasses.replace(params, seed=seed), spec=spec)
+        for position in range(2):
+            counts[position, result.token_ids[1 + position]] += 1
+        drafted, accepted = drafted + result.stats.spec["drafted"], accepted + result.stats.spec["accepted"]
+    assert_nothing_held(engine)
+    assert 0 < accepted < drafted  # drafts were both accepted and rejected
+    bound = math.sqrt(TINY_VOCAB / trials)  # the sampling error of an empirical distribution (see test_speculative)
+    for position, marginal in enumerate(marginals):
+        assert 0.5 * (counts[position] / trials - marginal).abs().sum() < bound, position
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
+def test_greedy_with_trained_heads_is_lossless_on_tiny(tiny, tiny_heads, tiny_answers, kind, kv_mode):
+    engine = Engine(tiny, EngineConfig(kv_mode=kv_mode, block_size=4))
+    engine.load_draft_heads(kind, tiny_heads[kind][0])
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    accepted = 0
+    for prompt in ([1, 5, 9, 3], [7, 7, 4]):
+        plain = engine.complete(prompt, params)
+        for k in (1, 3):
+            fast = engine.complete(prompt, params, spec=SpecConfig(kind, k=k, adaptive=k == 3))
+            assert fast.token_ids == plain.token_ids, (prompt, k)
+            accepted += fast.stats.spec["accepted"]
+    assert accepted > 0
+    assert_nothing_held(engine)
+
+
+def test_the_eagle_drafter_computes_what_training_computed(tiny, tiny_heads, tiny_answers):
+    """Drafting catches up through the layer's own KV cache, token by token after a prefix; training runs whole
+    sequences at once. Both must give the same outputs, or trained weights would draft worse than they measured."""
+    heads = load_heads(tiny_heads["eagle"][0], tiny.config)
+    ids = tiny_answers[0][:20]
+    features = model_targets(tiny, [ids], progress=False)[0][0]
+    cos, sin = (table[:19].float().unsqueeze(1) for table in tiny.model.rope_tables(torch.float32))
+    with torch.no_grad():
+        whole = heads.network(features[None, :-1], tiny.model.embed_tokens.weight[torch.tensor(ids[1:])][None],
+                              cos, sin)[0]
+    drafter = EagleDrafter(heads, tiny.model, 64)
+    observed = 0
+    for last in (12, 13, 16, 19):  # hand over the hidden states up to `last`, then draft three tokens
+        drafter.observe(observed, features[observed:last])
+        observed = last
+        drafts, probs = drafter.propose(Sequence(ids[:last + 1]), 3, SamplingParams(), None)
+        assert probs is None and len(drafts) == 3
+        # The first draft reads true hidden states only (the drafts' own keys and values are overwritten next time).
+        assert drafts[0] == int(heads.vocab_ids[(whole[last - 1] @ drafter.rows.t()).argmax()]), last
+
+
+def test_heads_are_checked_against_the_model(tiny, tiny_heads, bundled, tmp_path):
+    engine = Engine(bundled, EngineConfig(kv_mode="paged"))
+    with pytest.raises(ConfigError, match="were trained for another model"):
+        engine.load_draft_heads("medusa", tiny_heads["medusa"][0])
+    with pytest.raises(ConfigError, match="no draft heads at"):
+        engine.load_draft_heads("eagle", tmp_path / "missing.safetensors")
+    tiny_engine = Engine(tiny, EngineConfig(kv_mode="paged"))
+    with pytest.raises(ConfigError, match="no trained eagle heads for .*train-draft --kind eagle"):
+        tiny_engine.generate([1, 2, 3], spec=SpecConfig("eagle"))
+    tiny_engine.load_draft_heads("medusa", tiny_heads["medusa"][0])
+    with pytest.raises(ConfigError, match=r"at most 3 tokens ahead: draft length k \(--spec-k\) must be 1 to 3"):
+        tiny_engine.generate([1, 2, 3], spec=SpecConfig("medusa", k=5))
+
+
+def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers, tmp_path, capsys):
+    from inference_core.cli import main
+
+    data = tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps({"prompt": i, "prompt_tokens": 4, "ids": ids}) + "\n"
+                            for i, ids in enumerate(tiny_answers)))
+    out = tmp_path / "heads" / "tiny-medusa.safetensors"
+    assert main(["train-draft", "--kind", "medusa", "--model", tiny.name, "--device", "cpu", "--data", str(data),
+                 "--no-text", "--heads", "2", "--draft-vocab", "16", "--steps", "30", "--batch-size", "64",
+                 "--log-every", "5", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["kind"] == "medusa" and report["steps"] == 30 and report["data"]["answers"] == len(tiny_answers)
+    assert len(report["validation_top1_agreement"]) == 2 and report["seconds"]["total"] >= 0
+    rows = list(csv.DictReader(out.with_suffix(".loss.csv").open()))
+    assert [int(row["step"]) for row in rows] == [0, 5, 10, 15, 20, 25, 29] and "head2" in rows[0]
+    assert "train-draft: medusa heads ->" in capsys.readouterr().out
+    # generate picks the file up with --draft-heads, and says when it is given without trained heads to use.
+    assert main(["generate", "--model", tiny.name, "--device", "cpu", "--no-chat", "--prompt", "t5 t9 t3",
+                 "--max-new-tokens", "8", "--ignore-eos", "--spec", "medusa", "--spec-k", "2",
+                 "--draft-heads", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["stats"]["spec"]["steps"] > 0
+    assert main(["generate", "--model", tiny.name, "--prompt", "t5", "--draft-heads", str(out)]) == 2
+    assert "--draft-heads is used only with --spec medusa or --spec eagle" in capsys.readouterr().err
+
+
+# --- the shipped heads on the bundled model ------------------------------------------------------------------------
+
+LOSSLESS_TOKENS = 64
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shipped_heads_are_found_for_the_bundled_model(bundled, kind):
+    path = find_heads(bundled.name, bundled.config, kind)
+    assert path is not None and path.stat().st_size < 16 * 2 ** 20
+    heads = load_heads(path, bundled.config)
+    assert heads.meta["model"] and heads.meta["seconds"]["train"] > 0
+
+
+@pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_with_shipped_heads_is_lossless_on_the_bundled_model(bundled, bench_prompts, kind, kv_mode,
+                                                                    one_torch_thread):
+    engine = Engine(bundled, EngineConfig(kv_mode=kv_mode, block_size=4))
+    params = SamplingParams(max_new_tokens=LOSSLESS_TOKENS, ignore_eos=True)
+    for name in ("chat-short-1", "code-2"):
+        row = bench_prompts[name]
+        prompt_ids = engine.prompt_ids(row["prompt"], row.get("system"))
+        plain = engine.complete(prompt_ids, params)
+        fast = engine.complete(prompt_ids, params, spec=SpecConfig(kind, k=3))
+        assert fast.token_ids == plain.token_ids, name
+        spec = fast.stats.spec
+        assert spec["accepted_by_position"][0] > 0 and spec["accepted"] < spec["drafted"]  # both outcomes
+    assert_nothing_held(engine)

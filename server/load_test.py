@@ -34,7 +34,7 @@ import pandas as pd
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference_core.bench import _machine, write_report
+from inference_core.bench import machine_info, write_report
 from inference_core.prompts import load_prompts
 
 # (what is wrong, endpoint, body given the served model's id (bytes go as they are), a word its 400 must name)
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    report["machine"] = {**_machine(torch.device("cpu")), "cpu_count": os.cpu_count(),
+    report["machine"] = {**machine_info(torch.device("cpu")), "cpu_count": os.cpu_count(),
                          "served": "in-process" if loaded else f"by {args.url} (this machine is the client's)",
                          "model": loaded.name if loaded else report["model"],
                          "dtype": str(loaded.dtype).removeprefix("torch.") if loaded else None}

@@ -88,7 +88,7 @@ def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_early_rejection():
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(method="medusa"), "unknown speculative method 'medusa'"),
+    (dict(method="lookahead"), "unknown speculative method 'lookahead'"),
     (dict(method="ngram", k=0), "draft length k must be an integer from 1 to 16"),
     (dict(method="ngram", ngram_min=3, ngram_max=2), "1 <= ngram_min <= ngram_max"),
     (dict(method="early-exit", draft_layers=0), "draft layers must be a positive integer"),

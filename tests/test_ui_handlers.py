@@ -295,8 +295,9 @@ def test_draft_model_lane_and_its_choice_in_the_page(bundled):
         radios = [block for block in ui.build_demo(pool).blocks.values() if block.elem_id == "lane-a-spec"]
         return [value for _, value in radios[0].choices]
 
-    assert draft_sources(with_draft) == ["none", "ngram", "early-exit", "draft"]
-    assert draft_sources(EnginePool(bundled, max_seq_len=512)) == ["none", "ngram", "early-exit"]
+    # The draft model only where the app has one; the trained heads where this model has them (shipped for it).
+    assert draft_sources(with_draft) == ["none", "ngram", "early-exit", "draft", "medusa", "eagle"]
+    assert draft_sources(EnginePool(bundled, max_seq_len=512)) == ["none", "ngram", "early-exit", "medusa", "eagle"]
 
 
 def test_chat_turn_with_speculation_reports_acceptance(pool):

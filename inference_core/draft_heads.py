@@ -135,6 +135,14 @@ class DraftHeads:
     network: nn.Module
     vocab_ids: torch.Tensor  # [draft vocab] long: target ids the heads score
     meta: dict
+    rows: torch.Tensor | None = None  # fp32 LM head rows of vocab_ids, [draft vocab, hidden]: see scoring_rows
+
+    def scoring_rows(self, model: CausalLM) -> torch.Tensor:
+        """The target's LM head rows the heads score with, gathered once (an engine's heads serve one model) rather
+        than by every request's drafter."""
+        if self.rows is None:
+            self.rows = lm_head_rows(model, self.vocab_ids).float()
+        return self.rows
 
     @property
     def num_heads(self) -> int:
@@ -224,7 +232,7 @@ class _HeadScorer:
     def __init__(self, heads: DraftHeads, model: CausalLM):
         self.heads = heads
         self.vocab_size = model.config.vocab_size
-        self.rows = lm_head_rows(model, heads.vocab_ids).float()  # [draft vocab, hidden]
+        self.rows = heads.scoring_rows(model)  # [draft vocab, hidden]
 
     def draft(self, hidden: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
         scores = hidden.float() @ self.rows.t()

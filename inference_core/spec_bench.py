@@ -30,7 +30,7 @@ from inference_core.engine import Engine, load_model
 from inference_core.prompts import load_prompts
 from inference_core.sampling import SamplingParams
 from inference_core.sequence import Sequence
-from inference_core.speculative import SPEC_METHODS, SpecConfig
+from inference_core.speculative import SPEC_METHODS, SpecConfig, common_prefix_length
 
 
 def forward_cost(engine: Engine, counts: list[int], context: int = 300, repeats: int = 20) -> dict[int, float]:
@@ -56,10 +56,6 @@ def forward_cost(engine: Engine, counts: list[int], context: int = 300, repeats:
         return costs
     finally:
         kv_cache.free(seq)
-
-
-def _common_prefix(first: list[int], second: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
 
 
 def _run(engine: Engine, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig | None):
@@ -120,7 +116,7 @@ def run_spec_bench(args) -> int:
                                            "lossless")
                     # In 16-bit weights a verification's several-row matmuls round differently from a one-row
                     # decode, so a near-tie can go the other way; counted and reported, not hidden.
-                    same = _common_prefix(fast.token_ids, plain.token_ids)
+                    same = common_prefix_length(fast.token_ids, plain.token_ids)
                     differ.setdefault((kind, name), []).append(f"{prompt_id} from token {same}")
                 speeds.setdefault((kind, name), []).append(fast.stats.decode_tokens_per_s)
                 total = counts.setdefault((kind, name), [0, 0, 0])

@@ -6,9 +6,7 @@ train-draft command end to end; heads for another model, a missing file and too 
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
-import math
 import random
 
 import pytest
@@ -20,7 +18,7 @@ from inference_core.sequence import Sequence
 from inference_core.speculative import SpecConfig
 from inference_core.train_draft import model_targets, train_heads
 from conftest import assert_nothing_held
-from test_speculative import TINY_VOCAB, build_tiny, exact_marginals
+from test_speculative import TINY_VOCAB, build_tiny, sampled_speculation_distances
 
 KINDS = ("medusa", "eagle")
 
@@ -61,26 +59,12 @@ def tiny_heads(tiny, tiny_answers, tmp_path_factory):
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampled_speculation_with_trained_heads_keeps_the_target_distribution(tiny, tiny_heads, kind,
                                                                               one_torch_thread):
-    prompt = [1, 5, 9, 3]
-    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=12, ignore_eos=True)
     engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=2))
     engine.load_draft_heads(kind, tiny_heads[kind][0])
-    spec = SpecConfig(kind, k=2)
-    # The first token comes from the prefill; tokens 2 and 3 from one verification step (or its rejection).
-    marginals = exact_marginals(tiny, prompt, params, 3)[1:]
-    trials = 3000
-    counts = torch.zeros(2, TINY_VOCAB, dtype=torch.float64)
-    drafted = accepted = 0
-    for seed in range(trials):
-        result = engine.complete(prompt, dataclasses.replace(params, seed=seed), spec=spec)
-        for position in range(2):
-            counts[position, result.token_ids[1 + position]] += 1
-        drafted, accepted = drafted + result.stats.spec["drafted"], accepted + result.stats.spec["accepted"]
-    assert_nothing_held(engine)
+    distances, bound, drafted, accepted = sampled_speculation_distances(engine, tiny, SpecConfig(kind, k=2))
     assert 0 < accepted < drafted  # drafts were both accepted and rejected
-    bound = math.sqrt(TINY_VOCAB / trials)  # the sampling error of an empirical distribution (see test_speculative)
-    for position, marginal in enumerate(marginals):
-        assert 0.5 * (counts[position] / trials - marginal).abs().sum() < bound, position
+    for position, distance in enumerate(distances):  # within the sampling error (see test_speculative)
+        assert distance < bound, position
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -164,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(default: the user cache)")
     train.add_argument("--prompts", type=int, default=800, help="prompts to answer when generating the data")
     train.add_argument("--max-new-tokens", type=int, default=160, help="answer length when generating the data")
+    train.add_argument("--data-batch", type=int, default=128, help="requests per engine step when generating the data")
+    train.add_argument("--data-dtype", default="auto",
+                       help="dtype of the model that writes the answers and computes the hidden states the heads "
+                            "learn from (auto: as --dtype auto chooses; bf16 is about twice as fast as fp32 on a CPU "
+                            "with native bf16 math); the heads train in --dtype")
     train.add_argument("--no-text", dest="text", action="store_false",
                        help="leave out the shipped public-domain text")
     train.add_argument("--heads", type=int, default=4, help="medusa: heads (the longest draft)")

@@ -1,12 +1,12 @@
 """Training data for draft heads, made here: the model's own answers to varied chat prompts (self-distillation, so a
 head learns what this model says), generated with our engine in batches.
 
-`chat_prompts(count, seed)` builds prompts offline from task templates crossed with topics, and passages of the
-shipped public-domain calibration text (Pride and Prejudice, chapters 1-5; the quality evaluation's text stays
-out). A prompt that shares any four consecutive words with a benchmark prompt is dropped, so the benchmark set stays
-held out. `generate(loaded, prompts, ...)` answers them, greedy or sampled, many requests per engine step, and
-returns each sample's token ids (prompt through the chat template, then the answer) with the prompt's length;
-`save`/`load` keep them as JSON lines.
+`chat_prompts(count, seed)` builds prompts offline from task templates crossed with topics, coding tasks (write a
+function; read, test, fix or speed up a given one), and passages of the shipped public-domain calibration text (Pride
+and Prejudice, chapters 1-5; the quality evaluation's text stays out). A prompt that shares any four consecutive words
+with a benchmark prompt is dropped, so the benchmark set stays held out. `generate(loaded, prompts, ...)` answers them,
+greedy or sampled, many requests per engine step, and returns each sample's token ids (prompt through the chat template,
+then the answer) with the prompt's length; `save`/`load` keep them as JSON lines.
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ TOPICS = (
     "wildfires", "statistics", "the Olympic marathon", "penguins", "home insulation", "folk tales", "microscopes",
 )
 CODE_TASKS = (
-    "Write a Python function that {task}.", "Show how to {task} in Python, with a short explanation.",
+    "Write a Python function that {task}.", "Show Python code that {task}, with a short explanation.",
+    "Implement a Python function that {task} and explain how it works.",
+    "Write a short Python script with a function that {task}, and show an example call.",
 )
 CODE_TOPICS = (
     "reverses a string", "checks whether a number is prime", "counts the words in a text", "merges two sorted lists",
@@ -66,6 +68,65 @@ CODE_TOPICS = (
     "computes the factorial of a number", "converts Celsius to Fahrenheit", "reads a CSV file into a list of rows",
     "checks whether a string is a palindrome", "flattens a nested list", "returns the n-th Fibonacci number",
     "groups words by their first letter", "computes the average of a list of numbers", "validates an email address",
+    "sorts a list of dictionaries by a key", "counts how often each character appears in a string",
+    "checks whether two strings are anagrams", "finds the second largest number in a list", "capitalizes every word",
+    "converts a Roman numeral to an integer", "computes the greatest common divisor of two numbers",
+    "splits a list into chunks of a given size", "returns the intersection of two lists", "parses a date string",
+    "rotates a list by k positions", "finds the longest word in a sentence", "sums the digits of an integer",
+    "checks whether a year is a leap year", "converts a binary string to a decimal number", "transposes a matrix",
+    "implements binary search on a sorted list", "implements bubble sort", "counts the vowels in a string",
+    "removes punctuation from a text", "generates all permutations of a string", "merges two dictionaries",
+    "finds the most common element in a list", "checks whether brackets in a string are balanced",
+    "writes a list of rows to a CSV file", "reads a JSON file and prints its keys", "computes a running total",
+    "returns the prime factors of a number", "implements a simple stack class", "implements a queue with two stacks",
+    "finds duplicate files by their size", "converts a string to snake_case", "computes the median of a list",
+    "checks whether a number is a perfect square", "truncates a string to a maximum length with an ellipsis",
+    "fetches the words that appear in both of two texts", "computes the dot product of two vectors",
+    "memoizes an expensive function with a dictionary", "retries a function call up to three times",
+    "measures how long another function takes to run", "counts the lines in a text file",
+)
+CODE_SNIPPETS = (
+    "def count_words(text):\n    counts = {}\n    for word in text.split():\n"
+    "        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
+    "def is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, n):\n        if n % d == 0:\n"
+    "            return False\n    return True\n",
+    "def flatten(items):\n    out = []\n    for item in items:\n        if isinstance(item, list):\n"
+    "            out.extend(flatten(item))\n        else:\n            out.append(item)\n    return out\n",
+    "def unique(items):\n    seen = []\n    for item in items:\n        if item not in seen:\n"
+    "            seen.append(item)\n    return seen\n",
+    "def fib(n):\n    if n <= 1:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "def longest_word(sentence):\n    best = ''\n    for word in sentence.split(' '):\n"
+    "        if len(word) > len(best):\n            best = word\n    return best\n",
+    "def read_numbers(path):\n    f = open(path)\n    numbers = []\n    for line in f:\n"
+    "        numbers.append(int(line))\n    return numbers\n",
+    "def total_price(cart):\n    total = 0\n    for name in cart:\n        total = total + cart[name]['price'] * "
+    "cart[name]['qty']\n    return total\n",
+    "def find_index(items, target):\n    index = 0\n    while index < len(items):\n        if items[index] == target:\n"
+    "            return index\n        index += 1\n    return -1\n",
+    "def join_names(names):\n    s = ''\n    for name in names:\n        s += name + ', '\n    return s\n",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n"
+    "        self.count += 1\n        return self.count\n",
+    "def celsius_table(start, stop):\n    rows = []\n    for c in range(start, stop):\n"
+    "        rows.append((c, c * 9 / 5 + 32))\n    return rows\n",
+    "def word_lengths(words):\n    return list(map(lambda w: len(w), words))\n",
+    "def max_value(numbers):\n    biggest = numbers[0]\n    for number in numbers:\n        if number > biggest:\n"
+    "            biggest = number\n    return biggest\n",
+    "def reverse(s):\n    out = ''\n    for ch in s:\n        out = ch + out\n    return out\n",
+    "def pairs_with_sum(numbers, target):\n    found = []\n    for a in numbers:\n        for b in numbers:\n"
+    "            if a + b == target:\n                found.append((a, b))\n    return found\n",
+    "def safe_divide(a, b):\n    try:\n        return a / b\n    except:\n        return None\n",
+    "def load_config(path):\n    import json\n    with open(path) as handle:\n        data = json.load(handle)\n"
+    "    return data['settings']\n",
+    "def squares(limit):\n    result = []\n    n = 0\n    while n < limit:\n        result.append(n * n)\n"
+    "        n += 1\n    return result\n",
+    "def add_item(item, bucket=[]):\n    bucket.append(item)\n    return bucket\n",
+)
+CODE_SNIPPET_TASKS = (
+    "What does this Python code do?\n\n{code}", "Add type hints and a docstring to this function:\n\n{code}",
+    "Is there a bug or an edge case this code gets wrong?\n\n{code}",
+    "Write pytest unit tests for this code:\n\n{code}",
+    "Make this code more Pythonic and explain the changes:\n\n{code}",
+    "How could this code run faster on large inputs?\n\n{code}",
 )
 PASSAGE_TASKS = ("Summarize this passage:\n\n{passage}", "What happens in this passage?\n\n{passage}",
                  "Who are the people in this passage, and what do they want?\n\n{passage}")
@@ -100,6 +161,7 @@ def chat_prompts(count: int, seed: int = 0) -> list[str]:
     consecutive words with a benchmark prompt."""
     candidates = [task.format(topic=topic) for task in TASKS for topic in TOPICS]
     candidates += [task.format(task=topic) for task in CODE_TASKS for topic in CODE_TOPICS]
+    candidates += [task.format(code=code) for task in CODE_SNIPPET_TASKS for code in CODE_SNIPPETS]
     candidates += [task.format(passage=passage) for task in PASSAGE_TASKS for passage in _passages()]
     held_out = bench_four_grams()
     kept = sorted({prompt for prompt in candidates if not (_four_grams(prompt) & held_out)})

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_core.config import ConfigError, ModelConfig
-from inference_core.model import MLP, Attention, CausalLM, RMSNorm
+from inference_core.model import MLP, Attention, CausalLM, Linear, RMSNorm, weight_layout
 from inference_core.sampling import SamplingParams, sample_with_probabilities
 from inference_core.sequence import Sequence
 
@@ -135,14 +135,20 @@ class DraftHeads:
     network: nn.Module
     vocab_ids: torch.Tensor  # [draft vocab] long: target ids the heads score
     meta: dict
-    rows: torch.Tensor | None = None  # fp32 LM head rows of vocab_ids, [draft vocab, hidden]: see scoring_rows
+    scoring: Linear | None = None  # hidden -> draft vocabulary scores: see scorer
 
-    def scoring_rows(self, model: CausalLM) -> torch.Tensor:
-        """The target's LM head rows the heads score with, gathered once (an engine's heads serve one model) rather
-        than by every request's drafter."""
-        if self.rows is None:
-            self.rows = lm_head_rows(model, self.vocab_ids).float()
-        return self.rows
+    def scorer(self, model: CausalLM) -> Linear:
+        """The target's LM head rows for the draft vocabulary as an fp32 projection hidden -> scores, gathered once
+        (an engine's heads serve one model) rather than by every request's drafter, in the layout the engine uses
+        for fp32 here (`weight_layout`; on a CPU [in, out], which scores one row 2.9x faster than [out, in]: 0.46
+        against 1.31 ms for 8191 x 576 on AVX-512), with the [out, in] rows kept for several rows at once."""
+        if self.scoring is None:
+            rows = lm_head_rows(model, self.vocab_ids).float()
+            self.scoring = Linear(rows.shape[1], rows.shape[0], bias=False)
+            self.scoring.weight = nn.Parameter(rows, requires_grad=False)
+            if weight_layout(rows.device, rows.dtype) == "in_out":
+                self.scoring.use_in_out_layout(keep_out_in=True)
+        return self.scoring
 
     @property
     def num_heads(self) -> int:
@@ -193,6 +199,10 @@ def load_heads(path: Path, config: ModelConfig, device: torch.device | str = "cp
     network.load_state_dict(state)
     network.requires_grad_(False)
     network.to(device=device, dtype=dtype)
+    if weight_layout(torch.device(device), dtype) == "in_out":  # the draft layer decodes one row at a time, too
+        for module in network.modules():
+            if isinstance(module, Linear):
+                module.use_in_out_layout(keep_out_in=True)
     return DraftHeads(kind, network.eval(), tensors["vocab_ids"].to(device), meta)
 
 
@@ -232,10 +242,14 @@ class _HeadScorer:
     def __init__(self, heads: DraftHeads, model: CausalLM):
         self.heads = heads
         self.vocab_size = model.config.vocab_size
-        self.rows = heads.scoring_rows(model)  # [draft vocab, hidden]
+        self.scorer = heads.scorer(model)
 
-    def draft(self, hidden: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
-        scores = hidden.float() @ self.rows.t()
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, draft vocab]."""
+        return self.scorer(hidden.float())
+
+    def draft(self, scores: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
+        """One draft token from one row of `scores`."""
         if params.greedy:
             return int(self.heads.vocab_ids[int(scores.argmax())]), None
         logits = torch.full((self.vocab_size,), float("-inf"), device=scores.device)
@@ -263,8 +277,8 @@ class MedusaDrafter(_HeadScorer):
         with torch.inference_mode():
             guesses = self.heads.network(self.feature)[:max_drafts]  # [heads, hidden]
             drafts, probs = [], []
-            for guess in guesses:
-                token, q = self.draft(guess, params, generator)
+            for scores in self.scores(guesses):  # one pass over the scoring rows for all heads
+                token, q = self.draft(scores, params, generator)
                 drafts.append(token)
                 probs.append(q)
         return drafts, None if params.greedy else torch.stack(probs)
@@ -327,7 +341,7 @@ class EagleDrafter(_HeadScorer):
             out = self._step(self.features[start:last], seq.token_ids[start + 1:last + 1], start)[-1]
             self.cached = last
             for index in range(max_drafts):
-                token, q = self.draft(out, params, generator)
+                token, q = self.draft(self.scores(out[None])[0], params, generator)
                 drafts.append(token)
                 probs.append(q)
                 if index + 1 < max_drafts:

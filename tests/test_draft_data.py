@@ -15,7 +15,8 @@ def test_prompts_are_many_distinct_seeded_and_held_out_from_the_benchmark():
     held_out = bench_four_grams()
     assert held_out and not any(_four_grams(prompt) & held_out for prompt in prompts)
     assert any(prompt.startswith("Summarize this passage") for prompt in prompts)  # shipped public-domain text
-    assert any("Python" in prompt for prompt in prompts)
+    assert sum("Python" in prompt for prompt in prompts) >= 100
+    assert any(prompt.startswith("What does this Python code do?\n\ndef ") for prompt in prompts)  # code to read
 
 
 def test_batched_answers_equal_solo_answers(bundled, tmp_path):

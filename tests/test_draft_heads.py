@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
-from inference_core.draft_heads import EagleDrafter, find_heads, load_heads
+from inference_core.draft_heads import EagleDrafter, find_heads, lm_head_rows, load_heads
 from inference_core.sequence import Sequence
 from inference_core.speculative import SpecConfig
 from inference_core.train_draft import model_targets, train_heads
@@ -95,6 +95,7 @@ def test_the_eagle_drafter_computes_what_training_computed(tiny, tiny_heads, tin
         whole = heads.network(features[None, :-1], tiny.model.embed_tokens.weight[torch.tensor(ids[1:])][None],
                               cos, sin)[0]
     drafter = EagleDrafter(heads, tiny.model, 64)
+    rows = lm_head_rows(tiny.model, heads.vocab_ids).float()
     observed = 0
     for last in (12, 13, 16, 19):  # hand over the hidden states up to `last`, then draft three tokens
         drafter.observe(observed, features[observed:last])
@@ -102,7 +103,7 @@ def test_the_eagle_drafter_computes_what_training_computed(tiny, tiny_heads, tin
         drafts, probs = drafter.propose(Sequence(ids[:last + 1]), 3, SamplingParams(), None)
         assert probs is None and len(drafts) == 3
         # The first draft reads true hidden states only (the drafts' own keys and values are overwritten next time).
-        assert drafts[0] == int(heads.vocab_ids[(whole[last - 1] @ drafter.rows.t()).argmax()]), last
+        assert drafts[0] == int(heads.vocab_ids[(whole[last - 1] @ rows.t()).argmax()]), last
 
 
 def test_heads_are_checked_against_the_model(tiny, tiny_heads, bundled, tmp_path):
@@ -128,9 +129,10 @@ def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers,
     out = tmp_path / "heads" / "tiny-medusa.safetensors"
     assert main(["train-draft", "--kind", "medusa", "--model", tiny.name, "--device", "cpu", "--data", str(data),
                  "--no-text", "--heads", "2", "--draft-vocab", "16", "--steps", "30", "--batch-size", "64",
-                 "--log-every", "5", "--out", str(out)]) == 0
+                 "--log-every", "5", "--data-dtype", "bfloat16", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["kind"] == "medusa" and report["steps"] == 30 and report["data"]["answers"] == len(tiny_answers)
+    assert report["data"]["model_dtype"] == "bfloat16" and report["arguments"]["dtype"] == "float32"
     assert len(report["validation_top1_agreement"]) == 2 and report["seconds"]["total"] >= 0
     rows = list(csv.DictReader(out.with_suffix(".loss.csv").open()))
     assert [int(row["step"]) for row in rows] == [0, 5, 10, 15, 20, 25, 29] and "head2" in rows[0]

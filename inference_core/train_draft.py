@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from inference_core import draft_data
-from inference_core.config import ConfigError, EngineConfig
+from inference_core.config import ConfigError, EngineConfig, parse_dtype
 from inference_core.draft_heads import DRAFT_KINDS, DraftHeads, build_network, fingerprint, heads_file_name, \
     lm_head_rows
 from inference_core.sequence import Sequence
@@ -350,6 +350,7 @@ def _cached_targets(loaded, sequences: list[list[int]], data_path: Path):
 def run_train_draft(args) -> int:
     from inference_core.bundled import cache_root
     from inference_core.engine import load_model
+    from inference_core.loader import choose_dtype
     if args.kind not in DRAFT_KINDS:
         raise ConfigError(f"--kind must be one of {', '.join(DRAFT_KINDS)}.")
     if args.steps < 1 or args.heads < 1 or args.draft_vocab < 16:
@@ -359,9 +360,9 @@ def run_train_draft(args) -> int:
     loaded = load_model(args.model, args.device, args.dtype)
     # The answers and the model's hidden states come from a copy in --data-dtype (bf16 writes them about twice as
     # fast on a CPU with native bf16 math); the heads train in --dtype against the model in --dtype.
-    worker = load_model(args.model, args.device, args.data_dtype)
-    if worker.dtype == loaded.dtype:
-        worker = loaded
+    data_dtype = choose_dtype(loaded.device, loaded.config)[0] if args.data_dtype == "auto" else \
+        parse_dtype(args.data_dtype)
+    worker = loaded if data_dtype == loaded.dtype else load_model(args.model, args.device, data_dtype)
     data_path = Path(args.data) if args.data else cache_root() / "draft_data" / f"{Path(loaded.name).name}.jsonl"
     generate_s = 0.0
     if data_path.is_file():

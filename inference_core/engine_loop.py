@@ -25,6 +25,7 @@ import math
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Iterator
@@ -37,7 +38,7 @@ RECENT_STEPS = 20  # steps per engine whose durations `status()` averages
 CANCELLED = "cancelled"  # what observers see when a request is cancelled (it gets no final event)
 
 
-class EventHandle:
+class EventHandle(ABC):
     """A request's events seen from the thread that submitted it, through `queue` ((handle, event) pairs; several
     handles may share one sink, see `merge`). Iterate it for its events (TokenEvent..., then one FinishEvent); the
     iterator raises the error of a failed step. Subclasses say how to `stop` and `cancel` the request: `LoopHandle`
@@ -68,11 +69,13 @@ class EventHandle:
             self.done = True
         return event
 
+    @abstractmethod
     def stop(self) -> None:
-        raise NotImplementedError
+        """End the request after the work in flight, with a final event (finish_reason "stopped")."""
 
+    @abstractmethod
     def cancel(self) -> None:
-        raise NotImplementedError
+        """End the request now, with no final event, and free what it holds."""
 
 
 class LoopHandle(EventHandle):

@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(default: the user cache)")
     train.add_argument("--prompts", type=int, default=800, help="prompts to answer when generating the data")
     train.add_argument("--max-new-tokens", type=int, default=160, help="answer length when generating the data")
+    train.add_argument("--temperatures", default="0,0.7",
+                       help="when generating the data: one answer per prompt at each of these temperatures, "
+                            "comma-separated (0: greedy; a sampled answer adds what the model says less often)")
     train.add_argument("--data-batch", type=int, default=128, help="requests per engine step when generating the data")
     train.add_argument("--data-dtype", default="auto",
                        help="dtype of the model that writes the answers and computes the hidden states the heads "

@@ -173,15 +173,21 @@ def generate(loaded: LoadedModel, prompts: list[str], *, max_new_tokens: int = 1
              seed: int = 0, batch_size: int = 16, max_seq_len: int = 1024,
              progress: Callable[[int, int], None] | None = None) -> list[dict]:
     """The model's answers to `prompts` (greedy at temperature 0, else sampled with seed + index), `batch_size`
-    requests per engine step: a list of {"prompt": i, "prompt_tokens": n, "ids": prompt ids + answer ids}."""
-    engine = Engine(loaded, EngineConfig(kv_mode="paged", max_seq_len=max_seq_len, max_num_seqs=batch_size))
-    requests, prompt_ids = [], []
-    for index, prompt in enumerate(prompts):
+    requests per engine step: a list of {"prompt": i, "temperature": t, "prompt_tokens": n, "ids": prompt ids +
+    answer ids}."""
+    prompt_ids = [loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}]) for prompt in prompts]
+    # The KV pool holds `batch_size` of the longest requests at once, so that `batch_size` answers are written side
+    # by side (the engine's default pool holds one max_seq_len sequence: a handful of answers at a time).
+    longest = max(len(ids) for ids in prompt_ids) + max_new_tokens
+    engine = Engine(loaded, EngineConfig(kv_mode="paged", max_seq_len=max_seq_len, max_num_seqs=batch_size,
+                                         prefix_cache=False, kv_cache_tokens=batch_size * min(longest, max_seq_len)))
+    requests = [None] * len(prompts)
+    # Shortest prompts first, so that the requests decoding side by side have contexts of about the same length (a
+    # step's decodes attend over the longest one's, padded).
+    for index in sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i])):
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                 seed=None if temperature == 0 else seed + index)
-        request = engine.make_request(prompt, params)
-        prompt_ids.append(list(request.seq.token_ids))
-        requests.append(engine.enqueue(request))
+        requests[index] = engine.enqueue(engine.make_request(prompt_ids[index], params))
     samples: list[dict | None] = [None] * len(prompts)
     done = 0
     while engine.has_work():
@@ -190,7 +196,8 @@ def generate(loaded: LoadedModel, prompts: list[str], *, max_new_tokens: int = 1
             while request.events:
                 event = request.events.popleft()
                 if isinstance(event, FinishEvent):
-                    samples[index] = {"prompt": index, "prompt_tokens": len(prompt_ids[index]),
+                    samples[index] = {"prompt": index, "temperature": temperature,
+                                      "prompt_tokens": len(prompt_ids[index]),
                                       "ids": prompt_ids[index] + list(event.token_ids)}
                     done += 1
                     if progress is not None:

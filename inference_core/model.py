@@ -69,6 +69,28 @@ def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else dtype
 
 
+def decode_attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """How a step's batched single-token decodes attend: 'matmul' (bf16 on a CPU with AVX-512 BF16: scores and
+    values through bf16 matmuls, softmax in fp32, the order of transformers' eager attention) or 'sdpa'. Measured on
+    a 2-core AVX-512 BF16 host, 121 decodes x 9 heads over 230 keys: 1.6-1.9 ms against 5.7-7.5 ms for SDPA on the
+    upcast fp32 copies. CPUs without native bf16 dot products keep SDPA."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return "sdpa"
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()  # as loader.choose_dtype
+    return "matmul" if native else "sdpa"
+
+
+def attend_decodes_matmul(q, k, v, mask, scale: float) -> torch.Tensor:
+    """Single-token queries q [batch, heads, 1, head_dim] over k, v [batch, kv_heads, keys, head_dim] in the model
+    dtype, with a key mask [batch, 1, 1, keys]: q k^T in the model dtype, scaled, softmax in fp32, then p v."""
+    batch, heads, _, head_dim = q.shape
+    kv_heads = k.shape[1]
+    scores = torch.matmul(q.reshape(batch, kv_heads, heads // kv_heads, head_dim), k.transpose(-1, -2))
+    scores = (scores * scale).float().masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(batch, heads, 1, head_dim)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -114,6 +136,7 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
         self.attention_dtype = torch.float32  # set per device and dtype by CausalLM.configure_kernels
+        self.decode_kernel = "sdpa"  # likewise
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
@@ -147,7 +170,11 @@ class Attention(nn.Module):
             # All single-token decodes at once: their contexts gathered into one padded buffer, masked by length.
             k_d, v_d = kv_cache.load_decodes(self.layer_index, batch)  # [decodes, kv_heads, longest, head_dim]
             q_d = q[:num_decodes].unsqueeze(2)  # [decodes, heads, 1, head_dim]
-            outputs.append(self._attend(q_d, k_d, v_d, batch.decode_mask, False).reshape(num_decodes, self.q_size))
+            if self.decode_kernel == "matmul":
+                out = attend_decodes_matmul(q_d, k_d, v_d, batch.decode_mask, self.scale)
+            else:
+                out = self._attend(q_d, k_d, v_d, batch.decode_mask, False)
+            outputs.append(out.reshape(num_decodes, self.q_size))
             first = num_decodes
         for i in range(first, len(batch.query_ranges)):  # prefill chunks (and a lone decode), one at a time
             start, end = batch.query_ranges[i]
@@ -220,10 +247,12 @@ class CausalLM(nn.Module):
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def configure_kernels(self, device: torch.device, dtype: torch.dtype, layout: str = "auto") -> None:
-        """Pick the measured-faster kernels for this device and dtype (see `weight_layout`, `attention_dtype`)."""
+        """Pick the measured-faster kernels for this device and dtype (see `weight_layout`, `attention_dtype`,
+        `decode_attention_kernel`)."""
         self.use_weight_layout(weight_layout(device, dtype) if layout == "auto" else layout)
         for layer in self.layers:
             layer.self_attn.attention_dtype = attention_dtype(device, dtype)
+            layer.self_attn.decode_kernel = decode_attention_kernel(device, dtype)
 
     def use_weight_layout(self, layout: str) -> None:
         """Switch every projection (and the LM head) to `layout`: 'out_in' (reference) or 'in_out'."""

@@ -70,8 +70,16 @@ def model_targets(loaded, sequences: list[list[int]], batch_tokens: int = 4096, 
     from inference_core.runner import ModelRunner
     runner = ModelRunner(loaded.model, make_kv_cache(loaded, config, longest), loaded.device)
     head = lm_head_rows(loaded.model, torch.arange(loaded.config.vocab_size, device=loaded.device)).float()
+    # Every sequence's results are views into three tensors over all positions: a million small tensors kept
+    # between each batch's large passing ones fragment the heap (measured: 20 KB resident per position kept, for
+    # 2.3 KB of hidden state; a million positions ran this 24 GiB machine out of memory).
+    offsets = [0]
+    for ids in sequences:
+        offsets.append(offsets[-1] + len(ids))
+    features = torch.empty(offsets[-1], loaded.config.hidden_size)
+    log_normalizers, greedy = torch.empty(offsets[-1]), torch.empty(offsets[-1], dtype=torch.long)
     results: list = [None] * len(sequences)
-    bar = tqdm(total=sum(len(ids) for ids in sequences), desc="targets", unit="tok", disable=not progress)
+    bar = tqdm(total=offsets[-1], desc="targets", unit="tok", disable=not progress)
     for batch in batches:
         seqs = [Sequence(list(sequences[i]), num_prompt_tokens=len(sequences[i])) for i in batch]
         for seq in seqs:
@@ -82,9 +90,12 @@ def model_targets(loaded, sequences: list[list[int]], batch_tokens: int = 4096, 
             for seq in seqs:
                 runner.kv_cache.free(seq)
         for index, states in zip(batch, hidden):
-            states = states.float()
-            logits = states @ head.t()
-            results[index] = (states.cpu(), torch.logsumexp(logits, -1).cpu(), logits.argmax(-1).cpu())
+            logits = states.float() @ head.t()
+            span = slice(offsets[index], offsets[index + 1])
+            features[span] = states
+            log_normalizers[span] = torch.logsumexp(logits, -1)
+            greedy[span] = logits.argmax(-1)
+            results[index] = (features[span], log_normalizers[span], greedy[span])
             bar.update(len(states))
     bar.close()
     return results
@@ -260,23 +271,36 @@ def eagle_agreement(layer, model, rows, vocab_ids, targets, sequences, starts) -
     return agree / max(total, 1)
 
 
+def validation_split(groups, validation: float, seed: int) -> tuple[list[int], list[int]]:
+    """Indices of the sequences to train on and to hold out, given each sequence's group: a `validation` share of the
+    groups (at least one), chosen by `seed`, is held out whole."""
+    groups = list(groups)
+    names = sorted(set(groups))
+    random.Random(seed).shuffle(names)
+    held = set(names[:max(1, int(len(names) * validation))])
+    train_ids = [i for i, group in enumerate(groups) if group not in held]
+    return train_ids, [i for i, group in enumerate(groups) if group in held]
+
+
 def train_heads(loaded, kind: str, sequences: list[list[int]], starts: list[int] | None = None, targets=None, *,
                 steps: int, num_heads: int = 4, draft_vocab: int = 8192, lr: float = 1e-3, batch_size: int = 512,
                 batch_tokens: int = 4096, noise: float = 0.1, cls_weight: float = 1.0, validation: float = 0.05,
-                log_every: int = 10, seed: int = 0, progress: bool = True) -> tuple[DraftHeads, list[dict]]:
+                groups: list[int] | None = None, log_every: int = 10, seed: int = 0,
+                progress: bool = True) -> tuple[DraftHeads, list[dict]]:
     """Train `kind` heads for `loaded` (frozen) on token sequences, learning from position `starts[i]` of sequence i
     on (an answer's first prediction: the model's chat template and the prompt are not what it drafts; default 0);
-    `targets` are `model_targets(loaded, sequences)` where already computed. Returns the heads (their `meta` the
-    training report) and the loss curve rows."""
+    `targets` are `model_targets(loaded, sequences)` where already computed. A `validation` share of the sequences is
+    held out, whole groups at a time where `groups` gives each sequence's (its prompt: its greedy and sampled answers
+    are both trained on or both held out). Returns the heads (their `meta` the training report) and the loss curve
+    rows."""
     torch.manual_seed(seed)
     starts = list(starts) if starts is not None else [0] * len(sequences)
     targets_started = time.perf_counter()
     targets = targets if targets is not None else model_targets(loaded, sequences, progress=progress)
     targets_s = time.perf_counter() - targets_started
-    order = list(range(len(sequences)))
-    random.Random(seed).shuffle(order)
+    train_ids, held_ids = validation_split(groups if groups is not None else range(len(sequences)), validation, seed)
+    order, num_val = held_ids + train_ids, len(held_ids)
     sequences, starts, targets = ([items[i] for i in order] for items in (sequences, starts, targets))
-    num_val = max(1, int(len(sequences) * validation))
     train_targets, val_targets = targets[num_val:], targets[:num_val]
     model = loaded.model
     vocab_ids, coverage = draft_vocabulary(train_targets, draft_vocab, loaded.eos_token_ids)
@@ -355,6 +379,13 @@ def run_train_draft(args) -> int:
         raise ConfigError(f"--kind must be one of {', '.join(DRAFT_KINDS)}.")
     if args.steps < 1 or args.heads < 1 or args.draft_vocab < 16:
         raise ConfigError("train-draft needs --steps >= 1, --heads >= 1 and --draft-vocab >= 16.")
+    try:
+        temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    except ValueError:
+        temperatures = []
+    if not temperatures or any(t < 0 for t in temperatures):
+        raise ConfigError(f"--temperatures takes comma-separated temperatures >= 0 (e.g. 0,0.7), got "
+                          f"{args.temperatures!r}.")
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     loaded = load_model(args.model, args.device, args.dtype)
@@ -370,32 +401,38 @@ def run_train_draft(args) -> int:
         print(f"train-draft: {len(samples)} answers from {data_path}", flush=True)
     else:
         prompts = draft_data.chat_prompts(args.prompts, seed=args.seed)
-        bar = tqdm(total=len(prompts), desc="answers", unit="prompt")
         generate_started = time.perf_counter()
-        samples = draft_data.generate(worker, prompts, max_new_tokens=args.max_new_tokens,
-                                      batch_size=args.data_batch,
-                                      progress=lambda done, total: bar.update(done - bar.n))
-        bar.close()
+        samples = []
+        for temperature in temperatures:
+            bar = tqdm(total=len(prompts), desc=f"answers at temperature {temperature:g}", unit="prompt")
+            samples += draft_data.generate(worker, prompts, max_new_tokens=args.max_new_tokens,
+                                           temperature=temperature, seed=args.seed, batch_size=args.data_batch,
+                                           progress=lambda done, total: bar.update(done - bar.n))
+            bar.close()
         generate_s = time.perf_counter() - generate_started
         data_path.parent.mkdir(parents=True, exist_ok=True)
         draft_data.save(data_path, samples)
         print(f"train-draft: wrote {len(samples)} answers to {data_path} in {generate_s:.0f} s", flush=True)
     kept = [sample for sample in samples if len(sample["ids"]) > sample["prompt_tokens"] + args.heads + 1]
     sequences = [sample["ids"] for sample in kept]
+    groups = [sample["prompt"] for sample in kept]  # a prompt's answers are all trained on or all held out
     starts = [sample["prompt_tokens"] - 1 for sample in kept]  # the position that predicts the answer's first token
     if args.text:
         text = text_sequences(loaded.tokenizer)
         sequences, starts = sequences + text, starts + [0] * len(text)
+        groups += [-1 - i for i in range(len(text))]
     targets_started = time.perf_counter()
     targets = _cached_targets(worker, sequences, data_path)
     targets_s = time.perf_counter() - targets_started
     heads, curve = train_heads(loaded, args.kind, sequences, starts, targets, steps=args.steps, num_heads=args.heads,
                                draft_vocab=args.draft_vocab, lr=args.lr, batch_size=args.batch_size,
                                batch_tokens=args.batch_tokens, noise=args.noise, cls_weight=args.cls_weight,
-                               validation=args.validation, log_every=args.log_every, seed=args.seed)
+                               validation=args.validation, groups=groups, log_every=args.log_every,
+                               seed=args.seed)
     report = heads.meta
     report["data"].update(answers=len(samples), data_file=data_path.name, calibration_text=bool(args.text),
-                          model_dtype=worker.dtype_name)
+                          model_dtype=worker.dtype_name,
+                          temperatures=sorted({sample.get("temperature", 0.0) for sample in samples}))
     report["seconds"].update(generate=round(generate_s), targets=round(targets_s),
                              total=round(time.perf_counter() - started))
     report["arguments"] = {key: value for key, value in vars(args).items() if key != "command"}

@@ -4,7 +4,7 @@ in batches equal to its answers one at a time."""
 from __future__ import annotations
 
 from conftest import make_engine
-from inference_core import SamplingParams
+from inference_core import SamplingParams, draft_data
 from inference_core.draft_data import _four_grams, bench_four_grams, chat_prompts, generate, load, save
 
 
@@ -19,16 +19,32 @@ def test_prompts_are_many_distinct_seeded_and_held_out_from_the_benchmark():
     assert any(prompt.startswith("What does this Python code do?\n\ndef ") for prompt in prompts)  # code to read
 
 
-def test_batched_answers_equal_solo_answers(bundled, tmp_path):
-    prompts = chat_prompts(6, seed=3)
+def test_batched_answers_equal_solo_answers(bundled, tmp_path, monkeypatch):
+    # Short prompts, so that four requests of up to 64 tokens decode side by side (the engine's default KV pool, one
+    # max_seq_len sequence, would hold two), in an order that is not the prompts' (generate queues the shortest first).
+    lengths = {p: len(bundled.tokenizer.encode_chat([{"role": "user", "content": p}])) for p in chat_prompts(60, seed=3)}
+    prompts = [p for p in lengths if lengths[p] <= 56][:6]
+    assert [lengths[p] for p in prompts] != sorted(lengths[p] for p in prompts)
+    running, step = [], draft_data.Engine.step
+    monkeypatch.setattr(draft_data.Engine, "step", lambda engine: running.append(step(engine).num_running))
     seen = []
-    samples = generate(bundled, prompts, max_new_tokens=8, batch_size=4, max_seq_len=512,
+    samples = generate(bundled, prompts, max_new_tokens=8, batch_size=4, max_seq_len=128,
                        progress=lambda done, total: seen.append((done, total)))
+    assert max(running) == 4
     assert [s["prompt"] for s in samples] == list(range(6)) and seen[-1] == (6, 6)
-    engine = make_engine(bundled, max_seq_len=512)
+    assert {s["temperature"] for s in samples} == {0.0}
+    engine = make_engine(bundled, max_seq_len=128)
     for sample, prompt in zip(samples, prompts):
         solo = engine.complete(prompt, SamplingParams(max_new_tokens=8))
         assert sample["ids"] == engine.prompt_ids(prompt) + solo.token_ids
         assert sample["prompt_tokens"] == len(engine.prompt_ids(prompt))
     save(tmp_path / "data.jsonl", samples)
     assert load(tmp_path / "data.jsonl") == samples
+
+
+def test_sampled_answers_are_seeded(bundled):
+    prompts = chat_prompts(2, seed=4)
+    first = generate(bundled, prompts, max_new_tokens=12, temperature=0.7, seed=5, batch_size=2)
+    assert first == generate(bundled, prompts, max_new_tokens=12, temperature=0.7, seed=5, batch_size=2)
+    assert {s["temperature"] for s in first} == {0.7}
+    assert first != generate(bundled, prompts, max_new_tokens=12, temperature=0.7, seed=6, batch_size=2)

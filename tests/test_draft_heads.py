@@ -16,7 +16,7 @@ from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core.draft_heads import EagleDrafter, find_heads, lm_head_rows, load_heads
 from inference_core.sequence import Sequence
 from inference_core.speculative import SpecConfig
-from inference_core.train_draft import model_targets, train_heads
+from inference_core.train_draft import model_targets, train_heads, validation_split
 from conftest import assert_nothing_held
 from test_speculative import TINY_VOCAB, build_tiny, sampled_speculation_distances
 
@@ -120,6 +120,15 @@ def test_heads_are_checked_against_the_model(tiny, tiny_heads, bundled, tmp_path
         tiny_engine.generate([1, 2, 3], spec=SpecConfig("medusa", k=5))
 
 
+def test_validation_holds_out_whole_prompts():
+    groups = [i // 2 for i in range(200)]  # a greedy and a sampled answer to each of 100 prompts
+    train, held = validation_split(groups, 0.1, seed=0)
+    assert sorted(train + held) == list(range(200))
+    assert len({groups[i] for i in held}) == 10 and not {groups[i] for i in train} & {groups[i] for i in held}
+    assert validation_split(groups, 0.1, seed=0) == (train, held) != validation_split(groups, 0.1, seed=1)
+    assert len(validation_split(range(5), 0.05, seed=0)[1]) == 1  # at least one
+
+
 def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers, tmp_path, capsys):
     from inference_core.cli import main
 
@@ -133,6 +142,7 @@ def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers,
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["kind"] == "medusa" and report["steps"] == 30 and report["data"]["answers"] == len(tiny_answers)
     assert report["data"]["model_dtype"] == "bfloat16" and report["arguments"]["dtype"] == "float32"
+    assert report["data"]["temperatures"] == [0.0]  # answers without a temperature are greedy ones
     assert len(report["validation_top1_agreement"]) == 2 and report["seconds"]["total"] >= 0
     rows = list(csv.DictReader(out.with_suffix(".loss.csv").open()))
     assert [int(row["step"]) for row in rows] == [0, 5, 10, 15, 20, 25, 29] and "head2" in rows[0]
@@ -144,6 +154,8 @@ def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers,
     assert json.loads(capsys.readouterr().out)[0]["stats"]["spec"]["steps"] > 0
     assert main(["generate", "--model", tiny.name, "--prompt", "t5", "--draft-heads", str(out)]) == 2
     assert "--draft-heads is used only with --spec medusa or --spec eagle" in capsys.readouterr().err
+    assert main(["train-draft", "--kind", "eagle", "--model", tiny.name, "--temperatures", "0,hot"]) == 2
+    assert "--temperatures takes comma-separated temperatures >= 0" in capsys.readouterr().err
 
 
 # --- the shipped heads on the bundled model ------------------------------------------------------------------------

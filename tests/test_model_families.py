@@ -214,3 +214,23 @@ def test_bfloat16_close_to_float32(family):
     result = Engine(loaded, EngineConfig(kv_mode="paged", block_size=BLOCK_SIZE)).complete(
         list(prompt_ids), SamplingParams(max_new_tokens=16, ignore_eos=True))
     assert len(result.token_ids) == 16 and all(0 <= t < VOCAB_SIZE for t in result.token_ids)
+
+
+def test_batched_bfloat16_decodes_close_to_float32(family, monkeypatch):
+    """A step's decodes, attended together (through bf16 matmuls where the CPU has native bf16 math), against
+    transformers in fp32."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)  # the matmul kernel on any host
+    loaded = inference_core.load_model(str(family.directory), device="cpu", dtype="bfloat16")
+    assert {layer.self_attn.decode_kernel for layer in loaded.model.layers} == {"matmul"}
+    engine = Engine(loaded, EngineConfig(kv_mode="paged", block_size=BLOCK_SIZE))
+    seqs = [Sequence(list(PROMPTS["long"])), Sequence(list(PROMPTS["short"]))]
+    for seq in seqs:
+        engine.kv_cache.allocate(seq)
+    engine.runner.run(seqs)  # the prompts
+    for seq, token in zip(seqs, (11, 250)):
+        seq.append(token)
+    logits = engine.runner.run(seqs)  # one decode each, in one batch
+    for seq, row in zip(seqs, logits):
+        torch.testing.assert_close(row, family.hf_last_logits(seq.token_ids), atol=0.1, rtol=0)
+    for seq in seqs:
+        engine.kv_cache.free(seq)

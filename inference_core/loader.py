@@ -12,7 +12,7 @@ import torch
 from inference_core.checkpoint import read_config, read_weights, resolve_model_dir
 from inference_core.config import ConfigError, ModelConfig, parse_device, parse_dtype
 from inference_core.kv_cache import RecomputeKVCache
-from inference_core.model import WEIGHT_LAYOUTS, CausalLM
+from inference_core.model import WEIGHT_LAYOUTS, CausalLM, native_bf16_math
 from inference_core.runner import ModelRunner
 from inference_core.sequence import Sequence
 from inference_core.tokenizer import Tokenizer
@@ -94,8 +94,7 @@ def choose_dtype(device: torch.device, config: ModelConfig) -> tuple[torch.dtype
         return torch.float16, "this GPU has no bf16 support"
     if device.type != "cpu":
         return torch.float32, f"no measured choice for {device.type}"
-    native = [name for name, check in (("AVX-512 BF16", torch.cpu._is_avx512_bf16_supported),
-                                       ("AMX", torch.cpu._is_amx_tile_supported)) if check()]
+    native = native_bf16_math()
     if not native:
         capability = torch.backends.cpu.get_cpu_capability()
         return torch.float32, (f"this CPU ({capability}) has no native bf16 math, so bf16 would run "

@@ -69,6 +69,13 @@ def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else dtype
 
 
+def native_bf16_math() -> list[str]:
+    """This CPU's features that do bf16 dot products natively (without them bf16 matmuls are emulated, slower than
+    fp32): the ones `loader.choose_dtype` and `decode_attention_kernel` look for."""
+    return [name for name, check in (("AVX-512 BF16", torch.cpu._is_avx512_bf16_supported),
+                                     ("AMX", torch.cpu._is_amx_tile_supported)) if check()]
+
+
 def decode_attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """How a step's batched single-token decodes attend: 'matmul' (bf16 on a CPU with AVX-512 BF16: scores and
     values through bf16 matmuls, softmax in fp32, the order of transformers' eager attention) or 'sdpa'. Measured on
@@ -76,8 +83,7 @@ def decode_attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
     upcast fp32 copies. CPUs without native bf16 dot products keep SDPA."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return "sdpa"
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()  # as loader.choose_dtype
-    return "matmul" if native else "sdpa"
+    return "matmul" if native_bf16_math() else "sdpa"
 
 
 def attend_decodes_matmul(q, k, v, mask, scale: float) -> torch.Tensor:

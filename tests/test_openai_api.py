@@ -207,9 +207,11 @@ def test_public_mode_refuses_paths_unknown_models_and_callers_over_their_caps(bu
 
 
 def test_a_full_queue_answers_429_with_retry_after(bundled):
-    pool, server = _serve(bundled, ServePolicy(max_queue=1, max_new_tokens=64))
+    # The first request must still be running when the second arrives: greedy, this prompt counts on for all 300
+    # tokens (seconds on any CPU), where "Count to one hundred:" alone ends after 24 and let a fast host finish it.
+    pool, server = _serve(bundled, ServePolicy(max_queue=1, max_new_tokens=300))
     try:
-        body = {"model": "bundled", "prompt": "Count to one hundred:", "max_tokens": 64, "temperature": 0,
+        body = {"model": "bundled", "prompt": "Count to one hundred: 1, 2, 3,", "max_tokens": 300, "temperature": 0,
                 "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as first:
             next(line for line in first.iter_lines() if line.startswith("data:"))

@@ -50,6 +50,23 @@ def _set_number(page, elem_id: str, value: int) -> None:
     page.keyboard.press("Enter")
 
 
+def _until_shown(page, edit, summary: str, attempts: int = 3) -> None:
+    """Make the edits until the settings' summary shows them. Right after the accordion unfolds, a number typed into
+    a slider's box is now and then dropped (the page showed the default 8 requests after 3 was typed), so the edits
+    are made again, up to `attempts` times, before the summary must show them."""
+    from playwright.sync_api import expect
+
+    for _ in range(attempts - 1):
+        edit()
+        try:
+            expect(page.locator("#batching-settings")).to_contain_text(summary, timeout=3_000)
+            return
+        except AssertionError:
+            continue
+    edit()
+    expect(page.locator("#batching-settings")).to_contain_text(summary)
+
+
 def _results(page) -> list[dict[str, str]]:
     """The results table's rows as the page shows them, by column header (Gradio's grid: ARIA roles)."""
     table = page.locator("#batching-results")
@@ -85,11 +102,14 @@ def test_small_continuous_run_shows_timeline_chart_and_results(served, browser):
         assert box["y"] + box["height"] <= 900, (elem_id, box)
     _choose(page, "batching-mode", "continuous")
     page.locator("#batching-settings > button").first.click()  # unfold the settings
-    _set_number(page, "batching-num-requests", 3)
-    _set_number(page, "batching-max-new-tokens", 8)
-    page.locator("#batching-lengths").get_by_text("max new tokens for every request").click()
-    page.locator("#batching-arrival").get_by_text("all at once (burst)").click()
-    expect(page.locator("#batching-settings")).to_contain_text("Settings: 3 requests x 8 new tokens, all at once")
+
+    def settings():
+        _set_number(page, "batching-num-requests", 3)
+        _set_number(page, "batching-max-new-tokens", 8)
+        page.locator("#batching-lengths").get_by_text("max new tokens for every request").click()
+        page.locator("#batching-arrival").get_by_text("all at once (burst)").click()
+
+    _until_shown(page, settings, "Settings: 3 requests x 8 new tokens, all at once")
     status = _run_until_finished(page)
     assert "continuous batching: 3 requests, 24 output tokens" in status
     # The timeline: a row per request, with queued / prefill / decode segments and a finished mark each.

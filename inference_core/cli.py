@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--spec-k", type=int, default=4, help="draft length k (where adaptive k starts)")
     generate.add_argument("--spec-adaptive", action="store_true",
                           help="adapt k: longer after a fully accepted draft, shorter after an early rejection")
+    generate.add_argument("--spec-tree-width", type=int, default=1,
+                          help="medusa, eagle, greedy: verify a tree with this many candidates per draft position "
+                               "(the best ones chained, the others as leaves beside them; 1: a chain)")
     generate.add_argument("--draft-layers", type=int, help="early-exit: layers the draft runs (default: half)")
     generate.add_argument("--draft-model", help="--spec draft: a smaller model with the same tokenizer "
                                                 "(same forms as --model)")
@@ -145,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="draft sources, comma-separated, each timed against the same plain runs: "
                                  f"{', '.join(m for m in SPEC_METHODS if m != 'none')}")
     spec_bench.add_argument("--spec-k", default="3,5", help="draft lengths to try, comma-separated")
+    spec_bench.add_argument("--tree-width", default="1",
+                            help="medusa, eagle: tree widths to try (candidates per draft position; 1: a chain), "
+                                 "comma-separated")
     spec_bench.add_argument("--draft-layers", default="",
                             help="early-exit: layer counts to try, comma-separated (default: half the model's)")
     spec_bench.add_argument("--draft-model", help="draft: the draft model (default: the target model itself)")
@@ -263,7 +269,8 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     config = generate_config(args)
-    spec = SpecConfig(method=args.spec, k=args.spec_k, adaptive=args.spec_adaptive, draft_layers=args.draft_layers)
+    spec = SpecConfig(method=args.spec, k=args.spec_k, adaptive=args.spec_adaptive, draft_layers=args.draft_layers,
+                      tree_width=args.spec_tree_width)
     if args.draft_model and args.spec != "draft":
         raise ConfigError("--draft-model is used only with --spec draft.")
     if args.draft_heads and not spec.reads_hidden:
@@ -340,7 +347,8 @@ def _print_stats(s: GenerationStats, spec_method: str) -> None:
               f"{s.compile['warmup_s']:.1f} s ({s.compile['compile_s']:.1f} s of it during this request, left out of "
               f"decode tok/s), {s.compile['recompiles']} recompiles]", file=sys.stderr)
     if s.spec:
-        print(f"[speculative {spec_method}, k={s.spec['k']}: {s.spec['accepted']} of "
+        tree = f", a tree {s.spec['tree_width']} wide" if s.spec["tree_width"] > 1 else ""
+        print(f"[speculative {spec_method}, k={s.spec['k']}{tree}: {s.spec['accepted']} of "
               f"{s.spec['drafted']} drafts accepted ({100 * s.spec['acceptance_rate']:.0f}%), "
               f"{s.spec['mean_accepted_length']:.2f} tokens per verification]", file=sys.stderr)
 

@@ -248,6 +248,10 @@ class _HeadScorer:
         """[rows, hidden] -> [rows, draft vocab]."""
         return self.scorer(hidden.float())
 
+    def ranked(self, scores: torch.Tensor, width: int) -> list[list[int]]:
+        """Each row's `width` best token ids (target ids), best first: a tree's candidates at one position."""
+        return self.heads.vocab_ids[scores.topk(width, dim=-1).indices].tolist()
+
     def draft(self, scores: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
         """One draft token from one row of `scores`."""
         if params.greedy:
@@ -271,17 +275,29 @@ class MedusaDrafter(_HeadScorer):
         """The target's hidden states at positions first_position.. (a forward's tokens, accepted ones only)."""
         self.feature, self.position = hidden[-1].float(), first_position + len(hidden) - 1
 
-    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+    def _head_scores(self, seq: Sequence, max_drafts: int) -> torch.Tensor | None:
+        """[heads, draft vocab]: every head's scores (one pass over the scoring rows), or None while there is no
+        hidden state for this position yet (the caller takes a plain step)."""
         if self.feature is None or self.position != len(seq) - 2:
-            return [], None  # no hidden state for this position yet (the caller takes a plain step)
+            return None
         with torch.inference_mode():
-            guesses = self.heads.network(self.feature)[:max_drafts]  # [heads, hidden]
-            drafts, probs = [], []
-            for scores in self.scores(guesses):  # one pass over the scoring rows for all heads
-                token, q = self.draft(scores, params, generator)
-                drafts.append(token)
-                probs.append(q)
+            return self.scores(self.heads.network(self.feature)[:max_drafts])
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        head_scores = self._head_scores(seq, max_drafts)
+        if head_scores is None:
+            return [], None
+        drafts, probs = [], []
+        for scores in head_scores:
+            token, q = self.draft(scores, params, generator)
+            drafts.append(token)
+            probs.append(q)
         return drafts, None if params.greedy else torch.stack(probs)
+
+    def propose_tree(self, seq: Sequence, depth: int, width: int) -> list[list[int]]:
+        """Greedy tree candidates: per position, the `width` best tokens of its head, best first ([] as propose)."""
+        head_scores = self._head_scores(seq, depth)
+        return [] if head_scores is None else self.ranked(head_scores, width)
 
     def close(self) -> None:
         self.feature = None
@@ -330,23 +346,44 @@ class EagleDrafter(_HeadScorer):
         cos, sin = (table[start:start + len(token_ids)].unsqueeze(1) for table in self.rope)
         return self.heads.network(features[None], embeddings[None], cos, sin, self.cache, start)[0]
 
-    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+    def _drafts(self, seq: Sequence, max_drafts: int, choose):
+        """Step the layer `max_drafts` times from the sequence's last position; `choose(scores)` turns each step's
+        scores [draft vocab] into (the token the next step reads, what to collect). The collected values, or None
+        while the hidden states do not reach the last position."""
         last = len(seq) - 1  # the last token's position; the target's hidden state before it predicted it
         if self.known != last or last <= self.first or last + max_drafts > len(self.features):
-            return [], None
-        drafts, probs = [], []
+            return None
+        collected = []
         with torch.inference_mode():
             # Catch up: the pairs (f_j, x_{j+1}) for j in [cached, last), at least the last one (its output drafts).
             start = min(self.cached, last - 1)
             out = self._step(self.features[start:last], seq.token_ids[start + 1:last + 1], start)[-1]
             self.cached = last
             for index in range(max_drafts):
-                token, q = self.draft(self.scores(out[None])[0], params, generator)
-                drafts.append(token)
-                probs.append(q)
+                token, value = choose(self.scores(out[None])[0])
+                collected.append(value)
                 if index + 1 < max_drafts:
                     out = self._step(out[None], [token], last + index)[-1]
-        return drafts, None if params.greedy else torch.stack(probs)
+        return collected
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        def choose(scores):
+            token, q = self.draft(scores, params, generator)
+            return token, (token, q)
+
+        drafted = self._drafts(seq, max_drafts, choose)
+        if drafted is None:
+            return [], None
+        return [token for token, _ in drafted], None if params.greedy else torch.stack([q for _, q in drafted])
+
+    def propose_tree(self, seq: Sequence, depth: int, width: int) -> list[list[int]]:
+        """Greedy tree candidates: per position, the `width` best tokens, best first; the layer steps along the best
+        ones (the chain), so the others are alternatives at their position after the chain's tokens before it."""
+        def choose(scores):
+            candidates = self.ranked(scores[None], width)[0]
+            return candidates[0], candidates
+
+        return self._drafts(seq, depth, choose) or []
 
     def close(self) -> None:
         self.features = self.cache = None

@@ -37,7 +37,7 @@ from inference_core.runner import ModelRunner
 from inference_core.sampling import SamplingParams, sample_batch
 from inference_core.scheduler import ScheduledWork, Scheduler
 from inference_core.speculative import (MAX_K, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, SpecConfig,
-                                        next_k, speculative_step)
+                                        next_k, speculative_step, tree_speculative_step)
 from inference_core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["Engine", "FinishEvent", "GenerationStats", "LoadedModel", "StepReport", "StopGeneration", "TokenEvent",
@@ -138,6 +138,10 @@ class Engine:
         to change, for a request that could never run on this engine."""
         params = params or SamplingParams()
         spec = self.resolve_spec(spec or SpecConfig())
+        if spec.tree_width > 1 and not params.greedy:
+            raise ConfigError("tree verification ({tree_width} > 1) keeps greedy decoding's tokens only; set the "
+                              "temperature to 0 or the tree width to 1 (a chain, which keeps the sampled "
+                              "distribution).")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ConfigError(f"priority must be an integer (lower runs first), got {priority!r}.")
         started = time.perf_counter()
@@ -348,10 +352,14 @@ class Engine:
             # Drafts need KV room too: shorten the draft to what the free blocks hold (0: a plain step).
             room = request.room() - 1
             k = min(request.draft_k, room)
-            while k > 0 and not self.kv_cache.can_append(seq, len(seq) + k):
+            width = request.spec.tree_width  # a tree holds k * width drafts while it is verified
+            while k > 0 and not self.kv_cache.can_append(seq, len(seq) + k * width):
                 k -= 1
             tokens = []
-            if k > 0:
+            if k > 0 and width > 1:
+                tokens = tree_speculative_step(self.runner, seq, request.drafter, k, width, request.spec_stats,
+                                               request.eos_ids)
+            elif k > 0:
                 tokens = speculative_step(self.runner, seq, request.drafter, k, request.spec_stats, request.params,
                                           request.generator, request.eos_ids)
             if tokens and request.spec.adaptive:
@@ -359,7 +367,7 @@ class Engine:
                 request.draft_k = next_k(request.draft_k, accepted + len(tokens[-1][2]), accepted,
                                          request.spec.max_k)
             if not tokens:  # nothing drafted or no room: a plain decode step of its own
-                position = len(seq) - 1
+                position = seq.num_computed_tokens  # the first forwarded (mode none: the whole sequence again)
                 logits = self.runner.run([seq], return_hidden=request.spec.reads_hidden)
                 if request.spec.reads_hidden:
                     logits, hidden = logits

@@ -124,6 +124,9 @@ class RecomputeKVCache:
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         pass
 
+    def copy_token(self, seq: Sequence, source: int, target: int) -> None:
+        pass  # nothing kept to move
+
     def free(self, seq: Sequence) -> None:
         pass
 
@@ -193,6 +196,12 @@ class ContiguousKVCache(_Storage):
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Keep the KV of the first `num_tokens` tokens only (later positions are simply overwritten next time)."""
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+
+    def copy_token(self, seq: Sequence, source: int, target: int) -> None:
+        """Every layer's KV at slot position `source` written to `target` too (a tree's accepted leaf moving next to
+        its parent)."""
+        for cache in (self.k, self.v):
+            cache[:, seq.cache_slot, :, target] = cache[:, seq.cache_slot, :, source]
 
     def free(self, seq: Sequence) -> None:
         if seq.cache_slot >= 0:
@@ -295,6 +304,13 @@ class PagedKVCache(_Storage):
         """Keep the KV of the first `num_tokens` tokens; blocks past them go back to the pool."""
         self.manager.rollback(seq, num_tokens)
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+
+    def copy_token(self, seq: Sequence, source: int, target: int) -> None:
+        """Every layer's KV at token position `source` written to `target` too (a tree's accepted leaf moving next
+        to its parent); both lie in blocks this sequence holds, past what it has committed."""
+        table, size = seq.block_table, self.block_size
+        for cache in (self.k, self.v):
+            cache[:, table[target // size], target % size] = cache[:, table[source // size], source % size]
 
     def free(self, seq: Sequence) -> None:
         self.manager.free(seq)

@@ -111,7 +111,7 @@ class Request:
         self.text, self.emitted = "", 0
         # Speculative decoding: the draft source (built at first admission), stats, and the current draft length.
         self.drafter = None
-        self.spec_stats = SpecStats(spec.max_k) if spec.enabled else None
+        self.spec_stats = SpecStats(spec.max_k, tree_width=spec.tree_width) if spec.enabled else None
         self.draft_k = spec.k
         # Clocks and counters (see the module docstring).
         self.submitted_at = time.perf_counter()

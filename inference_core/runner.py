@@ -165,6 +165,36 @@ class ModelRunner:
         return logits, hidden
 
     @torch.inference_mode()
+    def run_tree(self, seq: Sequence, depths: list[int], tree_mask: torch.Tensor, return_hidden: bool = False):
+        """A tree verification forward. The last len(depths) tokens of `seq` are a draft tree in slot order: node i
+        sits at depth depths[i] below node 0 (the sequence's last real token, depth 0), so it is rotated to position
+        node 0's + depths[i], and it attends to the context before node 0 and to the nodes `tree_mask[i]` marks (its
+        ancestors and itself, [nodes, nodes] bool). Earlier uncomputed tokens (mode none forwards everything) are
+        computed as usual. Returns fp32 logits for every node ([nodes, vocab]) and, with `return_hidden`, the nodes'
+        hidden states too, as `run` does. Nothing is committed: the caller keeps the accepted path (its KV moved to
+        consecutive slots) and commits that."""
+        first, num_nodes = seq.num_computed_tokens, len(depths)
+        root = len(seq) - num_nodes  # node 0's position (and slot)
+        self.kv_cache.ensure_capacity(seq)
+        batch = self.prepare([seq], [len(seq) - first], num_logits=num_nodes)
+        positions = torch.cat([torch.arange(first, root, device=self.device),
+                               root + torch.tensor(depths, device=self.device)])
+        # Keys in slot order: the context [0, root) and then the nodes. Queries: tokens [first, len(seq)).
+        key_positions = torch.cat([torch.arange(root, device=self.device), positions[root - first:]])
+        mask = torch.zeros(len(seq) - first, len(seq), dtype=torch.bool, device=self.device)
+        mask[:, :root] = torch.ones(len(seq) - first, root, dtype=torch.bool, device=self.device).tril(first)
+        mask[root - first:, root:] = tree_mask.to(self.device)
+        window = self.kv_cache.sliding_window
+        if window is not None:  # a query at position p sees keys at positions p - window + 1 .. p
+            mask &= key_positions[None, :] > positions[:, None] - window
+        batch.positions, batch.attention_masks[0], batch.is_causal[0] = positions, mask, False
+        logits = self.model.forward(batch, self.kv_cache, return_hidden=return_hidden)
+        if not return_hidden:
+            return logits
+        logits, flat = logits
+        return logits, flat[-num_nodes:]
+
+    @torch.inference_mode()
     def run_shallow(self, seq: Sequence, num_layers: int) -> torch.Tensor:
         """An early-exit draft pass: forward the uncomputed tokens of `seq` through the first `num_layers` layers
         (writing only their KV) and return the last token's fp32 logits [1, vocab]. Nothing is committed: the caller

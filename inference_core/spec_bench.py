@@ -5,7 +5,8 @@ where speculation loses.
 Draft sources (--source, comma-separated for several in one run): `ngram` (prompt lookup), `early-exit`
 (--draft-layers may list several depths), `draft` (--draft-model; by default the target itself, which accepts every
 draft and so shows the cost of drafting with no gain), `medusa` and `eagle` (trained draft heads; --draft-heads for a
-file of your own). The JSON also keeps acceptance by draft position.
+file of your own; --tree-width lists tree widths to verify, 1 being the chain). The JSON also keeps acceptance by
+draft position (for a tree: a position counts as accepted when any of its candidates is).
 
 Method: greedy decoding (so both runs produce the same tokens, which the bench checks in float32; in 16-bit weights
 a verification's several-row matmuls round differently from a one-row decode, so a near-tie may go the other way:
@@ -30,7 +31,7 @@ from inference_core.engine import Engine, load_model
 from inference_core.prompts import load_prompts
 from inference_core.sampling import SamplingParams
 from inference_core.sequence import Sequence
-from inference_core.speculative import SPEC_METHODS, SpecConfig, common_prefix_length
+from inference_core.speculative import HIDDEN_READERS, SPEC_METHODS, SpecConfig, common_prefix_length
 
 
 def forward_cost(engine: Engine, counts: list[int], context: int = 300, repeats: int = 20) -> dict[int, float]:
@@ -84,20 +85,22 @@ def run_spec_bench(args) -> int:
     if getattr(args, "draft_heads", None):
         engine.load_draft_heads(next(s for s in sources if s in ("medusa", "eagle")), args.draft_heads)
     layer_counts = [int(n) for n in str(args.draft_layers or "").split(",") if n.strip()] or [None]
+    widths = [int(w) for w in str(getattr(args, "tree_width", 1)).split(",") if w.strip()] or [1]
     settings = {}
     for source in sources:
         for layers in layer_counts if source == "early-exit" else [None]:
             for k in ks:
-                spec = engine.resolve_spec(SpecConfig(source, k=k, draft_layers=layers))
-                name = f"{source} L={spec.draft_layers} k={k}" if spec.draft_layers else f"{source} k={k}"
-                settings[name] = spec
+                for width in widths if source in HIDDEN_READERS else [1]:
+                    spec = engine.resolve_spec(SpecConfig(source, k=k, draft_layers=layers, tree_width=width))
+                    name = f"{source} L={spec.draft_layers} k={k}" if spec.draft_layers else f"{source} k={k}"
+                    settings[name + (f" w={width}" if width > 1 else "")] = spec
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     prompts = [(row["kind"], row["id"], engine.prompt_ids(row["prompt"], row.get("system"))) for row in rows]
     print(f"spec-bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, KV {args.kv}, "
           f"{len(prompts)} prompts x {args.repeats} repeats, up to {args.max_new_tokens} new tokens", flush=True)
     for spec in [None, *settings.values()]:  # warm-up, never timed
         _run(engine, prompts[0][2], SamplingParams(max_new_tokens=8), spec)
-    costs = forward_cost(engine, sorted({1, *(k + 1 for k in ks)}))
+    costs = forward_cost(engine, sorted({1, *(spec.k * spec.tree_width + 1 for spec in settings.values())}))
     print("forward of n tokens against 1 (a verification of n - 1 drafts against a decode step): "
           + ", ".join(f"n={n} {ms:.1f} ms ({ms / costs[1]:.2f}x)" for n, ms in costs.items()), flush=True)
     speeds: dict[tuple[str, str], list[float]] = {}

@@ -40,6 +40,7 @@ from inference_core.sequence import Sequence
 SPEC_METHODS = ("none", "ngram", "early-exit", "draft", "medusa", "eagle")
 HIDDEN_READERS = ("medusa", "eagle")  # draft sources that read the target's hidden states
 MAX_K = 16
+MAX_TREE_WIDTH = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,9 @@ class SpecConfig:
     # 3-token ones), and on a CPU each rejected draft costs verification time (see README, "Speculative decoding").
     ngram_max: int = 3
     ngram_min: int = 3
+    # Tree verification (trained heads, greedy): each draft position offers its `tree_width` best tokens. The best
+    # ones form the chain; the others are leaves beside it, verified in the same forward (`tree_speculative_step`).
+    tree_width: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -68,6 +72,15 @@ class SpecConfig:
         if self.draft_layers is not None and (isinstance(self.draft_layers, bool)
                                               or not isinstance(self.draft_layers, int) or self.draft_layers < 1):
             raise ConfigError(f"draft layers must be a positive integer ({{draft_layers}}), got {self.draft_layers!r}.")
+        if isinstance(self.tree_width, bool) or not isinstance(self.tree_width, int) \
+                or not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise ConfigError(f"tree width must be an integer from 1 to {MAX_TREE_WIDTH} ({{tree_width}}), "
+                              f"got {self.tree_width!r}.")
+        if self.tree_width > 1 and self.method not in HIDDEN_READERS:
+            raise ConfigError(f"tree verification ({{tree_width}} > 1) needs a draft source that ranks its "
+                              f"candidates: {' or '.join(HIDDEN_READERS)}, not {self.method!r}.")
+        if self.tree_width > 1 and self.adaptive:
+            raise ConfigError("tree verification ({tree_width} > 1) drafts a fixed depth; turn adaptive k off.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"prompt lookup needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                               f"{self.ngram_max}.")
@@ -236,6 +249,7 @@ class SpecStats:
     the request can propose) and grow if a longer draft is recorded (a count that starts at k=0 and learns k)."""
 
     k: int
+    tree_width: int = 1  # candidates verified per draft position (1: a chain)
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -266,7 +280,7 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         return {
-            "k": self.k, "steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+            "k": self.k, "tree_width": self.tree_width, "steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
             # Tokens a verification step produced on average: the accepted drafts plus the target's own token.
             "mean_accepted_length": (self.accepted + self.steps) / self.steps if self.steps else 0.0,
@@ -310,14 +324,110 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
         accepted, final_token = accept_sampled(drafts, draft_probs, target_probs, generator)
     # Keep the KV of the last token and the accepted drafts; the tokens themselves are re-appended by the caller.
     del seq.token_ids[num_before:]
-    if reads_hidden:  # the hidden states of the kept positions; the last one predicted the final token
-        drafter.observe(num_before - 1, hidden[0][:accepted + 1])
+    if reads_hidden:  # the hidden states of the kept positions (mode none forwards more before them); the last one
+        # predicted the final token
+        drafter.observe(num_before - 1, hidden[0][-(len(drafts) + 1):][:accepted + 1])
     runner.kv_cache.rollback(seq, num_before + accepted)
     stats.record(len(drafts), accepted)
     stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
     tokens = [(token, "accepted", ()) for token in drafts[:accepted]]
     if accepted < len(drafts):
         tokens.append((final_token, "replaced", tuple(drafts[accepted:])))
+    else:
+        tokens.append((final_token, "bonus", ()))
+    return tokens
+
+
+@dataclass(slots=True)
+class DraftTree:
+    """Draft tokens as a tree below node 0 (the sequence's last token): nodes 1..len(chain) are the chain of each
+    position's best token, one below the other; after them come the other candidates, each a leaf at its position
+    whose parent is the chain's node just above. Node order is the slot order of the verification forward."""
+
+    chain: list[int]
+    tokens: list[int]  # nodes 1.. (chain first)
+    depths: list[int]  # node 0's and each node's: 0, 1, 2, ...
+    parents: list[int]  # node 0's (-1) and each node's parent index
+
+    @classmethod
+    def from_candidates(cls, candidates: list[list[int]], eos_ids) -> DraftTree:
+        """`candidates[d]`: position d's tokens, best first. Nothing after an end-of-sequence token in the chain
+        can be emitted, so the tree stops at its depth."""
+        chain = [ranked[0] for ranked in candidates]
+        for index, token in enumerate(chain):
+            if token in eos_ids:
+                chain = chain[:index + 1]
+                break
+        others = [(depth, token) for depth, ranked in enumerate(candidates[:len(chain)], 1) for token in ranked[1:]]
+        return cls(chain=chain, tokens=chain + [token for _, token in others],
+                   depths=[0, *range(1, len(chain) + 1), *(depth for depth, _ in others)],
+                   parents=[-1, *range(len(chain)), *(depth - 1 for depth, _ in others)])
+
+    def mask(self) -> torch.Tensor:
+        """[nodes, nodes] bool: node i sees its ancestors and itself."""
+        rows = torch.zeros(len(self.parents), len(self.parents), dtype=torch.bool)
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                rows[node] = rows[parent]
+            rows[node, node] = True
+        return rows
+
+    def accept_greedy(self, target_ids: list[int]) -> list[int]:
+        """The accepted path (node indices below node 0): follow the chain while it matches the target's argmax at
+        its parent; at the first mismatch, a leaf at that depth that matches ends the path."""
+        path, node = [], 0
+        for depth in range(1, len(self.chain) + 1):
+            want = target_ids[node]
+            if self.chain[depth - 1] == want:
+                path.append(node := depth)
+                continue
+            for leaf in range(len(self.chain) + 1, len(self.parents)):
+                if self.depths[leaf] == depth and self.tokens[leaf - 1] == want:
+                    path.append(leaf)
+                    break
+            break
+        return path
+
+
+def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int, stats: SpecStats,
+                          eos_ids) -> list[tuple]:
+    """A greedy verification step over a draft tree (`DraftTree`): the drafter ranks `width` candidates at each of
+    `depth` positions; one forward scores every node under a tree attention mask (`ModelRunner.run_tree`); the
+    longest path the target's argmax follows is kept, the KV of a leaf that ends it moved next to its parent, and
+    the rest rolled back. Emits exactly plain greedy decoding's tokens, like the chain (`speculative_step`), with more
+    chances at each position for one wider forward. Returns [] when the drafter proposed nothing."""
+    started = time.perf_counter()
+    candidates = drafter.propose_tree(seq, depth, width)
+    drafted_at = time.perf_counter()
+    stats.draft_ms += (drafted_at - started) * 1e3
+    if not candidates:
+        return []
+    tree = DraftTree.from_candidates(candidates, eos_ids)
+    root = len(seq) - 1  # node 0: the last token, its KV not yet written
+    seq.token_ids.extend(tree.tokens)
+    try:
+        logits, hidden = runner.run_tree(seq, tree.depths, tree.mask(), return_hidden=True)
+        target_ids = logits.argmax(dim=-1).tolist()
+        path = tree.accept_greedy(target_ids)
+        if path and path[-1] > len(tree.chain):  # a leaf ended the path: its KV goes to its depth's chain slot
+            runner.kv_cache.copy_token(seq, root + path[-1], root + len(path))
+        # Commit node 0 and the path (as consecutive tokens, for the prefix cache's block hashes), free the rest.
+        del seq.token_ids[root + 1:]
+        seq.token_ids.extend(tree.tokens[node - 1] for node in path)
+        runner.kv_cache.commit(seq, root + 1 + len(path))
+    finally:
+        del seq.token_ids[root + 1:]
+    runner.kv_cache.rollback(seq, root + 1 + len(path))
+    drafter.observe(root, hidden[[0, *path]])
+    accepted = len(path)
+    stats.record(len(tree.chain), accepted)
+    stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
+    # The target's token after the path replaces the chain's drafts from there on (a leaf took the place of the
+    # chain's token at its depth, and the chain's later drafts followed that token); after the whole chain, a bonus.
+    tokens = [(tree.tokens[node - 1], "accepted", ()) for node in path]
+    final_token = target_ids[path[-1] if path else 0]
+    if accepted < len(tree.chain):
+        tokens.append((final_token, "replaced", tuple(tree.chain[accepted:])))
     else:
         tokens.append((final_token, "bonus", ()))
     return tokens

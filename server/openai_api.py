@@ -46,9 +46,11 @@ SLOT = "chat"  # the pool slot the API shares with the page's chat: same setting
 PLAYGROUND_FIELDS = tuple(f.name for f in fields(LaneSettings)
                           if f.name not in ("temperature", "top_p", "seed", "endpoint", "endpoint_model"))
 FIELD_TYPES = {"prefix_cache": bool, "spec_adaptive": bool, "compile": bool, "block_size": int, "spec_k": int,
+               "spec_tree_width": int,
                "quant_group": int, "sliding_window": int, "kv_mode": str, "spec_method": str, "weights": str,
                "kv_dtype": str, "draft_layers": (int, str)}
-API_WORDS = {"max_new_tokens": "'max_tokens'", "spec_k": "'spec_k'", "draft_layers": "'draft_layers'",
+API_WORDS = {"max_new_tokens": "'max_tokens'", "spec_k": "'spec_k'", "tree_width": "'spec_tree_width'",
+             "draft_layers": "'draft_layers'",
              "draft_model": "start the app with --draft-model", "longer_context": ""}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
           "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", *PLAYGROUND_FIELDS}
@@ -433,7 +435,8 @@ def _cancel_all(handles: list[LoopHandle]) -> None:
 
 
 def _param_of(error: ConfigError) -> str | None:
-    for name, param in (("max_new_tokens", "max_tokens"), ("spec_k", "spec_k"), ("draft_layers", "draft_layers")):
+    for name, param in (("max_new_tokens", "max_tokens"), ("spec_k", "spec_k"), ("tree_width", "spec_tree_width"),
+                        ("draft_layers", "draft_layers")):
         if "{" + name + "}" in error.template:
             return param
     text = str(error)

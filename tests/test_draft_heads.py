@@ -1,5 +1,5 @@
 """Trained draft heads (Medusa heads, an EAGLE layer): lossless greedy speculation with the shipped heads on the
-bundled model (contiguous and paged KV); on a tiny model with heads trained in the test, that sampled speculation
+bundled model (contiguous and paged KV), as a chain and as a tree; on a tiny model with heads trained in the test, that sampled speculation
 keeps the target's distribution, that the EAGLE drafter's cached steps compute what training computed, and the
 train-draft command end to end; heads for another model, a missing file and too long a Medusa draft are refused."""
 
@@ -15,7 +15,7 @@ import torch
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core.draft_heads import EagleDrafter, find_heads, lm_head_rows, load_heads
 from inference_core.sequence import Sequence
-from inference_core.speculative import SpecConfig
+from inference_core.speculative import DraftTree, SpecConfig
 from inference_core.train_draft import model_targets, train_heads, validation_split
 from conftest import assert_nothing_held
 from test_speculative import TINY_VOCAB, build_tiny, sampled_speculation_distances
@@ -82,6 +82,62 @@ def test_greedy_with_trained_heads_is_lossless_on_tiny(tiny, tiny_heads, tiny_an
             accepted += fast.stats.spec["accepted"]
     assert accepted > 0
     assert_nothing_held(engine)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kv_mode,window", [("contiguous", None), ("paged", None), ("none", None), ("paged", 6)])
+def test_greedy_tree_verification_is_lossless_on_tiny(tiny, tiny_heads, kind, kv_mode, window, monkeypatch):
+    """A tree 3 wide keeps plain greedy's ids in every KV mode and under a sliding window; paths that end in a leaf
+    occur (their KV is moved next to the parent: were it not, the tokens after them would differ)."""
+    engine = Engine(tiny, EngineConfig(kv_mode=kv_mode, block_size=4, sliding_window=window))
+    engine.load_draft_heads(kind, tiny_heads[kind][0])
+    moves = []
+    copy_token = engine.kv_cache.copy_token
+    monkeypatch.setattr(engine.kv_cache, "copy_token", lambda *args: (moves.append(args[1:]), copy_token(*args)))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    chain_first = tree_first = 0
+    for prompt in ([1, 5, 9, 3], [7, 7, 4], [2, 11, 6, 6, 8]):
+        plain = engine.complete(prompt, params)
+        chain = engine.complete(prompt, params, spec=SpecConfig(kind, k=3))
+        tree = engine.complete(prompt, params, spec=SpecConfig(kind, k=3, tree_width=3))
+        assert tree.token_ids == plain.token_ids == chain.token_ids, prompt
+        assert tree.stats.spec["tree_width"] == 3
+        chain_first += chain.stats.spec["accepted_by_position"][0] / chain.stats.spec["drafted_by_position"][0]
+        tree_first += tree.stats.spec["accepted_by_position"][0] / tree.stats.spec["drafted_by_position"][0]
+    assert moves and tree_first > chain_first  # leaves were taken, and they raise the first position's acceptance
+    assert_nothing_held(engine)
+
+
+def test_a_draft_tree_is_laid_out_masked_and_walked_as_greedy_decoding_would():
+    tree = DraftTree.from_candidates([[10, 11, 12], [20, 21, 22], [30, 31, 32]], eos_ids={99})
+    assert tree.tokens == [10, 20, 30, 11, 12, 21, 22, 31, 32]
+    assert tree.depths == [0, 1, 2, 3, 1, 1, 2, 2, 3, 3]
+    assert tree.parents == [-1, 0, 1, 2, 0, 0, 1, 1, 2, 2]
+    mask = tree.mask()
+    assert mask[3].nonzero().flatten().tolist() == [0, 1, 2, 3]  # the chain's last node: the chain
+    assert mask[6].nonzero().flatten().tolist() == [0, 1, 6]  # a leaf at depth 2: node 0, the chain's first, itself
+    # target_ids: the target's argmax after each node (its logits row). Node 0 -> 10 (chain), node 1 -> 21 (leaf 6).
+    target = [10, 21, 0, 0, 0, 0, 7, 0, 0, 0]
+    assert tree.accept_greedy(target) == [1, 6]
+    assert tree.accept_greedy([12] + [0] * 9) == [5]  # a leaf at the first position
+    assert tree.accept_greedy([13] + [0] * 9) == []  # nothing matches
+    assert tree.accept_greedy([10, 20, 30] + [0] * 7) == [1, 2, 3]  # the whole chain
+    # Nothing after an end-of-sequence token in the chain: the tree stops at its depth.
+    short = DraftTree.from_candidates([[10, 11], [99, 21], [30, 31]], eos_ids={99})
+    assert short.chain == [10, 99] and short.tokens == [10, 99, 11, 21]
+
+
+def test_tree_verification_is_refused_where_it_cannot_keep_its_promise(tiny, tiny_heads):
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4))
+    engine.load_draft_heads("eagle", tiny_heads["eagle"][0])
+    with pytest.raises(ConfigError, match="greedy"):
+        engine.make_request([1, 2, 3], SamplingParams(temperature=0.7), spec=SpecConfig("eagle", k=2, tree_width=2))
+    with pytest.raises(ConfigError, match="medusa or eagle"):
+        SpecConfig("ngram", k=2, tree_width=2)
+    with pytest.raises(ConfigError, match="adaptive"):
+        SpecConfig("eagle", k=2, tree_width=2, adaptive=True)
+    with pytest.raises(ConfigError, match="from 1 to"):
+        SpecConfig("eagle", k=2, tree_width=0)
 
 
 def test_the_eagle_drafter_computes_what_training_computed(tiny, tiny_heads, tiny_answers):
@@ -181,8 +237,9 @@ def test_greedy_with_shipped_heads_is_lossless_on_the_bundled_model(bundled, ben
         row = bench_prompts[name]
         prompt_ids = engine.prompt_ids(row["prompt"], row.get("system"))
         plain = engine.complete(prompt_ids, params)
-        fast = engine.complete(prompt_ids, params, spec=SpecConfig(kind, k=3))
-        assert fast.token_ids == plain.token_ids, name
-        spec = fast.stats.spec
-        assert spec["accepted_by_position"][0] > 0 and spec["accepted"] < spec["drafted"]  # both outcomes
+        for spec in (SpecConfig(kind, k=3), SpecConfig(kind, k=3, tree_width=4)):
+            fast = engine.complete(prompt_ids, params, spec=spec)
+            assert fast.token_ids == plain.token_ids, (name, spec)
+            counts = fast.stats.spec
+            assert counts["accepted_by_position"][0] > 0 and counts["accepted"] < counts["drafted"]  # both outcomes
     assert_nothing_held(engine)

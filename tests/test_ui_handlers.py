@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 import ui
-from inference_core import Engine, EngineConfig, FinishEvent, GenerationStats, SamplingParams, TokenEvent
+from inference_core import (ConfigError, Engine, EngineConfig, FinishEvent, GenerationStats, SamplingParams,
+                            TokenEvent)
 from inference_core.race import interleave
 from inference_core.speculative import SpecConfig, SpecStats
 from ui.chat import CHAT_OUTPUTS, chat_turn
@@ -322,6 +323,29 @@ def test_speculation_preset_sets_both_lanes_and_a_grounded_prompt():
     assert lane_a.spec() == SpecConfig("ngram", k=5) and lane_b.spec() == SpecConfig("none")
     assert lane_a.kv_mode == lane_b.kv_mode == "paged"
     assert lane_a.describe().endswith("prompt lookup k=5")
+
+
+def test_tree_lane_is_lossless_and_its_live_count_equals_the_engines(pool, bench_prompts):
+    """A tree's step emits its path and then the target's token, which replaces the chain's drafts past the path: the
+    page counts the same drafted and accepted tokens from those events as the engine does."""
+    row = bench_prompts["chat-short-1"]
+    last = race_outputs(list(run_race(pool, None, row["prompt"], "", 48,
+                                      *lane("paged", spec_method="eagle", spec_k=2, spec_tree_width=3),
+                                      *lane("paged")))[-1])
+    assert 'data-verdict="identical"' in last["identical"]
+    assert {"accepted", "replaced"} <= _kinds(last["lane_a"])
+    assert last["summary"]["drafts accepted"][0].endswith("drafts) = engine's count")
+    assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
+
+
+def test_lane_settings_pass_the_tree_width_to_draft_sources_only():
+    assert LaneSettings(spec_method="eagle", spec_k=2, spec_tree_width=3.0).spec() == \
+        SpecConfig("eagle", k=2, tree_width=3)
+    assert LaneSettings(spec_method="medusa", spec_k=2, spec_tree_width=4).describe().endswith(
+        "Medusa heads (trained) k=2 tree 4 wide")
+    assert LaneSettings(spec_tree_width=3).spec() == SpecConfig()  # no speculation: nothing to widen
+    with pytest.raises(ConfigError, match="medusa or eagle"):  # a source with no ranked candidates says so
+        LaneSettings(spec_method="ngram", spec_tree_width=3).spec()
 
 
 def test_lane_settings_spec_passes_the_early_exit_depth_only_to_early_exit():

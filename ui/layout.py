@@ -28,7 +28,7 @@ from inference_core import SamplingParams
 from inference_core.compiled import compile_unavailable
 from inference_core.config import KV_DTYPES, KV_MODES
 from inference_core.quant import GROUP_SIZES, compute_dtype, weight_bytes
-from inference_core.speculative import MAX_K
+from inference_core.speculative import HIDDEN_READERS, MAX_K, MAX_TREE_WIDTH
 from ui.api import add_api
 from ui.batching import build_batching_tab
 from ui.chat import CHAT_OUTPUTS, STATS_LABEL, arm_chat, chat_turn, clear_chat, stats_frame, stop_chat
@@ -110,6 +110,10 @@ def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
         spec_k = gr.Slider(1, MAX_K, value=defaults.spec_k, step=1, label="draft length k",
                            visible=defaults.speculates, elem_id=f"{prefix}-spec-k")
         spec_adaptive = gr.Checkbox(value=defaults.spec_adaptive, label="adaptive k", visible=defaults.speculates)
+        spec_tree_width = gr.Slider(1, MAX_TREE_WIDTH, value=defaults.spec_tree_width, step=1, label="tree width",
+                                    info="greedy: each position's next-best tokens as leaves beside the chain, "
+                                         "verified in the same forward (1: a chain)",
+                                    visible=defaults.spec_method in HIDDEN_READERS, elem_id=f"{prefix}-spec-tree")
         num_layers = pool.loaded.config.num_layers
         # A dropdown, not a number box: an empty gr.Number arrives as 0, and "engine default" needs its own value.
         draft_layers = gr.Dropdown([("engine default", DEFAULT_LAYERS)] + list(range(1, num_layers)),
@@ -131,12 +135,15 @@ def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
     weights.change(lambda scheme: gr.update(interactive=scheme in ("int4", "awq")), weights, quant_group, **QUICK)
     temperature.change(lambda value: (gr.update(interactive=float(value or 0) > 0),) * 2, temperature,
                        [top_p, seed], **QUICK)
+    # A tree needs ranked candidates (trained heads): for other sources the width goes back to a chain.
     spec_method.change(lambda method: (gr.update(visible=method != "none"), gr.update(visible=method != "none"),
+                                       gr.update(visible=method in HIDDEN_READERS,
+                                                 **({} if method in HIDDEN_READERS else {"value": 1})),
                                        gr.update(visible=method == "early-exit")),
-                       spec_method, [spec_k, spec_adaptive, draft_layers], **QUICK)
+                       spec_method, [spec_k, spec_adaptive, spec_tree_width, draft_layers], **QUICK)
     endpoint, endpoint_model = _external_widgets(pool, defaults, prefix)
     return [kv_mode, block_size, prefix_cache, temperature, top_p, seed, spec_method, spec_k, spec_adaptive,
-            draft_layers, compiled, weights, quant_group, kv_dtype, sliding_window, endpoint, endpoint_model]
+            spec_tree_width, draft_layers, compiled, weights, quant_group, kv_dtype, sliding_window, endpoint, endpoint_model]
 
 
 def _external_widgets(pool: EnginePool, defaults: LaneSettings, prefix: str) -> list[gr.components.Component]:

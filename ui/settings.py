@@ -35,7 +35,7 @@ KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and he
 MAX_WEIGHT_VARIANTS = 3  # quantized copies of the model kept at once (each lane may pick its own)
 DEFAULT_LAYERS = "default"  # the early-exit depth widget's value for "the engine's default depth"
 # The page's names for what a ConfigError tells the user to change (see inference_core.config.CLI_WORDS).
-PAGE_WORDS = {"max_new_tokens": "'max new tokens'", "spec_k": "'draft length k'",
+PAGE_WORDS = {"max_new_tokens": "'max new tokens'", "spec_k": "'draft length k'", "tree_width": "'tree width'",
               "draft_layers": "'early-exit draft layers'", "draft_model": "start the app with a draft model",
               "longer_context": ""}
 DEFAULT_MAX_RUN_S = 180.0  # device time one race (both lanes) or one chat turn may take
@@ -60,6 +60,7 @@ class LaneSettings:
     spec_method: str = "none"  # draft source: one of SPEC_METHOD_LABELS
     spec_k: int = 4  # draft length (where it starts when adaptive)
     spec_adaptive: bool = False
+    spec_tree_width: int = 1  # Medusa / EAGLE, greedy: candidates verified per draft position (1: a chain)
     draft_layers: int | str | None = DEFAULT_LAYERS  # early exit only; DEFAULT_LAYERS (or None): the engine's default
     compile: bool = False  # decode steps through the compiled step (inference_core.compiled); needs a KV cache
     weights: str = "none"  # projections' quantization: one of WEIGHTS_LABELS (inference_core.quant)
@@ -90,8 +91,9 @@ class LaneSettings:
         that method, so a value left in its hidden box cannot affect another draft source."""
         layers = self.draft_layers if self.spec_method == "early-exit" else None
         layers = None if layers in ("", DEFAULT_LAYERS) else layers
-        return SpecConfig(method=self.spec_method or "none", k=_whole(self.spec_k), adaptive=bool(self.spec_adaptive),
-                          draft_layers=_whole(layers))
+        method = self.spec_method or "none"
+        return SpecConfig(method=method, k=_whole(self.spec_k), adaptive=bool(self.spec_adaptive),
+                          draft_layers=_whole(layers), tree_width=_whole(self.spec_tree_width) if method != "none" else 1)
 
     @property
     def external(self) -> bool:
@@ -121,7 +123,8 @@ class LaneSettings:
             draft = SPEC_METHOD_LABELS.get(self.spec_method, self.spec_method)
             if self.spec_method == "early-exit" and self.draft_layers not in (None, "", DEFAULT_LAYERS):
                 draft += f" ({_whole(self.draft_layers)} layers)"
-            parts.append(f"{draft} k={_whole(self.spec_k)}" + (" adaptive" if self.spec_adaptive else ""))
+            parts.append(f"{draft} k={_whole(self.spec_k)}" + (" adaptive" if self.spec_adaptive else "")
+                         + (f" tree {_whole(self.spec_tree_width)} wide" if _whole(self.spec_tree_width) != 1 else ""))
         if self.compile:
             parts.append("compiled decode")
         if self.weights not in (None, "", "none"):

@@ -53,12 +53,14 @@ RACE_SETUPS = {
         "not trained for: nearly every draft is rejected and lane A pays for drafting and verifying anyway. Prompt "
         "lookup copies from the prompt and wins."),
     "speculation: trained draft heads (EAGLE) vs plain decoding, chat prompt": RaceSetup(
-        {"A": LaneSettings(kv_mode="paged", spec_method="eagle", spec_k=3), "B": LaneSettings(kv_mode="paged")},
+        {"A": LaneSettings(kv_mode="paged", spec_method="eagle", spec_k=2, spec_tree_width=3),
+         "B": LaneSettings(kv_mode="paged")},
         "chat-med-3",
         "Lane A drafts with a small EAGLE layer trained on this model's own chat answers: it reads the model's last "
-        "hidden state and guesses the next few tokens, and the model checks them all in one forward. On open chat, "
-        "where prompt lookup finds nothing to copy, most first guesses are accepted (green in the text, acceptance "
-        "by position below); the output stays exactly that of plain decoding."),
+        "hidden state and guesses the next two tokens, three candidates for each (a tree: the best ones chained, the "
+        "others beside them), and the model checks them all in one forward. On open chat, where prompt lookup finds "
+        "nothing to copy, more than half of the first positions are accepted (green in the text, acceptance by "
+        "position below); the output stays that of plain greedy decoding."),
     "int8 weights vs full precision": RaceSetup(
         {"A": LaneSettings(kv_mode="paged", weights="int8"), "B": LaneSettings(kv_mode="paged")}, None,
         "Lane A's projections are int8 with a scale per output channel: about a quarter of the fp32 weight bytes "

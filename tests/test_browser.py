@@ -481,6 +481,11 @@ def test_speculative_race_highlights_every_kind_of_token(served, browser, tmp_pa
     page.locator("#lane-b-spec").get_by_text("early exit").click()
     expect(page.locator("#lane-b-spec-k")).to_be_visible()
     expect(page.locator("#lane-b-spec-layers input")).to_have_value("engine default")
+    # The tree width shows for the trained heads only (the sources that rank their candidates).
+    expect(page.locator("#lane-b-spec-tree")).to_be_hidden()
+    page.locator("#lane-b-spec").get_by_text("EAGLE layer (trained)").click()
+    expect(page.locator("#lane-b-spec-tree")).to_be_visible()
+    expect(page.locator("#lane-b-spec-layers")).to_be_hidden()
     page.locator("#lane-a-spec").get_by_text("none").click()
     expect(page.locator("#lane-a-spec-k")).to_be_hidden()
     expect(page.locator("#lane-a-spec-layers")).to_be_hidden()

@@ -117,6 +117,10 @@ def test_n_seed_and_stop(client):
     ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "colour": "blue"}, "colour"),
     ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "kv_mode": "bogus"}, "kv_mode"),
     ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "spec_method": "draft"}, None),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "spec_method": "ngram",
+      "spec_tree_width": 3}, "spec_tree_width"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "spec_method": "eagle",
+      "spec_tree_width": 3, "temperature": 0.7}, "spec_tree_width"),
     ({"model": "bundled", "messages": [{"role": "user", "content": "hi " * 600}]}, "prompt"),
 ])
 def test_bad_bodies_get_400_naming_the_field(served, body, param):

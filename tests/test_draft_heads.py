@@ -1,7 +1,8 @@
 """Trained draft heads (Medusa heads, an EAGLE layer): lossless greedy speculation with the shipped heads on the
-bundled model (contiguous and paged KV), as a chain and as a tree; on a tiny model with heads trained in the test, that sampled speculation
-keeps the target's distribution, that the EAGLE drafter's cached steps compute what training computed, and the
-train-draft command end to end; heads for another model, a missing file and too long a Medusa draft are refused."""
+bundled model (contiguous and paged KV), as a chain and as a tree; on a tiny model with heads trained in the test,
+that tree verification is lossless in every KV mode, that sampled speculation keeps the target's distribution, that
+the EAGLE drafter's cached steps compute what training computed, and the train-draft command end to end; heads for
+another model, a missing file, too long a Medusa draft and a tree where it cannot be lossless are refused."""
 
 from __future__ import annotations
 
@@ -105,6 +106,12 @@ def test_greedy_tree_verification_is_lossless_on_tiny(tiny, tiny_heads, kind, kv
         chain_first += chain.stats.spec["accepted_by_position"][0] / chain.stats.spec["drafted_by_position"][0]
         tree_first += tree.stats.spec["accepted_by_position"][0] / tree.stats.spec["drafted_by_position"][0]
     assert moves and tree_first > chain_first  # leaves were taken, and they raise the first position's acceptance
+    assert_nothing_held(engine)
+    request = engine.generate([1, 5, 9, 3], params, spec=SpecConfig(kind, k=3, tree_width=3))
+    for index, _ in enumerate(request):  # cancelled mid-stream: every block or slot comes back
+        if index == 6:
+            break
+    request.close()
     assert_nothing_held(engine)
 
 

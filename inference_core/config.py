@@ -30,7 +30,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 # How the command line names the settings a ConfigError may tell the user to change. Another surface (the
 # playground) passes its own words to `ConfigError.in_words`, so each names what to change in its own language.
 CLI_WORDS = {
-    "max_new_tokens": "--max-new-tokens", "spec_k": "--spec-k", "tree_width": "--spec-tree-width", "draft_layers": "--draft-layers",
+    "max_new_tokens": "--max-new-tokens", "spec_k": "--spec-k", "tree_width": "--spec-tree-width",
+    "draft_layers": "--draft-layers",
     "draft_model": "pass --draft-model", "longer_context": " (or raise --max-seq-len, up to the model's context)",
     "kv_cache_tokens": "--kv-cache-tokens",
 }

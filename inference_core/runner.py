@@ -165,14 +165,14 @@ class ModelRunner:
         return logits, hidden
 
     @torch.inference_mode()
-    def run_tree(self, seq: Sequence, depths: list[int], tree_mask: torch.Tensor, return_hidden: bool = False):
+    def run_tree(self, seq: Sequence, depths: list[int], tree_mask: torch.Tensor):
         """A tree verification forward. The last len(depths) tokens of `seq` are a draft tree in slot order: node i
         sits at depth depths[i] below node 0 (the sequence's last real token, depth 0), so it is rotated to position
         node 0's + depths[i], and it attends to the context before node 0 and to the nodes `tree_mask[i]` marks (its
         ancestors and itself, [nodes, nodes] bool). Earlier uncomputed tokens (mode none forwards everything) are
-        computed as usual. Returns fp32 logits for every node ([nodes, vocab]) and, with `return_hidden`, the nodes'
-        hidden states too, as `run` does. Nothing is committed: the caller keeps the accepted path (its KV moved to
-        consecutive slots) and commits that."""
+        computed as usual. Returns (fp32 logits for every node [nodes, vocab], the nodes' final-normed hidden states
+        [nodes, hidden]: the trained heads that draft trees read them). Nothing is committed: the caller keeps the
+        accepted path (its KV moved to consecutive slots) and commits that."""
         first, num_nodes = seq.num_computed_tokens, len(depths)
         root = len(seq) - num_nodes  # node 0's position (and slot)
         self.kv_cache.ensure_capacity(seq)
@@ -188,10 +188,7 @@ class ModelRunner:
         if window is not None:  # a query at position p sees keys at positions p - window + 1 .. p
             mask &= key_positions[None, :] > positions[:, None] - window
         batch.positions, batch.attention_masks[0], batch.is_causal[0] = positions, mask, False
-        logits = self.model.forward(batch, self.kv_cache, return_hidden=return_hidden)
-        if not return_hidden:
-            return logits
-        logits, flat = logits
+        logits, flat = self.model.forward(batch, self.kv_cache, return_hidden=True)
         return logits, flat[-num_nodes:]
 
     @torch.inference_mode()

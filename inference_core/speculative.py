@@ -280,7 +280,8 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         return {
-            "k": self.k, "tree_width": self.tree_width, "steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+            "k": self.k, "tree_width": self.tree_width, "steps": self.steps, "drafted": self.drafted,
+            "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
             # Tokens a verification step produced on average: the accepted drafts plus the target's own token.
             "mean_accepted_length": (self.accepted + self.steps) / self.steps if self.steps else 0.0,
@@ -297,11 +298,7 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
     (token, draft kind, rejected drafts), or [] when the drafter proposed nothing."""
     started = time.perf_counter()
     drafts, draft_probs = drafter.propose(seq, max_drafts, params, generator)
-    # Nothing after an end-of-sequence draft can be emitted.
-    for index, token in enumerate(drafts):
-        if token in eos_ids:
-            drafts = drafts[:index + 1]
-            break
+    drafts = through_first_eos(drafts, eos_ids)
     drafted_at = time.perf_counter()
     stats.draft_ms += (drafted_at - started) * 1e3
     if not drafts:  # nothing to propose: the caller takes a plain step
@@ -330,12 +327,7 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
     runner.kv_cache.rollback(seq, num_before + accepted)
     stats.record(len(drafts), accepted)
     stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
-    tokens = [(token, "accepted", ()) for token in drafts[:accepted]]
-    if accepted < len(drafts):
-        tokens.append((final_token, "replaced", tuple(drafts[accepted:])))
-    else:
-        tokens.append((final_token, "bonus", ()))
-    return tokens
+    return step_tokens(drafts[:accepted], final_token, drafts)
 
 
 @dataclass(slots=True)
@@ -353,11 +345,7 @@ class DraftTree:
     def from_candidates(cls, candidates: list[list[int]], eos_ids) -> DraftTree:
         """`candidates[d]`: position d's tokens, best first. Nothing after an end-of-sequence token in the chain
         can be emitted, so the tree stops at its depth."""
-        chain = [ranked[0] for ranked in candidates]
-        for index, token in enumerate(chain):
-            if token in eos_ids:
-                chain = chain[:index + 1]
-                break
+        chain = through_first_eos([ranked[0] for ranked in candidates], eos_ids)
         others = [(depth, token) for depth, ranked in enumerate(candidates[:len(chain)], 1) for token in ranked[1:]]
         return cls(chain=chain, tokens=chain + [token for _, token in others],
                    depths=[0, *range(1, len(chain) + 1), *(depth for depth, _ in others)],
@@ -406,7 +394,7 @@ def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int
     root = len(seq) - 1  # node 0: the last token, its KV not yet written
     seq.token_ids.extend(tree.tokens)
     try:
-        logits, hidden = runner.run_tree(seq, tree.depths, tree.mask(), return_hidden=True)
+        logits, hidden = runner.run_tree(seq, tree.depths, tree.mask())
         target_ids = logits.argmax(dim=-1).tolist()
         path = tree.accept_greedy(target_ids)
         if path and path[-1] > len(tree.chain):  # a leaf ended the path: its KV goes to its depth's chain slot
@@ -419,18 +407,28 @@ def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int
         del seq.token_ids[root + 1:]
     runner.kv_cache.rollback(seq, root + 1 + len(path))
     drafter.observe(root, hidden[[0, *path]])
-    accepted = len(path)
-    stats.record(len(tree.chain), accepted)
+    stats.record(len(tree.chain), len(path))
     stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
     # The target's token after the path replaces the chain's drafts from there on (a leaf took the place of the
-    # chain's token at its depth, and the chain's later drafts followed that token); after the whole chain, a bonus.
-    tokens = [(tree.tokens[node - 1], "accepted", ()) for node in path]
-    final_token = target_ids[path[-1] if path else 0]
-    if accepted < len(tree.chain):
-        tokens.append((final_token, "replaced", tuple(tree.chain[accepted:])))
-    else:
-        tokens.append((final_token, "bonus", ()))
-    return tokens
+    # chain's token at its depth, and the chain's later drafts followed that token).
+    return step_tokens([tree.tokens[node - 1] for node in path], target_ids[path[-1] if path else 0], tree.chain)
+
+
+def through_first_eos(drafts: list[int], eos_ids) -> list[int]:
+    """The drafts up to and including the first end-of-sequence token: nothing after it can be emitted."""
+    for index, token in enumerate(drafts):
+        if token in eos_ids:
+            return drafts[:index + 1]
+    return drafts
+
+
+def step_tokens(accepted: list[int], final_token: int, chain: list[int]) -> list[tuple]:
+    """A verification step's tokens as (token, draft kind, rejected drafts): the accepted drafts, then the target's
+    own token, which replaces the chain's drafts past the accepted ones or, after the whole chain, is a bonus."""
+    tokens = [(token, "accepted", ()) for token in accepted]
+    if len(accepted) < len(chain):
+        return tokens + [(final_token, "replaced", tuple(chain[len(accepted):]))]
+    return tokens + [(final_token, "bonus", ())]
 
 
 def _pad_width(probs: torch.Tensor, width: int) -> torch.Tensor:

@@ -143,7 +143,8 @@ def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
                        spec_method, [spec_k, spec_adaptive, spec_tree_width, draft_layers], **QUICK)
     endpoint, endpoint_model = _external_widgets(pool, defaults, prefix)
     return [kv_mode, block_size, prefix_cache, temperature, top_p, seed, spec_method, spec_k, spec_adaptive,
-            spec_tree_width, draft_layers, compiled, weights, quant_group, kv_dtype, sliding_window, endpoint, endpoint_model]
+            spec_tree_width, draft_layers, compiled, weights, quant_group, kv_dtype, sliding_window, endpoint,
+            endpoint_model]
 
 
 def _external_widgets(pool: EnginePool, defaults: LaneSettings, prefix: str) -> list[gr.components.Component]:

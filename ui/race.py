@@ -46,8 +46,8 @@ RACE_OUTPUTS = ("lane_a", "lane_b", "chart", "acceptance", "summary", "summary_n
 # The lane settings the page offers, in the order the widgets' values arrive (`ui.layout`); any other LaneSettings
 # field keeps its default.
 LANE_SETTING_FIELDS = ("kv_mode", "block_size", "prefix_cache", "temperature", "top_p", "seed", "spec_method",
-                       "spec_k", "spec_adaptive", "spec_tree_width", "draft_layers", "compile", "weights", "quant_group", "kv_dtype",
-                       "sliding_window", "endpoint", "endpoint_model")
+                       "spec_k", "spec_adaptive", "spec_tree_width", "draft_layers", "compile", "weights",
+                       "quant_group", "kv_dtype", "sliding_window", "endpoint", "endpoint_model")
 WARM_UP_TOKENS = 8
 log = logging.getLogger(__name__)
 

@@ -93,7 +93,8 @@ class LaneSettings:
         layers = None if layers in ("", DEFAULT_LAYERS) else layers
         method = self.spec_method or "none"
         return SpecConfig(method=method, k=_whole(self.spec_k), adaptive=bool(self.spec_adaptive),
-                          draft_layers=_whole(layers), tree_width=_whole(self.spec_tree_width) if method != "none" else 1)
+                          draft_layers=_whole(layers),
+                          tree_width=_whole(self.spec_tree_width) if method != "none" else 1)
 
     @property
     def external(self) -> bool:
@@ -123,8 +124,9 @@ class LaneSettings:
             draft = SPEC_METHOD_LABELS.get(self.spec_method, self.spec_method)
             if self.spec_method == "early-exit" and self.draft_layers not in (None, "", DEFAULT_LAYERS):
                 draft += f" ({_whole(self.draft_layers)} layers)"
+            width = _whole(self.spec_tree_width)
             parts.append(f"{draft} k={_whole(self.spec_k)}" + (" adaptive" if self.spec_adaptive else "")
-                         + (f" tree {_whole(self.spec_tree_width)} wide" if _whole(self.spec_tree_width) != 1 else ""))
+                         + (f" tree {width} wide" if width != 1 else ""))
         if self.compile:
             parts.append("compiled decode")
         if self.weights not in (None, "", "none"):

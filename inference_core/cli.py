@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--cls-weight", type=float, default=1.0,
                        help="eagle: weight of the token loss (EAGLE used 0.1; on the bundled model 1.0 agreed "
                             "more often: 0.324 against 0.295 held out after 100 steps)")
+    train.add_argument("--unroll", type=int, default=1,
+                       help="eagle: draft steps trained at each position (training-time test, as EAGLE-3): step s "
+                            "reads the layer's own estimates, as the drafts after the first do; 1 trains on the "
+                            "model's hidden states only")
     train.add_argument("--validation", type=float, default=0.05, help="share of sequences held out")
     train.add_argument("--log-every", type=int, default=10, help="steps between loss-curve rows")
     train.add_argument("--seed", type=int, default=0)

@@ -100,14 +100,8 @@ class EagleLayer(nn.Module):
         tokens' positions). Training passes no cache: causal attention within each row. Drafting passes `cache`
         (keys, values [positions, kv_heads, head_dim]) for batch 1: these tokens' keys and values are written at
         `start`.. and the tokens attend to everything before them there. Returns [batch, tokens, hidden]."""
-        batch, tokens, hidden = features.shape
-        x = self.fc(torch.cat((features, embeddings), -1))
-        attn = self.self_attn
-        q, k, v = attn.project(self.input_layernorm.forward(x).reshape(batch * tokens, hidden),
-                               cos.repeat(batch, 1, 1), sin.repeat(batch, 1, 1))
-        q = q.view(batch, tokens, attn.num_heads, attn.head_dim).transpose(1, 2)
-        k = k.view(batch, tokens, attn.num_kv_heads, attn.head_dim)
-        v = v.view(batch, tokens, attn.num_kv_heads, attn.head_dim)
+        x, q, k, v = self._project(features, embeddings, cos, sin)
+        tokens = x.shape[1]
         if cache is None:
             keys, values, mask, causal = k.transpose(1, 2), v.transpose(1, 2), None, tokens > 1
         else:
@@ -119,9 +113,56 @@ class EagleLayer(nn.Module):
             causal = False
             mask = None if tokens == 1 else torch.ones(tokens, start + tokens, dtype=torch.bool,
                                                       device=x.device).tril(diagonal=start)
+        attn = self.self_attn
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=attn.scale,
                                              enable_gqa=attn.num_heads != attn.num_kv_heads)
-        x = x + attn.o_proj.forward(out.transpose(1, 2).reshape(batch * tokens, attn.q_size)).view(x.shape)
+        return self._finish(x, out)
+
+    def unrolled(self, features, embeddings, cos, sin, steps: int) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3): the layer run `steps` times over whole sequences [batch, tokens, hidden], each
+        step the way a draft that many tokens ahead runs. Step 1 is `forward`: at position p it reads the target's
+        hidden state f_p and the embedding of token p+1. Step s reads at p step s-1's output at p-1 (its estimate of
+        f_p) with the same embedding, and attends as the drafter's cache lets it: to step 1's keys and values up to
+        position p-s+1 (those the target's true hidden states gave) and to steps 2..s's own at p-s+2..p. Returns
+        every step's outputs [batch, tokens, hidden]; step s's mean something from position s-1 on."""
+        attn = self.self_attn
+        tokens = features.shape[1]
+        positions = torch.arange(tokens, device=features.device)
+        outputs, keys, values = [], [], []
+        inputs = features
+        for step in range(steps):
+            if step:
+                inputs = F.pad(outputs[-1][:, :-1], (0, 0, 1, 0))  # position p reads the last step's output at p-1
+            x, q, k, v = self._project(inputs, embeddings, cos, sin)
+            keys.append(k.transpose(1, 2))
+            values.append(v.transpose(1, 2))
+            # Over every step's keys so far: step 1's up to position p - (s - 1), step t's (t = 2..s) at p - (s - t).
+            masks = [positions[None, :] <= positions[:, None] - step] + \
+                [positions[None, :] == positions[:, None] - (step - t) for t in range(1, step + 1)]
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
+                                                 attn_mask=torch.cat(masks, 1), scale=attn.scale,
+                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)
+            outputs.append(self._finish(x, out))
+        return outputs
+
+    def _project(self, features, embeddings, cos, sin):
+        """The fused input x [batch, tokens, hidden] and its rotated q [batch, heads, tokens, head_dim], k and v
+        [batch, tokens, kv_heads, head_dim]."""
+        batch, tokens, hidden = features.shape
+        x = self.fc(torch.cat((features, embeddings), -1))
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm.forward(x).reshape(batch * tokens, hidden),
+                               cos.repeat(batch, 1, 1), sin.repeat(batch, 1, 1))
+        q = q.view(batch, tokens, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = k.view(batch, tokens, attn.num_kv_heads, attn.head_dim)
+        v = v.view(batch, tokens, attn.num_kv_heads, attn.head_dim)
+        return x, q, k, v
+
+    def _finish(self, x, attended) -> torch.Tensor:
+        """The rest of the layer after attention (`attended` [batch, heads, tokens, head_dim]), then the norm."""
+        batch, tokens, hidden = x.shape
+        attn = self.self_attn
+        x = x + attn.o_proj.forward(attended.transpose(1, 2).reshape(batch * tokens, attn.q_size)).view(x.shape)
         x = x + self.mlp.forward(self.post_attention_layernorm.forward(x).reshape(batch * tokens, hidden)
                                  ).view(x.shape)
         return self.norm.forward(x)

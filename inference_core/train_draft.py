@@ -14,7 +14,9 @@
      one predicted at t); the heads' losses are weighted 0.8^i as in the Medusa paper.
    - eagle: at position j the layer reads (f_j with a little noise, the embedding of token j+1) and learns both f_{j+1}
      (smooth L1) and the model's distribution at j+1 (weight `--cls-weight`); noise makes it robust to its own
-     estimates, which it reads in place of f from the second draft on.
+     estimates, which it reads in place of f from the second draft on. `--unroll S` trains those drafts as they
+     run (training-time test, as EAGLE-3): step s reads the layer's own outputs and attends to its own keys, as the
+     drafter does s tokens ahead, and learns the same targets (weighted 0.8^(s-1)).
    AdamW with a linear warm-up and cosine decay; a held-out share of the sequences gives the validation top-1
    agreement (the share of answer positions where the head's first guess is the model's own greedy token) per head.
 4. Output: the weights (`--out`, default the user cache where engines look for them: `draft_heads.find_heads`), a
@@ -202,27 +204,39 @@ def _eagle_batch(layer_inputs, indices):
     return features, lse, ids, mask
 
 
-def eagle_loss(layer, model, rows, features, lse, ids, mask, noise: float, cls_weight: float, generator=None):
+def eagle_loss(layer, model, rows, features, lse, ids, mask, noise: float, cls_weight: float, generator=None,
+               unroll: int = 1):
     """The EAGLE objective on padded sequences: position j reads (f_j + noise, e(x_{j+1})) and learns f_{j+1} and the
-    model's distribution there. Returns (loss, regression part, classification part, top-1 agreement)."""
+    model's distribution there. With `unroll` > 1 (training-time test, `EagleLayer.unrolled`), step s learns the same
+    targets from its own estimates as a draft s tokens ahead reads them, weighted 0.8^(s-1). Returns (loss, the first
+    step's regression part, its classification part, each step's top-1 agreement)."""
     inputs = features[:, :-1]
     if noise:
         inputs = inputs + (torch.rand(inputs.shape, generator=generator) * 2 - 1) * noise
     embeddings = model.embed_tokens.weight[ids[:, 1:]].float()
     cos, sin = (table[:inputs.shape[1]].float().unsqueeze(1) for table in model.rope_tables(torch.float32))
-    out = layer(inputs, embeddings, cos, sin)  # [batch, T-1, hidden]
-    target, valid = features[:, 1:], mask[:, 1:]
-    regression = (F.smooth_l1_loss(out, target, reduction="none").mean(-1) * valid).sum() / valid.sum()
-    scores = out.reshape(-1, out.shape[-1]) @ rows.t()
+    outputs = layer.unrolled(inputs, embeddings, cos, sin, unroll) if unroll > 1 else \
+        [layer(inputs, embeddings, cos, sin)]  # [batch, T-1, hidden] each
+    target = features[:, 1:]
     with torch.no_grad():
         target_scores = target.reshape(-1, target.shape[-1]) @ rows.t()
-    flat_valid = valid.reshape(-1)
-    classification = _soft_cross_entropy(scores, target_scores, lse[:, 1:].reshape(-1), flat_valid)
-    agree = ((scores.argmax(-1) == target_scores.argmax(-1)).float() * flat_valid).sum() / flat_valid.sum()
-    return regression + cls_weight * classification, regression.item(), classification.item(), agree.item()
+    total, parts, agreements = 0.0, [], []
+    for step, out in enumerate(outputs):
+        valid = mask[:, 1:].clone()
+        valid[:, :step] = 0  # step s starts from position s-1
+        regression = (F.smooth_l1_loss(out, target, reduction="none").mean(-1) * valid).sum() / valid.sum()
+        scores = out.reshape(-1, out.shape[-1]) @ rows.t()
+        flat_valid = valid.reshape(-1)
+        classification = _soft_cross_entropy(scores, target_scores, lse[:, 1:].reshape(-1), flat_valid)
+        total = total + MEDUSA_DECAY ** step * (regression + cls_weight * classification)
+        parts.append((regression.item(), classification.item()))
+        agreements.append((((scores.argmax(-1) == target_scores.argmax(-1)).float() * flat_valid).sum()
+                           / flat_valid.sum()).item())
+    return total, parts[0][0], parts[0][1], agreements
 
 
-def train_eagle(layer, model, rows, layer_inputs, *, steps, batch_tokens, lr, seed, noise, cls_weight, bar, log):
+def train_eagle(layer, model, rows, layer_inputs, *, steps, batch_tokens, lr, seed, noise, cls_weight, unroll, bar,
+                log):
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=lr, weight_decay=0.0)
     batches: list[list[int]] = []
@@ -233,14 +247,14 @@ def train_eagle(layer, model, rows, layer_inputs, *, steps, batch_tokens, lr, se
             group["lr"] = lr * _schedule(step, steps, max(1, steps // 20))
         loss, regression, classification, agree = eagle_loss(layer, model, rows,
                                                              *_eagle_batch(layer_inputs, batches.pop()),
-                                                             noise, cls_weight, generator)
+                                                             noise, cls_weight, generator, unroll)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
         optimizer.step()
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree:.2f}")
-        log(step, loss.item(), [regression, classification, agree])
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree="/".join(f"{a:.2f}" for a in agree))
+        log(step, loss.item(), [regression, classification, *agree])
 
 
 @torch.no_grad()
@@ -257,18 +271,22 @@ def medusa_agreement(heads_net, rows, vocab_ids, flat: _Flat, num_heads: int) ->
 
 
 @torch.no_grad()
-def eagle_agreement(layer, model, rows, vocab_ids, targets, sequences, starts) -> float:
-    """The share of positions (from each sequence's start) where the layer's first draft, read from the model's true
-    hidden states, is the model's own greedy token."""
-    agree = total = 0
+def eagle_agreement(layer, model, rows, vocab_ids, targets, sequences, starts, steps: int = 2) -> list[float]:
+    """Per draft step: the share of positions (from each sequence's start) where the layer's guess is the model's own
+    greedy token. The first step reads the model's true hidden states; step s reads the layer's own estimates as a
+    draft s tokens ahead does (`EagleLayer.unrolled`), after the data's tokens (the drafts before it accepted)."""
+    agree, total = [0] * steps, [0] * steps
     for (features, _, greedy), ids, start in zip(targets, sequences, starts):
         if len(features) - 1 <= start:
             continue
         cos, sin = (table[:len(features) - 1].float().unsqueeze(1) for table in model.rope_tables(torch.float32))
-        out = layer(features[None, :-1], model.embed_tokens.weight[torch.tensor(ids[1:])][None].float(), cos, sin)[0]
-        agree += int((vocab_ids[(out @ rows.t()).argmax(-1)] == greedy[1:])[start:].sum())
-        total += len(features) - 1 - start
-    return agree / max(total, 1)
+        outputs = layer.unrolled(features[None, :-1], model.embed_tokens.weight[torch.tensor(ids[1:])][None].float(),
+                                 cos, sin, steps)
+        for step, out in enumerate(outputs):
+            first = max(start, step)
+            agree[step] += int((vocab_ids[(out[0] @ rows.t()).argmax(-1)] == greedy[1:])[first:].sum())
+            total[step] += max(0, len(features) - 1 - first)
+    return [a / max(t, 1) for a, t in zip(agree, total)]
 
 
 def validation_split(groups, validation: float, seed: int) -> tuple[list[int], list[int]]:
@@ -284,7 +302,8 @@ def validation_split(groups, validation: float, seed: int) -> tuple[list[int], l
 
 def train_heads(loaded, kind: str, sequences: list[list[int]], starts: list[int] | None = None, targets=None, *,
                 steps: int, num_heads: int = 4, draft_vocab: int = 8192, lr: float = 1e-3, batch_size: int = 512,
-                batch_tokens: int = 4096, noise: float = 0.1, cls_weight: float = 1.0, validation: float = 0.05,
+                batch_tokens: int = 4096, noise: float = 0.1, cls_weight: float = 1.0, unroll: int = 1,
+                validation: float = 0.05,
                 groups: list[int] | None = None, log_every: int = 10, seed: int = 0,
                 progress: bool = True) -> tuple[DraftHeads, list[dict]]:
     """Train `kind` heads for `loaded` (frozen) on token sequences, learning from position `starts[i]` of sequence i
@@ -314,7 +333,7 @@ def train_heads(loaded, kind: str, sequences: list[list[int]], starts: list[int]
     network.requires_grad_(True)
     curve: list[dict] = []
     columns = [f"head{i + 1}" for i in range(num_heads)] if kind == "medusa" else \
-        ["regression", "classification", "agreement"]
+        ["regression", "classification", "agreement", *(f"agreement{s}" for s in range(2, unroll + 1))]
 
     def log(step: int, loss: float, parts: list[float]) -> None:
         if step % log_every == 0 or step == steps - 1:
@@ -331,9 +350,9 @@ def train_heads(loaded, kind: str, sequences: list[list[int]], starts: list[int]
         inputs = [(f, lse, torch.tensor(ids), start) for (f, lse, _), ids, start
                   in zip(train_targets, sequences[num_val:], starts[num_val:])]
         train_eagle(network, model, rows, inputs, steps=steps, batch_tokens=batch_tokens, lr=lr, seed=seed,
-                    noise=noise, cls_weight=cls_weight, bar=bar, log=log)
-        agreement = [eagle_agreement(network, model, rows, vocab_ids, val_targets, sequences[:num_val],
-                                     starts[:num_val])]
+                    noise=noise, cls_weight=cls_weight, unroll=unroll, bar=bar, log=log)
+        agreement = eagle_agreement(network, model, rows, vocab_ids, val_targets, sequences[:num_val],
+                                    starts[:num_val], max(2, unroll))
     bar.close()
     network.requires_grad_(False)
     report = {
@@ -351,7 +370,7 @@ def train_heads(loaded, kind: str, sequences: list[list[int]], starts: list[int]
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     if kind == "eagle":
-        report.update(noise=noise, cls_weight=cls_weight)
+        report.update(noise=noise, cls_weight=cls_weight, unroll=unroll)
     return DraftHeads(kind, network.eval(), vocab_ids.to(loaded.device), report), curve
 
 
@@ -377,8 +396,8 @@ def run_train_draft(args) -> int:
     from inference_core.loader import choose_dtype
     if args.kind not in DRAFT_KINDS:
         raise ConfigError(f"--kind must be one of {', '.join(DRAFT_KINDS)}.")
-    if args.steps < 1 or args.heads < 1 or args.draft_vocab < 16:
-        raise ConfigError("train-draft needs --steps >= 1, --heads >= 1 and --draft-vocab >= 16.")
+    if args.steps < 1 or args.heads < 1 or args.draft_vocab < 16 or args.unroll < 1:
+        raise ConfigError("train-draft needs --steps >= 1, --heads >= 1, --unroll >= 1 and --draft-vocab >= 16.")
     try:
         temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
     except ValueError:
@@ -427,6 +446,7 @@ def run_train_draft(args) -> int:
     heads, curve = train_heads(loaded, args.kind, sequences, starts, targets, steps=args.steps, num_heads=args.heads,
                                draft_vocab=args.draft_vocab, lr=args.lr, batch_size=args.batch_size,
                                batch_tokens=args.batch_tokens, noise=args.noise, cls_weight=args.cls_weight,
+                               unroll=args.unroll,
                                validation=args.validation, groups=groups, log_every=args.log_every,
                                seed=args.seed)
     report = heads.meta

@@ -148,25 +148,48 @@ def test_tree_verification_is_refused_where_it_cannot_keep_its_promise(tiny, tin
 
 
 def test_the_eagle_drafter_computes_what_training_computed(tiny, tiny_heads, tiny_answers):
-    """Drafting catches up through the layer's own KV cache, token by token after a prefix; training runs whole
-    sequences at once. Both must give the same outputs, or trained weights would draft worse than they measured."""
+    """Drafting catches up through the layer's own KV cache, token by token after a prefix, and drafts from its own
+    estimates; training runs whole sequences at once (`EagleLayer.unrolled` for the drafts after the first). Both
+    must give the same outputs, or trained weights would draft worse than they measured."""
     heads = load_heads(tiny_heads["eagle"][0], tiny.config)
-    ids = tiny_answers[0][:20]
+    ids = tiny_answers[0][:24]
     features = model_targets(tiny, [ids], progress=False)[0][0]
-    cos, sin = (table[:19].float().unsqueeze(1) for table in tiny.model.rope_tables(torch.float32))
-    with torch.no_grad():
-        whole = heads.network(features[None, :-1], tiny.model.embed_tokens.weight[torch.tensor(ids[1:])][None],
-                              cos, sin)[0]
     drafter = EagleDrafter(heads, tiny.model, 64)
     rows = lm_head_rows(tiny.model, heads.vocab_ids).float()
-    observed = 0
+
+    def unrolled(token_ids, steps):
+        """The last position's draft distribution of each step, over the draft vocabulary."""
+        count = len(token_ids) - 1
+        cos, sin = (table[:count].float().unsqueeze(1) for table in tiny.model.rope_tables(torch.float32))
+        embeddings = tiny.model.embed_tokens.weight[torch.tensor(token_ids[1:])][None]
+        with torch.no_grad():
+            outputs = heads.network.unrolled(features[None, :count], embeddings, cos, sin, steps)
+            whole = heads.network(features[None, :count], embeddings, cos, sin)
+        torch.testing.assert_close(outputs[0], whole)  # the first step is the plain forward
+        return torch.softmax(outputs[-1][0, -1] @ rows.t(), -1)
+
+    observed, generator = 0, torch.Generator().manual_seed(0)
     for last in (12, 13, 16, 19):  # hand over the hidden states up to `last`, then draft three tokens
         drafter.observe(observed, features[observed:last])
         observed = last
-        drafts, probs = drafter.propose(Sequence(ids[:last + 1]), 3, SamplingParams(), None)
-        assert probs is None and len(drafts) == 3
-        # The first draft reads true hidden states only (the drafts' own keys and values are overwritten next time).
-        assert drafts[0] == int(heads.vocab_ids[(whole[last - 1] @ rows.t()).argmax()]), last
+        drafts, probs = drafter.propose(Sequence(ids[:last + 1]), 3, SamplingParams(temperature=1.0), generator)
+        assert len(drafts) == 3 and probs.shape == (3, tiny.config.vocab_size)
+        # Draft s is step s at the position it reads, after the drafts before it (the drafts' own keys and values
+        # are overwritten next time, so the next proposal again reads true hidden states only).
+        for steps in (1, 2, 3):
+            torch.testing.assert_close(probs[steps - 1, heads.vocab_ids],
+                                       unrolled(ids[:last + 1] + drafts[:steps - 1], steps), msg=str((last, steps)))
+
+
+def test_eagle_trains_its_later_drafts_on_its_own_estimates(tiny, tiny_answers):
+    """--unroll 2 (training-time test): the second draft step learns from the layer's own estimates; the curve and
+    the report give each step's agreement."""
+    heads, curve = train_heads(tiny, "eagle", tiny_answers, steps=60, draft_vocab=TINY_VOCAB - 2, lr=1e-2,
+                               batch_tokens=512, unroll=2, progress=False)
+    assert set(curve[0]) == {"step", "loss", "regression", "classification", "agreement", "agreement2"}
+    assert sum(row["loss"] for row in curve[-3:]) / 3 < 0.9 * curve[0]["loss"]
+    first, second = heads.meta["validation_top1_agreement"]
+    assert heads.meta["unroll"] == 2 and first > 0.1 and second > 0.1  # chance: 1 in 16
 
 
 def test_heads_are_checked_against_the_model(tiny, tiny_heads, bundled, tmp_path):
@@ -219,6 +242,8 @@ def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers,
     assert "--draft-heads is used only with --spec medusa or --spec eagle" in capsys.readouterr().err
     assert main(["train-draft", "--kind", "eagle", "--model", tiny.name, "--temperatures", "0,hot"]) == 2
     assert "--temperatures takes comma-separated temperatures >= 0" in capsys.readouterr().err
+    assert main(["train-draft", "--kind", "eagle", "--model", tiny.name, "--unroll", "0"]) == 2
+    assert "--unroll >= 1" in capsys.readouterr().err
 
 
 # --- the shipped heads on the bundled model ------------------------------------------------------------------------

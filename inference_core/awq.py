@@ -271,6 +271,8 @@ def _scaled_linear(linear: Linear, columns: torch.Tensor, row_divisors: torch.Te
         scaled.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
     if linear.in_out:
         scaled.use_in_out_layout()
+    elif linear.packed is not None:
+        scaled.use_packed_layout()
     return scaled
 
 

@@ -49,13 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bundled")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--layout", default="auto", help="weight layout: auto, out_in or in_out (see model.Linear)")
+    parser.add_argument("--layout", default="auto",
+                        help="weight layout: auto, out_in, in_out or packed (see model.Linear)")
     parser.add_argument("--options", default=",".join(OPTION_SETS), help="option sets to try, comma-separated")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
     loaded = load_model(args.model, "cpu", args.dtype, layout=args.layout)
-    layout = "in_out" if loaded.model.lm_head.in_out else "out_in"
+    head = loaded.model.lm_head
+    layout = "in_out" if head.in_out else "packed" if head.packed is not None else "out_in"
     cache = make_kv_cache(loaded, EngineConfig(kv_mode="contiguous", max_num_seqs=1), 1024)
     runner = ModelRunner(loaded.model, cache, loaded.device)
     seq = Sequence(list(range(1000, 1200)))

@@ -12,7 +12,7 @@ import torch
 from inference_core.checkpoint import read_config, read_weights, resolve_model_dir
 from inference_core.config import ConfigError, ModelConfig, parse_device, parse_dtype
 from inference_core.kv_cache import RecomputeKVCache
-from inference_core.model import WEIGHT_LAYOUTS, CausalLM, native_bf16_math
+from inference_core.model import WEIGHT_LAYOUTS, CausalLM, native_bf16_math, packed_bf16_available
 from inference_core.runner import ModelRunner
 from inference_core.sequence import Sequence
 from inference_core.tokenizer import Tokenizer
@@ -59,11 +59,15 @@ def load_model(model: str = "bundled", device: str | None = "auto", dtype: str =
     if dtype != "auto":
         torch_dtype, reason = parse_dtype(dtype), "as asked"
     if layout != "auto" and layout not in WEIGHT_LAYOUTS:
-        raise ConfigError(f"unknown weight layout {layout!r}; use auto, out_in or in_out.")
+        raise ConfigError(f"unknown weight layout {layout!r}; use auto, {', '.join(WEIGHT_LAYOUTS)}.")
     model_dir = resolve_model_dir(model)
     config = read_config(model_dir)
     if dtype == "auto":
         torch_dtype, reason = choose_dtype(torch_device, config)
+    if layout == "packed" and not (torch_device.type == "cpu" and torch_dtype == torch.bfloat16
+                                   and packed_bf16_available()):
+        raise ConfigError("the packed weight layout is for bfloat16 on a CPU with native bf16 math and oneDNN; use "
+                          "auto, out_in or in_out here.")
     tokenizer = Tokenizer(model_dir)
     weights = read_weights(model_dir, config)
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint below

@@ -21,6 +21,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 
 import inference_core
 from inference_core import Engine, EngineConfig, SamplingParams
+from inference_core.model import packed_bf16_available
 from inference_core.sequence import Sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: stable run times on a busy CPU
@@ -179,6 +180,22 @@ def test_weight_layouts_agree(family):
     for prompt_ids in PROMPTS.values():
         torch.testing.assert_close(our_last_logits(in_out, prompt_ids), our_last_logits(out_in, prompt_ids),
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not packed_bf16_available(), reason="needs a CPU with native bf16 math and oneDNN")
+def test_packed_bf16_weights_agree_with_the_reference_layout(family):
+    """bf16 projections through oneDNN's prepacked weights (auto's choice on such a CPU) against F.linear on the
+    same weights: only the summation order differs. One row (a decode) and several (a prompt, a verification)."""
+    packed = inference_core.load_model(str(family.directory), device="cpu", dtype="bfloat16")
+    reference = inference_core.load_model(str(family.directory), device="cpu", dtype="bfloat16", layout="out_in")
+    assert packed.model.lm_head.packed is not None and reference.model.lm_head.packed is None
+    for prompt_ids in PROMPTS.values():
+        torch.testing.assert_close(our_last_logits(packed, prompt_ids), our_last_logits(reference, prompt_ids),
+                                   atol=0.05, rtol=0)
+    rows = torch.randn(5, 64).bfloat16()
+    qkv, reference_qkv = packed.model.layers[0].self_attn.qkv_proj, reference.model.layers[0].self_attn.qkv_proj
+    for count in (1, 5):
+        torch.testing.assert_close(qkv.forward(rows[:count]), reference_qkv.forward(rows[:count]), atol=0.05, rtol=0)
 
 
 def test_a_tied_in_out_head_scores_several_rows_through_the_shared_embedding():

@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
     loaded = load_model(args.model, "cpu", args.dtype, layout=args.layout)
-    head = loaded.model.lm_head
-    layout = "in_out" if head.in_out else "packed" if head.packed is not None else "out_in"
+    layout = loaded.model.lm_head.layout
     cache = make_kv_cache(loaded, EngineConfig(kv_mode="contiguous", max_num_seqs=1), 1024)
     runner = ModelRunner(loaded.model, cache, loaded.device)
     seq = Sequence(list(range(1000, 1200)))

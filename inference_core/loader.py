@@ -12,7 +12,7 @@ import torch
 from inference_core.checkpoint import read_config, read_weights, resolve_model_dir
 from inference_core.config import ConfigError, ModelConfig, parse_device, parse_dtype
 from inference_core.kv_cache import RecomputeKVCache
-from inference_core.model import WEIGHT_LAYOUTS, CausalLM, native_bf16_math, packed_bf16_available
+from inference_core.model import WEIGHT_LAYOUTS, CausalLM, native_bf16_math, weight_layout
 from inference_core.runner import ModelRunner
 from inference_core.sequence import Sequence
 from inference_core.tokenizer import Tokenizer
@@ -64,8 +64,7 @@ def load_model(model: str = "bundled", device: str | None = "auto", dtype: str =
     config = read_config(model_dir)
     if dtype == "auto":
         torch_dtype, reason = choose_dtype(torch_device, config)
-    if layout == "packed" and not (torch_device.type == "cpu" and torch_dtype == torch.bfloat16
-                                   and packed_bf16_available()):
+    if layout == "packed" and weight_layout(torch_device, torch_dtype) != "packed":
         raise ConfigError("the packed weight layout is for bfloat16 on a CPU with native bf16 math and oneDNN; use "
                           "auto, out_in or in_out here.")
     tokenizer = Tokenizer(model_dir)

@@ -45,6 +45,11 @@ class Linear(nn.Module):
         self.out_in_rows: torch.Tensor | None = None  # in_out only: the same weight as [out, in], where kept
         self.packed: torch.Tensor | None = None  # packed only: the weight in oneDNN's blocked layout
 
+    @property
+    def layout(self) -> str:
+        """The layout this layer applies its weight in: 'out_in', 'in_out' or 'packed'."""
+        return "in_out" if self.in_out else "packed" if self.packed is not None else "out_in"
+
     def use_in_out_layout(self, keep_out_in: bool = False) -> None:
         """Store the weight as [in, out]. `keep_out_in` keeps the [out, in] tensor too, for several-row inputs (free
         where it is shared, as a tied LM head's embedding is)."""
@@ -291,8 +296,7 @@ class CausalLM(nn.Module):
         if layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"unknown weight layout {layout!r}; use one of {WEIGHT_LAYOUTS}.")
         linears = [module for module in self.modules() if isinstance(module, Linear)]
-        current = "in_out" if any(m.in_out for m in linears) else \
-            "packed" if any(m.packed is not None for m in linears) else "out_in"
+        current = next((m.layout for m in linears if m.layout != "out_in"), "out_in")
         if current == layout:
             return
         if current != "out_in":

@@ -220,7 +220,7 @@ def eagle_loss(layer, model, rows, features, lse, ids, mask, noise: float, cls_w
     target = features[:, 1:]
     with torch.no_grad():
         target_scores = target.reshape(-1, target.shape[-1]) @ rows.t()
-    total, parts, agreements = 0.0, [], []
+    total, agreements = 0.0, []
     for step, out in enumerate(outputs):
         valid = mask[:, 1:].clone()
         valid[:, :step] = 0  # step s starts from position s-1
@@ -229,10 +229,11 @@ def eagle_loss(layer, model, rows, features, lse, ids, mask, noise: float, cls_w
         flat_valid = valid.reshape(-1)
         classification = _soft_cross_entropy(scores, target_scores, lse[:, 1:].reshape(-1), flat_valid)
         total = total + MEDUSA_DECAY ** step * (regression + cls_weight * classification)
-        parts.append((regression.item(), classification.item()))
+        if step == 0:
+            first_parts = regression.item(), classification.item()
         agreements.append((((scores.argmax(-1) == target_scores.argmax(-1)).float() * flat_valid).sum()
                            / flat_valid.sum()).item())
-    return total, parts[0][0], parts[0][1], agreements
+    return total, *first_parts, agreements
 
 
 def train_eagle(layer, model, rows, layer_inputs, *, steps, batch_tokens, lr, seed, noise, cls_weight, unroll, bar,
@@ -303,8 +304,7 @@ def validation_split(groups, validation: float, seed: int) -> tuple[list[int], l
 def train_heads(loaded, kind: str, sequences: list[list[int]], starts: list[int] | None = None, targets=None, *,
                 steps: int, num_heads: int = 4, draft_vocab: int = 8192, lr: float = 1e-3, batch_size: int = 512,
                 batch_tokens: int = 4096, noise: float = 0.1, cls_weight: float = 1.0, unroll: int = 1,
-                validation: float = 0.05,
-                groups: list[int] | None = None, log_every: int = 10, seed: int = 0,
+                validation: float = 0.05, groups: list[int] | None = None, log_every: int = 10, seed: int = 0,
                 progress: bool = True) -> tuple[DraftHeads, list[dict]]:
     """Train `kind` heads for `loaded` (frozen) on token sequences, learning from position `starts[i]` of sequence i
     on (an answer's first prediction: the model's chat template and the prompt are not what it drafts; default 0);
@@ -446,9 +446,8 @@ def run_train_draft(args) -> int:
     heads, curve = train_heads(loaded, args.kind, sequences, starts, targets, steps=args.steps, num_heads=args.heads,
                                draft_vocab=args.draft_vocab, lr=args.lr, batch_size=args.batch_size,
                                batch_tokens=args.batch_tokens, noise=args.noise, cls_weight=args.cls_weight,
-                               unroll=args.unroll,
-                               validation=args.validation, groups=groups, log_every=args.log_every,
-                               seed=args.seed)
+                               unroll=args.unroll, validation=args.validation, groups=groups,
+                               log_every=args.log_every, seed=args.seed)
     report = heads.meta
     report["data"].update(answers=len(samples), data_file=data_path.name, calibration_text=bool(args.text),
                           model_dtype=worker.dtype_name,

@@ -218,7 +218,12 @@ def test_a_full_queue_answers_429_with_retry_after(bundled):
         body = {"model": "bundled", "prompt": "Count to one hundred: 1, 2, 3,", "max_tokens": 300, "temperature": 0,
                 "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as first:
-            next(line for line in first.iter_lines() if line.startswith("data:"))
+            # Hold the line iterator: httpcore closes the connection when one is dropped mid-stream, the server
+            # then frees the first request as disconnected, and the second finds the queue empty. The pause shows
+            # the first stays counted for as long as its client stays.
+            lines = first.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            time.sleep(0.5)
             second = httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
         assert second.status_code == 429 and int(second.headers["Retry-After"]) >= 1
         assert second.json()["error"]["code"] == "queue_full"

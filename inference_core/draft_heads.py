@@ -26,6 +26,7 @@ a model's heads in the user cache (where `train-draft` writes) and in the packag
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,7 +85,9 @@ class EagleLayer(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size)
+        self.fc = Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        nn.init.kaiming_uniform_(self.fc.weight, a=math.sqrt(5))  # nn.Linear's initialization
+        nn.init.uniform_(self.fc.bias, -1 / math.sqrt(2 * config.hidden_size), 1 / math.sqrt(2 * config.hidden_size))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, 0)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -149,7 +152,7 @@ class EagleLayer(nn.Module):
         """The fused input x [batch, tokens, hidden] and its rotated q [batch, heads, tokens, head_dim], k and v
         [batch, tokens, kv_heads, head_dim]."""
         batch, tokens, hidden = features.shape
-        x = self.fc(torch.cat((features, embeddings), -1))
+        x = self.fc(torch.cat((features, embeddings), -1).view(batch * tokens, 2 * hidden)).view(batch, tokens, hidden)
         attn = self.self_attn
         q, k, v = attn.project(self.input_layernorm.forward(x).reshape(batch * tokens, hidden),
                                cos.repeat(batch, 1, 1), sin.repeat(batch, 1, 1))
@@ -176,19 +179,20 @@ class DraftHeads:
     network: nn.Module
     vocab_ids: torch.Tensor  # [draft vocab] long: target ids the heads score
     meta: dict
+    dtype: torch.dtype = torch.float32  # what the network and the scoring rows compute in: see heads_dtype
     scoring: Linear | None = None  # hidden -> draft vocabulary scores: see scorer
 
     def scorer(self, model: CausalLM) -> Linear:
-        """The target's LM head rows for the draft vocabulary as an fp32 projection hidden -> scores, gathered once
-        (an engine's heads serve one model) rather than by every request's drafter, in the layout the engine uses
-        for fp32 here (`weight_layout`; on a CPU [in, out], which scores one row 2.9x faster than [out, in]: 0.46
-        against 1.31 ms for 8191 x 576 on AVX-512), with the [out, in] rows kept for several rows at once."""
+        """The target's LM head rows for the draft vocabulary as a projection hidden -> scores in the heads' dtype,
+        gathered once (an engine's heads serve one model) rather than by every request's drafter, in the layout the
+        engine uses for that dtype here (`weight_layout`). One row, 8191 x 576, on a 2-core AVX-512 BF16 host:
+        0.46 ms in fp32 [in, out] (1.31 ms [out, in]; the [out, in] rows are kept for several rows at once), 0.10 ms
+        in bf16 packed."""
         if self.scoring is None:
-            rows = lm_head_rows(model, self.vocab_ids).float()
+            rows = lm_head_rows(model, self.vocab_ids).to(self.dtype)
             self.scoring = Linear(rows.shape[1], rows.shape[0], bias=False)
             self.scoring.weight = nn.Parameter(rows, requires_grad=False)
-            if weight_layout(rows.device, rows.dtype) == "in_out":
-                self.scoring.use_in_out_layout(keep_out_in=True)
+            self.scoring.use_layout(weight_layout(rows.device, rows.dtype), keep_out_in=True)
         return self.scoring
 
     @property
@@ -217,9 +221,20 @@ def build_network(kind: str, config: ModelConfig, num_heads: int = 4) -> nn.Modu
     raise ConfigError(f"unknown draft head kind {kind!r}; use one of: {', '.join(DRAFT_KINDS)}.")
 
 
+def heads_dtype(device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """What draft heads compute in next to a model in `model_dtype`: its dtype on a GPU and where its weights run
+    packed on a CPU (bf16 with native bf16 math), else fp32, which a CPU without those runs faster. The bundled
+    model's EAGLE draft (k=1, a tree 5 wide), 2-core AVX-512 BF16 host: 2.9-3.0 ms a step in fp32, 1.8-2.1 ms in
+    bf16 packed (1.1 ms with its weights hot in the cache)."""
+    if device.type != "cpu" or weight_layout(device, model_dtype) == "packed":
+        return model_dtype
+    return torch.float32
+
+
 def load_heads(path: Path, config: ModelConfig, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> DraftHeads:
-    """Heads from a file, checked against the model they will draft for; refused with a clear message otherwise."""
+               model_dtype: torch.dtype = torch.float32) -> DraftHeads:
+    """Heads from a file, checked against the model they will draft for (in `model_dtype`, which sets the heads'
+    own: `heads_dtype`); refused with a clear message otherwise."""
     from safetensors.torch import load_file
     path = Path(path)
     if not path.is_file():
@@ -239,12 +254,13 @@ def load_heads(path: Path, config: ModelConfig, device: torch.device | str = "cp
     network = build_network(kind, config, state["weight"].shape[0] if kind == "medusa" else 0)
     network.load_state_dict(state)
     network.requires_grad_(False)
+    device = torch.device(device)
+    dtype = heads_dtype(device, model_dtype)
     network.to(device=device, dtype=dtype)
-    if weight_layout(torch.device(device), dtype) == "in_out":  # the draft layer decodes one row at a time, too
-        for module in network.modules():
-            if isinstance(module, Linear):
-                module.use_in_out_layout(keep_out_in=True)
-    return DraftHeads(kind, network.eval(), tensors["vocab_ids"].to(device), meta)
+    for module in network.modules():  # the draft layer decodes a row or two at a time, as the model does
+        if isinstance(module, Linear):
+            module.use_layout(weight_layout(device, dtype), keep_out_in=True)
+    return DraftHeads(kind, network.eval(), tensors["vocab_ids"].to(device), meta, dtype)
 
 
 def heads_file_name(model_name: str, kind: str) -> str:
@@ -286,8 +302,8 @@ class _HeadScorer:
         self.scorer = heads.scorer(model)
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, draft vocab]."""
-        return self.scorer(hidden.float())
+        """[rows, hidden] -> fp32 [rows, draft vocab]."""
+        return self.scorer(hidden.to(self.heads.dtype)).float()
 
     def ranked(self, scores: torch.Tensor, width: int) -> list[list[int]]:
         """Each row's `width` best token ids (target ids), best first: a tree's candidates at one position."""
@@ -314,7 +330,7 @@ class MedusaDrafter(_HeadScorer):
 
     def observe(self, first_position: int, hidden: torch.Tensor) -> None:
         """The target's hidden states at positions first_position.. (a forward's tokens, accepted ones only)."""
-        self.feature, self.position = hidden[-1].float(), first_position + len(hidden) - 1
+        self.feature, self.position = hidden[-1].to(self.heads.dtype), first_position + len(hidden) - 1
 
     def _head_scores(self, seq: Sequence, max_drafts: int) -> torch.Tensor | None:
         """[heads, draft vocab]: every head's scores (one pass over the scoring rows), or None while there is no
@@ -357,14 +373,14 @@ class EagleDrafter(_HeadScorer):
     def __init__(self, heads: DraftHeads, model: CausalLM, max_positions: int):
         super().__init__(heads, model)
         self.model = model
-        config, device = model.config, heads.vocab_ids.device
+        config, device, dtype = model.config, heads.vocab_ids.device, heads.dtype
         attn = heads.network.self_attn
-        # fp32 rotary tables (the draft layer runs in fp32), the model's own angles
-        self.rope = tuple(table.float() for table in model.rope_tables(model.embed_tokens.weight.dtype))
+        # The model's own rotary angles, in the dtype the draft layer runs in
+        self.rope = tuple(table.to(dtype) for table in model.rope_tables(model.embed_tokens.weight.dtype))
         max_positions = min(max_positions, len(self.rope[0]))
-        self.features = torch.zeros(max_positions, config.hidden_size, device=device)
-        self.cache = (torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device),
-                      torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device))
+        self.features = torch.zeros(max_positions, config.hidden_size, device=device, dtype=dtype)
+        self.cache = (torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device, dtype=dtype),
+                      torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device, dtype=dtype))
         self.first = self.known = self.cached = 0  # features for [first, known); draft KV for [first, cached)
 
     def observe(self, first_position: int, hidden: torch.Tensor) -> None:
@@ -375,7 +391,7 @@ class EagleDrafter(_HeadScorer):
         if first_position > self.known or first_position < self.first:
             # A gap (positions not forwarded here) or a restart (recomputed after preemption): begin again there.
             self.first = self.cached = first_position
-        self.features[first_position:end] = hidden.float()
+        self.features[first_position:end] = hidden
         self.known = end
         self.cached = min(self.cached, first_position)
 
@@ -383,7 +399,7 @@ class EagleDrafter(_HeadScorer):
         """The draft layer over positions start.. (features there, the next tokens' embeddings); returns its
         outputs [tokens, hidden]."""
         ids = torch.tensor(token_ids, device=features.device)
-        embeddings = self.model.embed_tokens.weight[ids].float()
+        embeddings = self.model.embed_tokens.weight[ids].to(self.heads.dtype)
         cos, sin = (table[start:start + len(token_ids)].unsqueeze(1) for table in self.rope)
         return self.heads.network(features[None], embeddings[None], cos, sin, self.cache, start)[0]
 

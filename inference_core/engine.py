@@ -222,7 +222,7 @@ class Engine:
         if path is None:
             raise ConfigError(f"no trained {kind} heads for {self.loaded.name}; train them with `python -m "
                               f"inference_core train-draft --kind {kind} --model {self.loaded.name}`.")
-        heads = load_heads(path, self.loaded.config, self.loaded.device)
+        heads = load_heads(path, self.loaded.config, self.loaded.device, self.loaded.dtype)
         self.draft_heads[kind] = heads
         return heads
 

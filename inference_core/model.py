@@ -62,6 +62,14 @@ class Linear(nn.Module):
         """Apply the weight through oneDNN, reordered once (for one-row inputs; several rows run as fast)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
+    def use_layout(self, layout: str, keep_out_in: bool = False) -> None:
+        """Switch from the reference layout to `layout` ('out_in' stays as it is); `keep_out_in`: see
+        `use_in_out_layout`."""
+        if layout == "packed":
+            self.use_packed_layout()
+        elif layout == "in_out":
+            self.use_in_out_layout(keep_out_in)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -302,12 +310,8 @@ class CausalLM(nn.Module):
         if current != "out_in":
             raise ValueError(f"weights are already in the {current} layout; reload the model to switch.")
         for module in linears:
-            if layout == "packed":
-                module.use_packed_layout()
-            elif layout == "in_out":
-                # A tied LM head keeps the embedding as its [out, in] form for several-row inputs (no extra memory).
-                module.use_in_out_layout(keep_out_in=module is self.lm_head
-                                         and module.weight is self.embed_tokens.weight)
+            # A tied LM head keeps the embedding as its [out, in] form for several-row inputs (no extra memory).
+            module.use_layout(layout, keep_out_in=module is self.lm_head and module.weight is self.embed_tokens.weight)
 
     def rope_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin ([-sin, sin]) tables [max_positions, head_dim] in the model dtype, built once per device

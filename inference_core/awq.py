@@ -269,10 +269,7 @@ def _scaled_linear(linear: Linear, columns: torch.Tensor, row_divisors: torch.Te
     scaled.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
     if bias is not None:
         scaled.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-    if linear.in_out:
-        scaled.use_in_out_layout()
-    elif linear.packed is not None:
-        scaled.use_packed_layout()
+    scaled.use_layout(linear.layout)
     return scaled
 
 

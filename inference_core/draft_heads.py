@@ -87,7 +87,8 @@ class EagleLayer(nn.Module):
         super().__init__()
         self.fc = Linear(2 * config.hidden_size, config.hidden_size, bias=True)
         nn.init.kaiming_uniform_(self.fc.weight, a=math.sqrt(5))  # nn.Linear's initialization
-        nn.init.uniform_(self.fc.bias, -1 / math.sqrt(2 * config.hidden_size), 1 / math.sqrt(2 * config.hidden_size))
+        bound = 1 / math.sqrt(2 * config.hidden_size)
+        nn.init.uniform_(self.fc.bias, -bound, bound)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, 0)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

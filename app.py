@@ -8,7 +8,7 @@ OpenAI-compatible API, /health and /metrics on the same port (`server.app`).
 
 Public mode (on by default on a Space) serves only allowlisted models and none from a local path, caps every
 request, limits each caller's requests per minute and tokens per hour, and lets a lane target only the external
-engines allowed here (docs/api.md). The caps apply to the page and the API alike (`server.policy.ServePolicy`).
+engines allowed here (docs/api.md). The caps apply to the page and the API alike (`serving.policy.ServePolicy`).
 
 Each flag can also come from the environment (PLAYGROUND_MODEL, PLAYGROUND_DRAFT_MODEL, PLAYGROUND_DEVICE,
 PLAYGROUND_DTYPE, PLAYGROUND_HOST, PLAYGROUND_PORT, PLAYGROUND_MAX_SEQ_LEN, PLAYGROUND_MAX_RUN_SECONDS); Gradio's
@@ -16,7 +16,7 @@ own GRADIO_SERVER_NAME and GRADIO_SERVER_PORT are honoured too. `--draft-model` 
 'none') loads a second, smaller model on the same device and dtype as the draft source for speculative decoding: the
 lanes and the chat then offer "draft model" as a draft source. It must share the target's tokenizer; the engine
 checks that at start-up and a mismatch exits with status 2 and a message, like any other bad setting.
-dtype 'auto' picks the fastest dtype for the device (`inference_core.loader.choose_dtype`: bfloat16 on CUDA, and on a
+dtype 'auto' picks the fastest dtype for the device (`inference_core.model.loader.choose_dtype`: bfloat16 on CUDA, and on a
 CPU bfloat16 only where it has native bf16 math and measures faster; the page header says which and why). On a
 Hugging Face Space (SPACE_ID is set), where the bundled model's package is not installed, the default model is the
 same SmolLM2-135M-Instruct from the Hub.
@@ -27,13 +27,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-
 from dataclasses import replace
 
+import uvicorn
+
+import ui
 from inference_core import ConfigError, load_model
 from inference_core.config import parse_device
-from server.policy import ServePolicy
-from ui.settings import DEFAULT_MAX_RUN_S
+from server.app import create_app
+from serving.policy import ServePolicy
+from serving.pool import DEFAULT_MAX_RUN_S, EnginePool
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,9 +108,6 @@ def serve_policy(args: argparse.Namespace) -> ServePolicy:
 
 def create_demo(args: argparse.Namespace):
     """Load the model and build the queued app (what `main` serves; tests serve it in-process)."""
-    import ui
-    from ui.settings import EnginePool
-
     if args.max_run_seconds <= 0:
         raise ConfigError(f"--max-run-seconds must be positive, got {args.max_run_seconds:g}.")
     policy = serve_policy(args)
@@ -127,10 +127,6 @@ def create_demo(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
-    from server.app import create_app
-
     args = parse_args(argv)
     try:
         demo, pool = create_demo(args)

@@ -8,12 +8,14 @@ Typical use:
         ...  # TokenEvent per token, then one FinishEvent with stats
 
 Several requests at once share the engine's steps (continuous batching): `engine.submit(...)` each, then
-`engine.step()` until `engine.has_work()` is false; from several threads, `inference_core.engine_loop.EngineLoop`.
+`engine.step()` until `engine.has_work()` is false; from several threads, `inference_core.engine.loop.EngineLoop`.
 """
 
 from inference_core.config import ConfigError, EngineConfig, ModelConfig
-from inference_core.engine import (Engine, FinishEvent, GenerationStats, LoadedModel, StepReport, StopGeneration,
-                                   TokenEvent, load_model, wake_device)
+from inference_core.engine.engine import Engine, StepReport
+from inference_core.engine.request import FinishEvent, GenerationStats, StopGeneration, TokenEvent
+from inference_core.engine.runner import wake_device
+from inference_core.model.loader import LoadedModel, load_model
 from inference_core.sampling import SamplingParams
 
 __all__ = ["ConfigError", "Engine", "EngineConfig", "FinishEvent", "GenerationStats", "LoadedModel", "ModelConfig",

@@ -21,34 +21,33 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",  # Llama + RMSNorm on q and k (per head) before RoPE
 }
 KV_MODES = ("none", "contiguous", "paged")
-KV_DTYPES = ("auto", "int8")  # auto: the model dtype; int8: per token and head scales (see inference_core.kv_cache)
-BATCHING_MODES = ("none", "static", "dynamic", "continuous")  # see inference_core.scheduler
+KV_DTYPES = ("auto", "int8")  # auto: the model dtype; int8: per token and head scales (see inference_core.kv.cache)
+BATCHING_MODES = ("none", "static", "dynamic", "continuous")  # see inference_core.engine.scheduler
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
 
-# How the command line names the settings a ConfigError may tell the user to change. Another surface (the
-# playground) passes its own words to `ConfigError.in_words`, so each names what to change in its own language.
-CLI_WORDS = {
-    "max_new_tokens": "--max-new-tokens", "spec_k": "--spec-k", "tree_width": "--spec-tree-width",
-    "draft_layers": "--draft-layers",
-    "draft_model": "pass --draft-model", "longer_context": " (or raise --max-seq-len, up to the model's context)",
-    "kv_cache_tokens": "--kv-cache-tokens",
-}
+# How the command line words what a ConfigError tells the user to change, where that is not simply the flag named
+# after the setting (`{spec_k}` reads --spec-k). Another surface (the playground's page, its API) passes its own words
+# to `ConfigError.in_words` (`inference_core.settings.words`), so each names what to change in its own language.
+CLI_WORDS = {"draft_model": "pass --draft-model",
+             "longer_context": " (or raise --max-seq-len, up to the model's context)"}
 
 
 class ConfigError(ValueError):
     """A setting or a checkpoint that we cannot run; the message says what to change.
 
-    A message may name a setting as `{name}` (a key of CLI_WORDS): `str(error)` uses the command line's words,
-    `error.in_words(words)` another surface's; a name missing from `words` falls back to the command line's."""
+    A message may name a setting as `{name}`: `str(error)` uses the command line's words (CLI_WORDS, else the flag
+    --name), `error.in_words(words)` another surface's; a name missing from `words` falls back to the command
+    line's."""
 
     def __init__(self, message: str):
         self.template = message
         super().__init__(self.in_words({}))
 
     def in_words(self, words: dict[str, str]) -> str:
-        return re.sub(r"\{(\w+)\}", lambda m: words.get(m[1], CLI_WORDS.get(m[1], m[0])), self.template)
+        return re.sub(r"\{(\w+)\}", lambda m: words.get(m[1], CLI_WORDS.get(m[1], "--" + m[1].replace("_", "-"))),
+                      self.template)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,14 +162,14 @@ class EngineConfig:
     prefix_cache: bool = True
     max_seq_len: int | None = None  # None: the model's context, capped at 8192 tokens
     kv_cache_tokens: int | None = None  # paged pool size in tokens; None: room for one max_seq_len sequence
-    # Batching (see inference_core.scheduler): how requests share steps, and the limits of one step.
+    # Batching (see inference_core.engine.scheduler): how requests share steps, and the limits of one step.
     batching: str = "continuous"
     max_num_seqs: int = 8  # sequences in one step (contiguous: also the number of cache slots)
     max_num_batched_tokens: int = 2048  # tokens one step forwards, prefill chunks and decodes together
     chunked_prefill: bool = True  # split a long prompt into chunks that share steps with running decodes
     batch_window_ms: float = 50.0  # dynamic batching: how long the oldest waiting request waits for company
-    compile: bool = False  # decode steps through torch.compile (inference_core.compiled); needs a KV cache
-    kv_dtype: str = "auto"  # KV cache storage: "auto" (the model dtype) or "int8" (see inference_core.kv_cache)
+    compile: bool = False  # decode steps through torch.compile (inference_core.engine.compiled); needs a KV cache
+    kv_dtype: str = "auto"  # KV cache storage: "auto" (the model dtype) or "int8" (see inference_core.kv.cache)
     sliding_window: int | None = None  # attend to the last N tokens only; None: the checkpoint's own window, if any
 
     def __post_init__(self) -> None:

@@ -14,7 +14,6 @@ import torch
 
 from inference_core.config import ConfigError
 
-
 MIN_TEMPERATURE = 1e-3
 
 

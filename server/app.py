@@ -14,17 +14,15 @@ from fastapi.responses import JSONResponse
 
 from server.metrics import Metrics
 from server.openai_api import OpenAIAPI
-from server.policy import ServePolicy
 
 
-def create_app(demo: gr.Blocks, pool, policy: ServePolicy | None = None) -> FastAPI:
+def create_app(demo: gr.Blocks, pool) -> FastAPI:
     """The API routes first (they win over the mounted page), then the Gradio app at `/`. The pool's engine loop
     reports every request to the metrics, the page's included."""
-    policy = policy or pool.policy
     app = FastAPI(title="Inference Playground", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(pool)
     pool.loop.add_observer(metrics.observe)
-    api = OpenAIAPI(pool, policy, pool.limits, metrics)
+    api = OpenAIAPI(pool, metrics)
     app.include_router(api.router)
     app.state.api, app.state.metrics = api, metrics
 

@@ -28,14 +28,19 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+import gradio as gr
 import httpx
 import numpy as np
 import pandas as pd
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference_core.bench import machine_info, write_report
-from inference_core.prompts import load_prompts
+from inference_core import load_model
+from inference_core.bench.prompts import load_prompts
+from inference_core.bench.speed import machine_info, write_report
+from server.app import create_app, serve_in_thread
+from serving.policy import ServePolicy
+from serving.pool import EnginePool
 
 # (what is wrong, endpoint, body given the served model's id (bytes go as they are), a word its 400 must name)
 BAD_BODIES = (
@@ -331,12 +336,6 @@ def rows_by_kind(outcomes: list[Outcome]) -> list[dict]:
 def start_in_process(loaded, clients: int, max_tokens: int):
     """The API over `loaded` on a free loopback port (no page): the server (`.url`, `.stop()`) and its pool. The
     queue cap leaves room for every client's request plus dropped ones not yet cancelled."""
-    import gradio as gr
-
-    from server.app import create_app, serve_in_thread
-    from server.policy import ServePolicy
-    from ui.settings import EnginePool
-
     pool = EnginePool(loaded, max_seq_len=512, policy=ServePolicy(max_new_tokens=max_tokens,
                                                                   max_queue=max(64, 4 * clients)))
     with gr.Blocks() as demo:
@@ -360,8 +359,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--requests, --clients and --max-tokens must be at least 1.")
     server = pool = loaded = None
     if args.url is None:
-        from inference_core import load_model
-
         loaded = load_model("bundled", "cpu", "float32")
         server, pool = start_in_process(loaded, args.clients, args.max_tokens)
     try:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import GaugeMetricFamily
 
 from inference_core import FinishEvent, TokenEvent
-from inference_core.engine_loop import CANCELLED
+from inference_core.engine.loop import CANCELLED
 
 disable_created_metrics()  # no `_created` twin of every counter: nothing here reads them
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 60.0)

@@ -26,32 +26,27 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import fields
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from inference_core import ConfigError, FinishEvent, SamplingParams, TokenEvent
-from inference_core.engine_loop import LoopHandle
+from inference_core.config import ConfigError
+from inference_core.engine.request import FinishEvent, TokenEvent
 from inference_core.sampling import MIN_TEMPERATURE
-from server.policy import LimitExceeded, cache_salt, client_address, looks_like_path
-from ui.settings import BLOCK_SIZES, LaneSettings, check_run_cost
+from inference_core.settings import SETTINGS, LaneSettings, kinds, words
+from serving.admission import Job, QueueFull, Run
+from serving.policy import LimitExceeded, cache_salt, client_address, looks_like_path
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
 DISCONNECT_CHECK_S = 0.25  # how often a request asks whether its client is still there
 SLOT = "chat"  # the pool slot the API shares with the page's chat: same settings, same engine, batched together
-# The playground's own settings, accepted as extra body fields (LaneSettings' names); sampling comes from OpenAI's.
-# (An API request runs here: a lane's `endpoint` to an external engine is the page's, not the API's.)
-PLAYGROUND_FIELDS = tuple(f.name for f in fields(LaneSettings)
-                          if f.name not in ("temperature", "top_p", "seed", "endpoint", "endpoint_model"))
-FIELD_TYPES = {"prefix_cache": bool, "spec_adaptive": bool, "compile": bool, "block_size": int, "spec_k": int,
-               "spec_tree_width": int,
-               "quant_group": int, "sliding_window": int, "kv_mode": str, "spec_method": str, "weights": str,
-               "kv_dtype": str, "draft_layers": (int, str)}
-API_WORDS = {"max_new_tokens": "'max_tokens'", "spec_k": "'spec_k'", "tree_width": "'spec_tree_width'",
-             "draft_layers": "'draft_layers'",
-             "draft_model": "start the app with --draft-model", "longer_context": ""}
+# The playground's own settings, accepted as extra body fields (the lane settings' table); sampling comes from
+# OpenAI's fields. (An API request runs here: a lane's `endpoint` to an external engine is the page's, not the API's.)
+PLAYGROUND_FIELDS = tuple(name for name, setting in SETTINGS.items() if setting.api == "extra")
+API_WORDS = {**words("api"), "max_new_tokens": "'max_tokens'", "draft_model": "start the app with --draft-model",
+             "longer_context": ""}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
           "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", *PLAYGROUND_FIELDS}
 FIELDS = {"completions": COMMON | {"prompt", "echo", "best_of", "suffix"},
@@ -181,27 +176,27 @@ def _prompts(body: dict) -> list:
 def _settings(body: dict, temperature: float, top_p: float, seed, public: bool) -> LaneSettings:
     """The playground's extra fields as LaneSettings; a bad one is a 400 naming it (each is checked alone first)."""
     extra = {name: body[name] for name in PLAYGROUND_FIELDS if body.get(name) is not None}
-    words = {bool: "true or false", int: "an integer", str: "a string", (int, str): 'an integer or "default"'}
+    type_words = {bool: "true or false", int: "an integer", str: "a string", float: "a number"}
     for name, value in extra.items():
-        kinds = FIELD_TYPES[name]
-        if not isinstance(value, kinds) or (isinstance(value, bool) and kinds is not bool):
-            raise bad(f"'{name}' must be {words[kinds]}, got "
-                      f"{json.dumps(value)[:40]}.", name)
+        accepted = kinds(name)
+        if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
+            expected = 'an integer or "default"' if accepted == (int, str) else type_words[accepted[0]]
+            raise bad(f"'{name}' must be {expected}, got {json.dumps(value)[:40]}.", name)
         try:
-            alone = LaneSettings(**{"kv_mode": "paged", name: value})
-            alone.engine_config(1 << 16), alone.quant(), alone.spec()
+            LaneSettings(**{"kv_mode": "paged", name: value}).check()
         except (ConfigError, TypeError, ValueError) as error:
             message = error.in_words(API_WORDS) if isinstance(error, ConfigError) else str(error)
             raise bad(f"'{name}': {message}", name) from None
-    if extra.get("block_size", 16) not in BLOCK_SIZES:
-        raise bad(f"'block_size' must be one of {', '.join(map(str, BLOCK_SIZES))}.", "block_size")
+        choices = SETTINGS[name].choices
+        if choices and value not in choices:
+            raise bad(f"'{name}' must be one of {', '.join(map(str, choices))}.", name)
     if public and extra.get("compile"):
         raise bad("'compile' is off in public mode: compiling holds the shared device for a minute or more.",
                   "compile")
     try:
         settings = LaneSettings(**{"kv_mode": "paged", **extra, "temperature": temperature, "top_p": top_p,
                                    "seed": seed})
-        settings.engine_config(1 << 16), settings.quant(), settings.spec()
+        settings.check()
     except ConfigError as error:  # fields that do not go together
         raise bad(error.in_words(API_WORDS), _param_of(error) or next(iter(extra), None)) from None
     return settings
@@ -221,11 +216,11 @@ class _AsyncSink:
 
 
 class OpenAIAPI:
-    def __init__(self, pool, policy, limits, metrics):
-        self.pool, self.policy, self.limits, self.metrics = pool, policy, limits, metrics
+    def __init__(self, pool, metrics):
+        self.pool, self.policy, self.metrics = pool, pool.policy, metrics
         loaded = pool.loaded
         self.model_id = loaded.display_name.split(" (")[0]  # "SmolLM2-135M-Instruct", not the GGUF's long label
-        self.aliases = {self.model_id, loaded.name, loaded.display_name, *policy.allowed_models}
+        self.aliases = {self.model_id, loaded.name, loaded.display_name, *self.policy.allowed_models}
         self.created = int(time.time())
         self.router = APIRouter()
         self.router.add_api_route("/v1/models", self.models, methods=["GET"])
@@ -271,17 +266,34 @@ class OpenAIAPI:
             or "unknown"
 
     async def _answer(self, http: Request, kind: str):
-        raw = await http.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"the body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}.")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as error:
-            raise bad(f"the body is not valid JSON: {error}.") from None
-        if not isinstance(body, dict):
-            raise bad("the body must be a JSON object.")
+        body = await _read_body(http)
         _refuse_unsupported(body, kind)
-        model = body.get("model")
+        self._check_model(body.get("model"))
+        asked = _read_request(body, kind, self.policy)
+        caller = self.caller(http)
+        key = http.headers.get("authorization", "").removeprefix("Bearer ").strip() or None
+        job = Job("request", {"api": (SLOT, asked.settings)}, tuple(asked.prompts), chat=kind == "chat",
+                  max_new_tokens=asked.max_tokens, default_new_tokens=16 if kind == "completions" else None,
+                  copies=asked.n, top_k=asked.top_k, stop=asked.stop, caller=caller,
+                  cache_salt=cache_salt(key, caller))
+        run = await asyncio.to_thread(self._submit, job)
+        for name in run.to_compile():
+            await asyncio.to_thread(run.compile, name)
+        sink = _AsyncSink()
+        run.start(sink, tag="api")
+        reply = _Reply(kind, self.model_id, asked.settings)
+        if asked.stream:
+            return StreamingResponse(self._stream(http, run, sink, reply, asked.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            finals = await self._collect(http, run, sink)
+        finally:
+            run.close(wait=False)
+        if finals is None:  # the client went away
+            return Response(status_code=499)
+        return JSONResponse(reply.whole(finals))
+
+    def _check_model(self, model) -> None:
         if not isinstance(model, str) or not model:
             raise bad("'model' is required: the served model's id, from GET /v1/models.", "model")
         if self.policy.public and looks_like_path(model):
@@ -289,99 +301,26 @@ class OpenAIAPI:
         if model not in self.aliases:
             raise APIError(404, f"the model {model!r} is not served here; this app serves {self.model_id!r}.",
                            "model", "model_not_found")
-        max_name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
-            else "max_tokens"
-        max_tokens = _number(body, max_name, None, 1, self.policy.max_new_tokens, integer=True)
-        temperature = _number(body, "temperature", 1.0, 0, 2)
-        if 0 < temperature < MIN_TEMPERATURE:
-            raise bad(f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}.", "temperature")
-        top_p = _number(body, "top_p", 1.0, 0, 1)
-        if top_p == 0:
-            raise bad("'top_p' must be above 0.", "top_p")
-        top_k = max(0, _number(body, "top_k", 0, -1, 1 << 20, integer=True))  # -1 or 0: off
-        seed = _number(body, "seed", None, -(2 ** 63), 2 ** 63 - 1, integer=True)
-        n = _number(body, "n", 1, 1, self.policy.n_max, integer=True)
-        stream = _flag(body, "stream")
-        options = body.get("stream_options")
-        if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}
-                                        and isinstance(options.get("include_usage", False), bool)):
-            raise bad("'stream_options' must be {\"include_usage\": true|false}.", "stream_options")
-        if options is not None and not stream:
-            raise bad("'stream_options' is only allowed with 'stream': true.", "stream_options")
-        include_usage = bool(options and options.get("include_usage"))
-        stop = _stop(body)
-        settings = _settings(body, temperature, top_p, seed, self.policy.public)
-        prompts = [_messages(body)] if kind == "chat" else _prompts(body)
-        if len(prompts) * n > self.policy.n_max:
-            raise bad(f"{len(prompts)} prompts x n={n} completions; this deployment allows up to "
-                      f"{self.policy.n_max} per request.", "n")
 
-        caller = self.caller(http)
-        key = http.headers.get("authorization", "").removeprefix("Bearer ").strip() or None
-        engine, requests = await asyncio.to_thread(self._make_requests, settings, prompts, kind, n, max_tokens,
-                                                   top_k, seed, stop, cache_salt(key, caller))
-        budget = sum(len(r.seq) + r.params.max_new_tokens for r in requests)
-        self._admit(caller, budget)
-        if self.pool.needs_compiling(engine):
-            await asyncio.to_thread(self.pool.compile, engine)
-        sink = _AsyncSink()
-        handles = [self.pool.loop.enqueue(engine, r, tag="api", sink=sink) for r in requests]
-        reply = _Reply(kind, self.model_id, settings)
-        if stream:
-            return StreamingResponse(self._stream(http, handles, sink, reply, include_usage, caller, budget),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def _submit(self, job: Job) -> Run:
+        """The pool's admission path (in a worker thread: it tokenizes and may build an engine), its refusals in
+        OpenAI's shapes: a 400 naming what to change, a 429 with Retry-After for a limit that frees with time."""
         try:
-            finals = await self._collect(http, handles, sink)
-        finally:
-            _cancel_all(handles)
-        if finals is None:  # the client went away
-            return Response(status_code=499)
-        self.limits.refund(caller, budget - reply.tokens(finals))
-        return JSONResponse(reply.whole(finals))
-
-    def _make_requests(self, settings, prompts, kind, n, max_tokens, top_k, seed, stop, salt):
-        """Tokenize and validate (in a worker thread): every request or a 400 naming what to change."""
-        try:
-            engine = self.pool.get(SLOT, settings)
-            requests = []
-            for prompt in prompts:
-                ids = list(prompt) if kind == "completions" and isinstance(prompt, list) \
-                    else engine.prompt_ids(prompt, chat=kind == "chat")
-                room = self.pool.max_seq_len - len(ids)
-                new = max_tokens if max_tokens is not None else \
-                    max(1, min(16 if kind == "completions" else room, self.policy.max_new_tokens, room))
-                self.policy.check_sizes(len(ids), new)
-                check_run_cost(self.pool, {"api": settings}, len(ids), new, "request")
-                for i in range(n):
-                    params = SamplingParams(max_new_tokens=new, temperature=settings.temperature, top_k=top_k,
-                                            top_p=settings.top_p, seed=None if seed is None else seed + i,
-                                            stop=stop)
-                    requests.append(engine.make_request(ids, params, spec=settings.spec(), cache_salt=salt))
-            return engine, requests
-        except ConfigError as error:
-            raise bad(error.in_words(API_WORDS), _param_of(error)) from None
-
-    def _admit(self, caller: str, tokens: int) -> None:
-        queued = self.pool.active_requests()
-        if queued >= self.policy.max_queue:
-            steps = [s["mean_step_ms"] or 0 for s in self.pool.loop.status()]
-            wait_s = max(1.0, sum(steps) / 1e3 * 32)
-            raise APIError(429, f"the server is busy: {queued} requests are queued or running, the limit is "
-                                f"{self.policy.max_queue}; retry after the time in Retry-After.",
-                           code="queue_full", retry_after_s=wait_s)
-        try:
-            self.limits.admit(caller, tokens)
+            return self.pool.submit(job)
+        except QueueFull as error:
+            raise APIError(429, f"{error} Retry after the time in Retry-After.", code="queue_full",
+                           retry_after_s=error.retry_after_s) from None
         except LimitExceeded as error:
             raise APIError(429, str(error), code="rate_limited", retry_after_s=error.retry_after_s) from None
         except ConfigError as error:
-            raise bad(str(error), "max_tokens") from None
+            raise bad(error.in_words(API_WORDS), _param_of(error)) from None
 
-    async def _events(self, http: Request, handles: list[LoopHandle], sink: _AsyncSink):
-        """(choice index, event) as they arrive until every request has finished; stops a request that runs over
-        the app's per-request device time. Ends early (returns) when the client has disconnected."""
-        index = {id(h): i for i, h in enumerate(handles)}
+    async def _events(self, http: Request, run: Run, sink: _AsyncSink):
+        """(choice index, event) as they arrive until every request has finished; stops the run once it is over the
+        app's per-run device time. Ends early (returns) when the client has disconnected."""
+        index = {id(h): i for i, h in enumerate(run.handles)}
         checked = time.monotonic()
-        while not all(h.done for h in handles):
+        while not all(h.done for h in run.handles):
             if time.monotonic() - checked >= DISCONNECT_CHECK_S:  # also while tokens flow
                 checked = time.monotonic()
                 if await http.is_disconnected():
@@ -391,23 +330,24 @@ class OpenAIAPI:
             except asyncio.TimeoutError:
                 continue
             event = handle.received(event)  # raises a failed step's error
-            if isinstance(event, TokenEvent) and event.time_s > self.pool.max_run_s:
-                handle.stop()
+            run.note(handle, event)
+            if isinstance(event, TokenEvent) and run.over_limit():
+                run.stop()
             yield index[id(handle)], event
 
-    async def _collect(self, http, handles, sink) -> list[FinishEvent] | None:
-        finals: list[FinishEvent | None] = [None] * len(handles)
-        async for i, event in self._events(http, handles, sink):
+    async def _collect(self, http, run: Run, sink) -> list[FinishEvent] | None:
+        finals: list[FinishEvent | None] = [None] * len(run.handles)
+        async for i, event in self._events(http, run, sink):
             if isinstance(event, FinishEvent):
                 finals[i] = event
         return None if any(f is None for f in finals) else finals
 
-    async def _stream(self, http, handles, sink, reply: "_Reply", include_usage: bool, caller: str, budget: int):
-        finals: list[FinishEvent | None] = [None] * len(handles)
+    async def _stream(self, http, run: Run, sink, reply: "_Reply", include_usage: bool):
+        finals: list[FinishEvent | None] = [None] * len(run.handles)
         try:
-            for i in range(len(handles) if reply.kind == "chat" else 0):
+            for i in range(len(run.handles) if reply.kind == "chat" else 0):
                 yield reply.sse(reply.chunk(i, role=True, include_usage=include_usage))
-            async for i, event in self._events(http, handles, sink):
+            async for i, event in self._events(http, run, sink):
                 if isinstance(event, FinishEvent):
                     finals[i] = event
                     yield reply.sse(reply.chunk(i, final=event, include_usage=include_usage))
@@ -422,21 +362,69 @@ class OpenAIAPI:
             yield reply.sse({"error": {"message": f"the engine failed: {type(error).__name__}",
                                        "type": "server_error", "param": None, "code": None}})
         finally:
-            _cancel_all(handles)  # a disconnect (or any early end) frees every request's KV now
-            done = [f for f in finals if f is not None]
-            self.limits.refund(caller, budget - reply.tokens(done))
+            run.close(wait=False)  # a disconnect (or any early end) frees every request's KV now
 
 
-def _cancel_all(handles: list[LoopHandle]) -> None:
-    for handle in handles:
-        if not handle.done and not handle.request.finished:
-            handle.loop.cancel(handle, wait=False)
-            handle.done = True
+async def _read_body(http: Request) -> dict:
+    raw = await http.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}.")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise bad(f"the body is not valid JSON: {error}.") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object.")
+    return body
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """One request's OpenAI fields, read and checked."""
+
+    prompts: list
+    settings: LaneSettings
+    max_tokens: int | None
+    top_k: int
+    n: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def _read_request(body: dict, kind: str, policy) -> _Asked:
+    """OpenAI's fields (a 400 naming the first bad one) and the playground's settings."""
+    max_name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _number(body, max_name, None, 1, policy.max_new_tokens, integer=True)
+    temperature = _number(body, "temperature", 1.0, 0, 2)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise bad(f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}.", "temperature")
+    top_p = _number(body, "top_p", 1.0, 0, 1)
+    if top_p == 0:
+        raise bad("'top_p' must be above 0.", "top_p")
+    top_k = max(0, _number(body, "top_k", 0, -1, 1 << 20, integer=True))  # -1 or 0: off
+    seed = _number(body, "seed", None, -(2 ** 63), 2 ** 63 - 1, integer=True)
+    n = _number(body, "n", 1, 1, policy.n_max, integer=True)
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}
+                                    and isinstance(options.get("include_usage", False), bool)):
+        raise bad("'stream_options' must be {\"include_usage\": true|false}.", "stream_options")
+    if options is not None and not stream:
+        raise bad("'stream_options' is only allowed with 'stream': true.", "stream_options")
+    stop = _stop(body)
+    settings = _settings(body, temperature, top_p, seed, policy.public)
+    prompts = [_messages(body)] if kind == "chat" else _prompts(body)
+    if len(prompts) * n > policy.n_max:
+        raise bad(f"{len(prompts)} prompts x n={n} completions; this deployment allows up to "
+                  f"{policy.n_max} per request.", "n")
+    return _Asked(prompts, settings, max_tokens, top_k, n, stop, stream, bool(options and options.get("include_usage")))
 
 
 def _param_of(error: ConfigError) -> str | None:
-    for name, param in (("max_new_tokens", "max_tokens"), ("spec_k", "spec_k"), ("tree_width", "spec_tree_width"),
-                        ("draft_layers", "draft_layers")):
+    for name, param in (("max_new_tokens", "max_tokens"), ("spec_k", "spec_k"),
+                        ("spec_tree_width", "spec_tree_width"), ("draft_layers", "draft_layers")):
         if "{" + name + "}" in error.template:
             return param
     text = str(error)

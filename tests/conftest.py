@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inference_core import Engine, EngineConfig, load_model
-from inference_core.prompts import load_prompts
+from inference_core.bench.prompts import load_prompts
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,7 +49,7 @@ def assert_nothing_held(engine) -> None:
 def lane(kv_mode: str, **overrides) -> list:
     """One race lane's (or the chat's) widget values, greedy unless overridden, in the order the handlers take them."""
     from ui.race import LANE_SETTING_FIELDS
-    from ui.settings import LaneSettings
+    from inference_core.settings import LaneSettings
 
     values = {**{name: getattr(LaneSettings(), name) for name in LANE_SETTING_FIELDS}, "kv_mode": kv_mode,
               **overrides}
@@ -66,7 +66,7 @@ def race_outputs(values: tuple) -> dict:
 @pytest.fixture(scope="module")
 def pool(bundled):
     """The playground's engines over the bundled model, with a 512-token context (small caches), one per module."""
-    from ui.settings import EnginePool
+    from serving.pool import EnginePool
 
     return EnginePool(bundled, max_seq_len=512)
 

@@ -1,4 +1,4 @@
-"""AWQ int4 weights (`inference_core.awq`, `awq_file`) on a tiny random Llama: a layer against its dequantized float
+"""AWQ int4 weights (`inference_core.quant.awq`, `awq_file`) on a tiny random Llama: a layer against its dequantized float
 reference, alpha 0 as plain round to nearest bit for bit, folding that keeps the float function, the searched error
 never above RTN's on the calibration inputs (and the reported error being the built layer's), save and load giving
 the same logits, a file for other weights refused, and the CLI."""
@@ -10,12 +10,14 @@ import json
 import pytest
 import torch
 
-from inference_core import ConfigError, Engine, EngineConfig, awq, awq_file
+from inference_core import ConfigError, Engine, EngineConfig
+from inference_core.quant import awq, awq_file
 from inference_core.cli import main
-from inference_core.kv_cache import RecomputeKVCache
-from inference_core.model import Linear
-from inference_core.quant import QuantConfig, QuantLinear, compute_dtype, quantize, round_int4
-from inference_core.runner import ModelRunner
+from inference_core.kv.cache import RecomputeKVCache
+from inference_core.model.llama import Linear
+from inference_core.quant.linear import QuantConfig, QuantLinear, compute_dtype, round_int4
+from inference_core.quant.quantize import quantize
+from inference_core.engine.runner import ModelRunner
 from inference_core.sequence import Sequence
 
 from test_model_families import TinyFamily

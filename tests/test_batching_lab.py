@@ -10,13 +10,13 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from inference_core.engine import StepReport
+from inference_core.engine.engine import StepReport
 from ui.batching import (LAB_OUTPUTS, LAB_PRESETS, TYPED, arrival_offsets, output_limits, preset_values,
                          run_batching)
 from ui.batching_view import (RESULT_COLUMNS, Arrival, RunRecord, Segment, StepRecord, activity_figure,
                               request_timelines, results_frame, run_numbers, timeline_figure, verdict)
 from ui.control import RunControl
-from ui.settings import EnginePool
+from serving.pool import EnginePool
 
 SMALL_POOL = next(name for name in LAB_PRESETS if name.startswith("small KV pool"))
 BURST = "all at once (burst)"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from inference_core import block_manager as block_manager_module
-from inference_core.block_manager import BlockManager
+from inference_core.kv import block_manager as block_manager_module
+from inference_core.kv.block_manager import BlockManager
 from inference_core.sequence import Sequence
 
 BLOCK_SIZE = 4

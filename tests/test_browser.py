@@ -24,7 +24,7 @@ import pytest
 
 import ui
 from ui.race_table import SUMMARY_COLUMNS
-from ui.settings import EnginePool
+from serving.pool import EnginePool
 from ui.setups import RACE_SETUPS
 
 CHROMIUM = "/usr/bin/chromium"

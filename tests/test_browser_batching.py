@@ -11,7 +11,7 @@ import pytest
 
 from test_browser import _free_port
 from ui.batching import build_batching_tab
-from ui.settings import EnginePool
+from serving.pool import EnginePool
 
 RUN_TIMEOUT_MS = 120_000
 

@@ -1,4 +1,4 @@
-"""The GGUF conversion cache (`inference_core.bundled`): a valid cache is reused without converting or reading its
+"""The GGUF conversion cache (`inference_core.model.bundled`): a valid cache is reused without converting or reading its
 files, a partial or corrupt one is detected and rebuilt (a byte changed under the same size and time only by the
 on-demand full check), a cache without the bundled package is used after its check, a failed conversion leaves
 nothing behind, and what the conversion writes equals transformers' own reading of the same GGUF file (every
@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from inference_core import bundled as bundled_module
+from inference_core.model import bundled as bundled_module
 from inference_core import cli
-from inference_core.bundled import (VERIFY_ENV, bundled_gguf_path, bundled_model_dir, cache_is_valid, cache_root,
+from inference_core.model.bundled import (VERIFY_ENV, bundled_gguf_path, bundled_model_dir, cache_is_valid, cache_root,
                                     converted_gguf_dir, verify_cache)
 from inference_core.config import ConfigError
-from inference_core.tokenizer import Tokenizer
+from inference_core.model.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: stable run times on a busy CPU
 

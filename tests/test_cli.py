@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from inference_core.batch_bench import ROW_KEYS, parse_arrivals, percentile, run_engine
+from inference_core.bench.batching import ROW_KEYS, parse_arrivals, percentile, run_engine
 from inference_core.cli import main
 from inference_core.config import EngineConfig
-from inference_core.engine import Engine
+from inference_core.engine.engine import Engine
 
 STATS_KEYS = {"kv_mode", "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "finish_reason", "ttft_ms",
               "prefill_tokens_per_s", "decode_tokens_per_s", "total_ms", "kv_bytes_in_use", "kv_bytes_reserved", "spec",

@@ -1,4 +1,4 @@
-"""Compiled decode (`inference_core.compiled`) against the eager path it replaces.
+"""Compiled decode (`inference_core.engine.compiled`) against the eager path it replaces.
 
 Greedy ids of a compiled engine must equal the eager engine's, batch 1 and batched (padded to a bucket), contiguous
 and paged. Compiled kernels sum in another order than eager ones, so two ids may differ only where the eager run's
@@ -17,8 +17,9 @@ import torch
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core.cli import main
-from inference_core import compiled as compiled_module
-from inference_core.compiled import batch_buckets, compile_unavailable, model_fingerprint
+from inference_core.engine import compiled as compiled_module
+from inference_core.engine.compiled import batch_buckets, compile_unavailable
+from inference_core.model.llama import model_fingerprint
 from inference_core.sequence import Sequence
 
 from test_scheduler import build_tiny_model, prompt, run_to_end

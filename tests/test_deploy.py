@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inference_core.checkpoint import HUB_FILE_PATTERNS
+from inference_core.model.checkpoint import HUB_FILE_PATTERNS
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = {"gguf", "transformers", "accelerate"}
@@ -164,7 +164,7 @@ def test_app_imports_and_listens_on_all_interfaces_on_a_space_without_the_tools(
     (SPACE_ID set) the defaults are the Hub model the front matter preloads and host 0.0.0.0."""
     script = ("import json, sys\n"
               f"sys.modules.update(dict.fromkeys({sorted(TOOLS)!r}))  # None: importing them raises ImportError\n"
-              "import app, inference_core.cli, inference_core.loader\n"
+              "import app, inference_core.cli, inference_core.model.loader\n"
               "args = app.parse_args([])\n"
               "print(json.dumps({'model': args.model, 'host': args.host}))\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PLAYGROUND_", "GRADIO_SERVER"))}

@@ -4,8 +4,9 @@ in batches equal to its answers one at a time."""
 from __future__ import annotations
 
 from conftest import make_engine
-from inference_core import SamplingParams, draft_data
-from inference_core.draft_data import _four_grams, bench_four_grams, chat_prompts, generate, load, save
+from inference_core import SamplingParams
+from inference_core.training import draft_data
+from inference_core.training.draft_data import _four_grams, bench_four_grams, chat_prompts, generate, load, save
 
 
 def test_prompts_are_many_distinct_seeded_and_held_out_from_the_benchmark():

@@ -15,11 +15,11 @@ import torch
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core import load_model
-from inference_core.draft_heads import EagleDrafter, MedusaDrafter, find_heads, lm_head_rows, load_heads
-from inference_core.model import Linear, packed_bf16_available
+from inference_core.spec.draft_heads import EagleDrafter, MedusaDrafter, find_heads, lm_head_rows, load_heads
+from inference_core.model.llama import Linear, packed_bf16_available
 from inference_core.sequence import Sequence
-from inference_core.speculative import DraftTree, SpecConfig
-from inference_core.train_draft import model_targets, train_heads, validation_split
+from inference_core.spec.decoding import DraftTree, SpecConfig
+from inference_core.training.train_draft import model_targets, train_heads, validation_split
 from conftest import assert_nothing_held
 from test_speculative import TINY_VOCAB, build_tiny, sampled_speculation_distances
 

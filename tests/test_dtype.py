@@ -1,4 +1,4 @@
-"""`--dtype auto` (`inference_core.loader.choose_dtype`): bf16 on a CPU only with native bf16 math and a measured win,
+"""`--dtype auto` (`inference_core.model.loader.choose_dtype`): bf16 on a CPU only with native bf16 math and a measured win,
 float32 otherwise, always with the reason in words; the page header shows it. In bf16 on such a CPU, a step's
 batched decodes attend through bf16 matmuls (`model.decode_attention_kernel`)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_core import loader
-from inference_core.loader import choose_dtype, load_model
-from inference_core.model import attend_decodes_matmul, decode_attention_kernel
+from inference_core.model import loader
+from inference_core.model.loader import choose_dtype, load_model
+from inference_core.model.llama import attend_decodes_matmul, decode_attention_kernel
 
 CPU = torch.device("cpu")
 

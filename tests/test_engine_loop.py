@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from inference_core.engine_loop import EngineLoop, merge
-from inference_core.request import FinishEvent, TokenEvent
+from inference_core.engine.loop import EngineLoop, merge
+from inference_core.engine.request import FinishEvent, TokenEvent
 
 from test_scheduler import build_tiny_model, greedy, paged, prompt, solo
 
@@ -148,7 +148,7 @@ def test_a_failing_step_fails_its_request_and_the_loop_serves_the_next(tiny, loo
         return real_run(*args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "run", run_failing_once)
-    with caplog.at_level(logging.ERROR, logger="inference_core.engine_loop"):
+    with caplog.at_level(logging.ERROR, logger="inference_core.engine.loop"):
         doomed = loop.submit(engine, prompt(9, seed=230), greedy(8))
         with pytest.raises(RuntimeError, match="simulated device failure"):
             doomed.next_event(timeout=TIMEOUT_S)  # the prefill failed: no token came before the error

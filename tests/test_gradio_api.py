@@ -11,7 +11,7 @@ from gradio_client.exceptions import AppError
 
 import ui
 from test_browser import _free_port
-from ui.settings import EnginePool
+from serving.pool import EnginePool
 
 TOKENS = 8
 

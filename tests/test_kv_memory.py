@@ -13,9 +13,9 @@ from transformers import MistralConfig, MistralForCausalLM
 
 import inference_core
 from inference_core import Engine, EngineConfig, SamplingParams
-from inference_core.block_manager import FREED, BlockManager
+from inference_core.kv.block_manager import FREED, BlockManager
 from inference_core.config import ConfigError
-from inference_core.kv_cache import dequantize_int8, quantize_int8
+from inference_core.kv.cache import dequantize_int8, quantize_int8
 from inference_core.sequence import Sequence
 from test_model_families import TINY, write_word_level_tokenizer
 
@@ -147,7 +147,7 @@ def test_int8_kv_cache_runs_batching_and_speculation(windowed):
     batched = [engine.generate(list(p), SamplingParams(max_new_tokens=24, ignore_eos=True)) for p in prompts]
     finals = [list(events)[-1] for events in batched]
     assert [len(final.token_ids) for final in finals] == [24, 24, 24]
-    from inference_core.speculative import SpecConfig
+    from inference_core.spec.decoding import SpecConfig
 
     plain = Engine(loaded, EngineConfig(kv_mode="contiguous", kv_dtype="int8")).complete(list(PROMPT), GREEDY)
     spec = Engine(loaded, EngineConfig(kv_mode="contiguous", kv_dtype="int8")).complete(
@@ -168,7 +168,7 @@ def test_unsupported_combinations_say_what_to_change():
 
 def test_compiled_decode_keeps_the_window(windowed):
     """The compiled step's key mask hides what lies before the window, and its paged reads skip released blocks."""
-    from inference_core.compiled import compile_unavailable
+    from inference_core.engine.compiled import compile_unavailable
     from test_compiled import assert_same_or_near_tie
 
     if (reason := compile_unavailable(torch.device("cpu"))) is not None:

@@ -21,7 +21,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 
 import inference_core
 from inference_core import Engine, EngineConfig, SamplingParams
-from inference_core.model import packed_bf16_available
+from inference_core.model.llama import packed_bf16_available
 from inference_core.sequence import Sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: stable run times on a busy CPU
@@ -203,7 +203,7 @@ def test_a_tied_in_out_head_scores_several_rows_through_the_shared_embedding():
     use the embedding as its [out, in] form, which costs no memory; an untied head keeps no second copy."""
     from torch import nn
 
-    from inference_core.model import Linear
+    from inference_core.model.llama import Linear
 
     embedding = nn.Parameter(torch.randn(300, 64), requires_grad=False)
     head = Linear(64, 300, bias=False)

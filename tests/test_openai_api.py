@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from inference_core import SamplingParams
 from conftest import make_engine
 from server.app import create_app, serve_in_thread
-from server.policy import ServePolicy
-from ui.settings import EnginePool
+from serving.policy import ServePolicy
+from serving.pool import EnginePool
 
 
 def _serve(bundled, policy: ServePolicy):

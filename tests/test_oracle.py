@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inference_core import SamplingParams
-from inference_core.checkpoint import resolve_model_dir
+from inference_core.model.checkpoint import resolve_model_dir
 
 from conftest import make_engine
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from inference_core.cli import build_parser, main
-from inference_core.peer_llama_cpp import INSTALL_COMMAND, PeerUnavailable, open_peers, peer_gguf_path, row_name
+from inference_core.cli import main, parser
+from inference_core.bench.llama_cpp import INSTALL_COMMAND, PeerUnavailable, open_peers, peer_gguf_path, row_name
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
 SMALL_BENCH = ["bench", "--prompt-ids", "plain-1", "--repeats", "1", "--max-new-tokens", "4", *CPU, "--configs",
@@ -20,11 +20,11 @@ SMALL_BENCH = ["bench", "--prompt-ids", "plain-1", "--repeats", "1", "--max-new-
 
 
 def test_peer_flag_takes_repeats_and_comma_lists(capsys):
-    args = build_parser().parse_args(["bench", "--peer", "llama-cpp,llama-cpp", "--peer", "llama-cpp"])
+    args = parser().parse_args(["bench", "--peer", "llama-cpp,llama-cpp", "--peer", "llama-cpp"])
     assert args.peer == ["llama-cpp", "llama-cpp", "llama-cpp"]  # open_peers runs each peer once
-    assert build_parser().parse_args(["bench"]).peer is None
+    assert parser().parse_args(["bench"]).peer is None
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args(["bench", "--peer", "vllm"])
+        parser().parse_args(["bench", "--peer", "vllm"])
     assert exit_info.value.code == 2
     assert "unknown peer vllm; choose from: llama-cpp" in capsys.readouterr().err
 
@@ -64,7 +64,7 @@ def test_bench_reports_a_missing_llama_cpp_and_runs_the_other_rows(bundled, one_
 @pytest.fixture(scope="module")
 def llama(bundled):
     pytest.importorskip("llama_cpp")
-    from inference_core.peer_llama_cpp import open_llama_cpp
+    from inference_core.bench.llama_cpp import open_llama_cpp
 
     return open_llama_cpp("bundled", context_len=1024,
                           kv_bytes_per_token=bundled.config.kv_bytes_per_token(torch.float16), threads=1)

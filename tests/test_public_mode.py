@@ -11,11 +11,11 @@ import pytest
 from conftest import lane, race_outputs
 from inference_core import ConfigError
 from server.app import create_app, serve_in_thread
-from server.policy import ServePolicy
+from serving.policy import ServePolicy
 from ui.chat import CHAT_OUTPUTS, chat_turn
 from ui.control import RunControl
 from ui.race import run_race
-from ui.settings import EnginePool
+from serving.pool import EnginePool
 
 
 def _last(generator) -> tuple:

@@ -1,4 +1,4 @@
-"""`python -m inference_core quality` (`inference_core.quality`): perplexity held to transformers on the same weights
+"""`python -m inference_core quality` (`inference_core.bench.quality`): perplexity held to transformers on the same weights
 (one chunk, several chunks, the bundled model on the start of the eval text), int8 weights and an int8 KV cache moving
 it a little, greedy agreement's arithmetic and the reference agreeing with itself, and the CLI's rows, JSON and bad
 flags."""
@@ -16,9 +16,10 @@ import torch.nn.functional as F
 import inference_core
 from inference_core import EngineConfig
 from inference_core.cli import main
-from inference_core.quality import (COLUMNS, EVAL_TEXT, eval_token_ids, greedy_agreement, greedy_generations,
+from inference_core.bench.quality import (COLUMNS, EVAL_TEXT, eval_token_ids, greedy_agreement, greedy_generations,
                                     perplexity)
-from inference_core.quant import QuantConfig, compute_dtype, quantize
+from inference_core.quant.linear import QuantConfig, compute_dtype
+from inference_core.quant.quantize import quantize
 
 from test_model_families import TINY, write_word_level_tokenizer
 
@@ -144,8 +145,8 @@ def test_cli_bad_values_name_their_flag(argv, message, capsys):
 
 
 def test_bundled_perplexity_equals_transformers_on_the_eval_text(bundled, one_torch_thread):
-    from inference_core.bench import load_hf_model
-    from inference_core.checkpoint import resolve_model_dir
+    from inference_core.bench.speed import load_hf_model
+    from inference_core.model.checkpoint import resolve_model_dir
 
     ids = eval_token_ids(bundled.tokenizer)
     assert len(ids) == 12065 > bundled.config.max_position_embeddings  # one chunk fills the whole context

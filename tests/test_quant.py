@@ -1,4 +1,4 @@
-"""Weight-only quantization (`inference_core.quant`): the kernels against the dequantized weights they stand for, the
+"""Weight-only quantization (`inference_core.quant.linear`): the kernels against the dequantized weights they stand for, the
 round-to-nearest error bound, the original model left alone, every KV mode and batching on a quantized model, the
 CLI's flags and bench rows, and the bundled model still answering."""
 
@@ -11,9 +11,10 @@ import torch
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core.cli import main
-from inference_core.model import Linear
-from inference_core.quant import QuantConfig, QuantLinear, quantize, weight_bytes
-from inference_core.speculative import SpecConfig
+from inference_core.model.llama import Linear
+from inference_core.quant.linear import QuantConfig, QuantLinear, weight_bytes
+from inference_core.quant.quantize import quantize
+from inference_core.spec.decoding import SpecConfig
 
 from test_scheduler import build_tiny_model, prompt, run_to_end
 
@@ -128,7 +129,7 @@ def test_bundled_quantized_still_answers(bundled):
 
 def test_compiled_decode_runs_quantized_weights(tiny, scheme="int4"):
     """The int4 kernel inside the exported, AOT-compiled step (int8's goes the same way; a compile is 25-35 s)."""
-    from inference_core.compiled import compile_unavailable
+    from inference_core.engine.compiled import compile_unavailable
 
     if compile_unavailable(torch.device("cpu")):
         pytest.skip(compile_unavailable(torch.device("cpu")))

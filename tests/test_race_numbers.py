@@ -13,14 +13,15 @@ import pytest
 
 import ui
 from inference_core import FinishEvent, GenerationStats, TokenEvent
-from inference_core.speculative import SpecStats
+from inference_core.spec.decoding import SpecStats
 from ui.chat import CHAT_OUTPUTS, chat_turn
 from ui.control import RunControl
 from ui.kv_view import render_pool
 from ui.race import LANE_SETTING_FIELDS, run_race
 from ui.race_table import FIGURES, summary_frame, summary_notes_html
 from ui.race_view import LaneTrace, not_comparable
-from ui.settings import EnginePool, LaneSettings
+from serving.pool import EnginePool
+from inference_core.settings import LaneSettings
 from ui.setups import RACE_SETUPS, presets, setup_values
 
 from conftest import lane, race_outputs

@@ -1,4 +1,4 @@
-"""Random-weight checkpoints at real shapes (`inference_core.random_weights`), shrunk for the test: our loader and
+"""Random-weight checkpoints at real shapes (`inference_core.model.random_weights`), shrunk for the test: our loader and
 transformers load the same directory and agree, and every id of the padded vocabulary decodes."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams, load_model
-from inference_core.random_weights import main, write_random_checkpoint
+from inference_core.cli import main
+from inference_core.model.random_weights import write_random_checkpoint
 
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16)
@@ -41,6 +42,5 @@ def test_every_id_of_the_padded_vocabulary_decodes(small_qwen3, bundled):
 def test_bad_preset_is_refused(tmp_path, capsys):
     with pytest.raises(ConfigError, match="unknown preset 'qwen9'"):
         write_random_checkpoint("qwen9", tmp_path)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--preset", "qwen3-0.6b", "--out", str(tmp_path), "--dtype", "int3"])
-    assert exit_info.value.code == 2 and "unknown dtype 'int3'" in capsys.readouterr().err
+    assert main(["random-weights", "--preset", "qwen3-0.6b", "--out", str(tmp_path), "--dtype", "int3"]) == 2
+    assert "unknown dtype 'int3'" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The external-engine client (`server.remote`) against this app's own API served on loopback: it streams the same
+"""The external-engine client (`serving.remote`) against this app's own API served on loopback: it streams the same
 text the engine gives, with its own TTFT and tokens/s; Stop ends it with a final event; a dead or wrong server is a
 message, not a traceback."""
 
@@ -12,9 +12,9 @@ import pytest
 from conftest import make_engine
 from inference_core import ConfigError, FinishEvent, SamplingParams, TokenEvent
 from server.app import create_app, serve_in_thread
-from server.policy import ServePolicy
-from server.remote import list_models, submit_remote
-from ui.settings import EnginePool
+from serving.policy import ServePolicy
+from serving.remote import list_models, submit_remote
+from serving.pool import EnginePool
 
 HI = [{"role": "user", "content": "Name three colours."}]
 

@@ -14,7 +14,7 @@ import pytest
 
 from inference_core import FinishEvent, SamplingParams, StopGeneration, TokenEvent
 from inference_core.sequence import Sequence
-from inference_core.speculative import SpecConfig
+from inference_core.spec.decoding import SpecConfig
 
 from conftest import assert_nothing_held, make_engine
 

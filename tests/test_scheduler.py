@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import inference_core
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
-from inference_core.request import FinishEvent, TokenEvent
+from inference_core.engine.request import FinishEvent, TokenEvent
 
 from test_model_families import TINY, write_word_level_tokenizer
 

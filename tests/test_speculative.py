@@ -16,10 +16,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import inference_core
 from inference_core import ConfigError, Engine, EngineConfig, FinishEvent, LoadedModel, SamplingParams, TokenEvent
-from inference_core.model import CausalLM
+from inference_core.model.llama import CausalLM
 from inference_core.sampling import probabilities
 from inference_core.sequence import Sequence
-from inference_core.speculative import (SpecConfig, SpecStats, accept_greedy, accept_sampled, next_k,
+from inference_core.spec.decoding import (SpecConfig, SpecStats, accept_greedy, accept_sampled, next_k,
                                         propose_ngram)
 from conftest import assert_nothing_held, make_engine
 from test_model_families import write_word_level_tokenizer

@@ -13,14 +13,15 @@ import pytest
 import ui
 from inference_core import (ConfigError, Engine, EngineConfig, FinishEvent, GenerationStats, SamplingParams,
                             TokenEvent)
-from inference_core.race import interleave
-from inference_core.speculative import SpecConfig, SpecStats
+from inference_core.engine.interleave import interleave
+from inference_core.spec.decoding import SpecConfig, SpecStats
 from ui.chat import CHAT_OUTPUTS, chat_turn
 from ui.control import RunControl
 from ui.figures import acceptance_figure, rolling_tokens_per_s, speed_figure
 from ui.kv_view import render_pool
 from ui.race import LANE_SETTING_FIELDS, run_race
-from ui.settings import EnginePool, LaneSettings
+from serving.pool import EnginePool
+from inference_core.settings import LaneSettings
 from ui.setups import RACE_SETUPS, presets, setup_values
 from ui.speculation import AcceptanceCount, HighlightedText
 
@@ -462,7 +463,7 @@ def test_stack_climbs_every_rung_and_reports_measured_rows(pool):
     unchanged = ["no KV cache", "KV cache", "paged + prefix cache", "speculative"]
     assert (rows.loc[unchanged, "quality delta (%)"] == 0).all()
     assert rows.loc["int4 weights", "quality delta (%)"] != 0
-    assert "--quant int4 --quant-group 32 --spec ngram --spec-k 5" in rows.loc["everything together", "command"]
+    assert "--spec ngram --spec-k 5 --quant int4 --quant-group 32" in rows.loc["everything together", "command"]
     assert frames[-1]["status"].startswith("Finished: 7 rungs") and "compiled decode (unticked)" in frames[-1]["status"]
     assert len(pool.perplexities) == 3
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0

@@ -17,12 +17,13 @@ from functools import partial
 
 import gradio as gr
 
+from inference_core.settings import LaneSettings
+from serving.pool import EnginePool
 from ui.chat import CHAT_OUTPUTS, chat_turn
 from ui.control import RunControl, caller_of
 from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, run_race
 from ui.race_table import lane_numbers
 from ui.race_view import lossless_check
-from ui.settings import EnginePool, LaneSettings
 from ui.setups import DEFAULT_LANES
 
 CHAT_DEFAULT = LaneSettings(kv_mode="paged")

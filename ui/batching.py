@@ -29,13 +29,15 @@ from functools import partial
 import gradio as gr
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams, TokenEvent
-from inference_core.prompts import load_prompts
-from ui.batching_view import (RESULT_NOTES, Arrival, RunRecord, StepRecord, activity_figure, mode_name,
-                              results_frame, timeline_figure, verdict)
+from inference_core.bench.prompts import load_prompts
+from serving.cost import duration
+from serving.pool import EnginePool
+from ui.batching_view import (RESULT_NOTES, Arrival, RunRecord, StepRecord, activity_figure, mode_name, results_frame,
+                              timeline_figure, verdict)
 from ui.control import RunControl
 from ui.kv_view import render_pool
 from ui.race import PANEL_REFRESH_S
-from ui.settings import PAGE_WORDS, EnginePool, duration
+from ui.words import PAGE_WORDS
 
 LAB_OUTPUTS = ("timeline", "chart", "pool", "results", "status", "run_button")
 MAX_REQUESTS = 32

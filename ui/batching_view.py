@@ -22,7 +22,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from inference_core.engine import StepReport
+from inference_core.engine.engine import StepReport
 
 STATE_COLOURS = {"queued": "#cbd5e1", "prefill": "#f59e0b", "decode": "#2563eb", "preempted": "#dc2626",
                  "finished": "#16a34a"}

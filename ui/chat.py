@@ -14,26 +14,27 @@ from __future__ import annotations
 
 import html
 import logging
-import queue
 import time
 
 import gradio as gr
 import pandas as pd
 
-from inference_core import ConfigError, FinishEvent
-from inference_core.engine_loop import merge
+from inference_core.config import ConfigError
+from inference_core.engine.request import FinishEvent
+from serving.admission import Job, Run
+from serving.cost import duration
+from serving.pool import EnginePool
 from ui.control import RunControl, caller_of
 from ui.kv_view import render_pool
 from ui.race import PANEL_REFRESH_S, TEXT_REFRESH_S, WAIT_NOTE_S, settings_from_values
-from server.remote import submit_remote
-from ui.settings import (PAGE_WORDS, EnginePool, LaneSettings, admit, check_run_cost, duration, external_lane,
-                         waiting_note)
+from ui.words import PAGE_WORDS, refusal, waiting_note
 
 CHAT_OUTPUTS = ("chat_log", "history", "turn_stats", "stats_table", "kv_view", "input", "status")
 STATS_COLUMNS = ("turn", "configuration", "prompt tokens", "from prefix cache", "TTFT (ms)", "decode tokens/s",
                  "tokens generated", "finish reason")
 # The table's label, also what the empty table says.
 STATS_LABEL = "Each turn's numbers appear here: TTFT, decode tokens/s and prompt tokens reused from the prefix cache"
+CHAT_WORDS = {**PAGE_WORDS, "longer_context": " (or press 'New chat')"}
 log = logging.getLogger(__name__)
 
 
@@ -90,6 +91,18 @@ def chat_turn(pool: EnginePool, control: RunControl | None, message: str, histor
         control.end()
 
 
+def chat_job(control: RunControl, message: str, history: list[dict], system: str, max_new_tokens,
+             setting_values) -> Job:
+    """The turn as the admission path takes it: the whole conversation on the chat's slot."""
+    settings = settings_from_values(setting_values)
+    if not (message or "").strip():
+        raise ConfigError("the message is empty; type something first.")
+    conversation = ([{"role": "system", "content": system.strip()}] if (system or "").strip() else []) \
+        + history + [{"role": "user", "content": message}]
+    return Job("turn", {"chat": ("chat", settings)}, (conversation,), max_new_tokens=int(max_new_tokens),
+               caller=control.caller, cache_salt=control.visitor)
+
+
 def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dict], turn_stats: list[dict],
           system: str, max_new_tokens, setting_values):
     history, turn_stats = list(history or []), list(turn_stats or [])
@@ -97,87 +110,77 @@ def _turn(pool: EnginePool, control: RunControl, message: str, history: list[dic
         yield (gr.skip(),) * 6 + ("Stopped before the turn started: nothing ran.",)
         return
     try:
-        settings = settings_from_values(setting_values)
-        # An external engine (`server.remote`) answers instead of ours; ours still tokenizes, for the caps.
-        engine = pool.get("chat", LaneSettings() if settings.external else settings)
-        if not (message or "").strip():
-            raise ConfigError("the message is empty; type something first.")
-        conversation = ([{"role": "system", "content": system.strip()}] if (system or "").strip() else []) \
-            + history + [{"role": "user", "content": message}]
-        request = engine.make_request(conversation, settings.sampling(max_new_tokens), spec=settings.spec(),
-                                      cache_salt=control.visitor)
-        check_run_cost(pool, {"chat": settings}, len(request.seq), int(max_new_tokens), "turn")
-        admit(pool, control.caller, len(request.seq), int(max_new_tokens))
-        remote = external_lane(pool, settings) if settings.external else None
+        run = pool.submit(chat_job(control, message, history, system, max_new_tokens, setting_values))
     except ConfigError as error:  # bad settings or message, or too much work: say what to change on the page
-        words = {**PAGE_WORDS, "longer_context": " (or press 'New chat')"}
-        yield (gr.skip(),) * 6 + (f"**Cannot send:** {error.in_words(words)}",)
+        yield (gr.skip(),) * 6 + (f"**Cannot send:** {refusal(error, CHAT_WORDS)}",)
         return
     except (ValueError, TypeError) as error:
         yield (gr.skip(),) * 6 + (f"**Cannot send:** {error}",)
         return
-    if remote is None and pool.needs_compiling(engine):
-        yield (gr.skip(),) * 6 + ("Compiling the decode step, once for these settings (a minute or two on a "
-                                  "CPU; a second start loads it from the disk cache in seconds)...",)
-        pool.compile(engine)
-    history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
-    yield (history, history, turn_stats, gr.skip(), gr.skip(), "", "Generating...")
-    answer, last_text, last_kv, busy_s = "", time.perf_counter(), 0.0, 0.0
-    seq_id, kv_html = request.seq.seq_id, gr.skip()
-    pool.settle_before_timed_work()
-    # Through the shared engine loop: other visitors' turns on the same configuration share its steps. The same
-    # Stop and time-limit handling as the race's lanes (stop after the step in flight).
-    if remote is None:
-        handle = pool.loop.enqueue(engine, request, sink=queue.Queue())
-    else:
-        handle = submit_remote(*remote, conversation, max_tokens=int(max_new_tokens),
-                               temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed)
-        engine = None  # nothing of this turn lives in our engine: no KV view
-    turn = merge([handle], should_stop=lambda: control.stop_requested or busy_s > pool.max_run_s,
-                 heartbeat_s=WAIT_NOTE_S)
     try:
-        for handle, event in turn:
-            if handle is None:  # nothing for a while: say what the turn waits for
-                if not answer:
-                    yield (gr.skip(),) * 6 + (waiting_note(pool, [engine]),)
-                continue
-            if isinstance(event, FinishEvent):
-                answer, stats = event.text, event.stats
-                turn_stats = turn_stats + [{
-                    "turn": len(turn_stats) + 1, "config": settings.describe(), "prompt_tokens": stats.prompt_tokens,
-                    "cached_prompt_tokens": stats.cached_prompt_tokens, "ttft_ms": stats.ttft_ms,
-                    "decode_tokens_per_s": stats.decode_tokens_per_s, "generated_tokens": stats.generated_tokens,
-                    "finish_reason": stats.finish_reason, "spec": stats.spec}]
-                history[-1] = {"role": "assistant", "content": answer}
-                status = (f"Turn {len(turn_stats)}: {stats.cached_prompt_tokens} of {stats.prompt_tokens} prompt "
-                          f"tokens from the prefix cache, TTFT {stats.ttft_ms:.0f} ms, "
-                          f"{stats.decode_tokens_per_s:.1f} tok/s.")
-                if stats.finish_reason == "stopped":
-                    why = f" at this app's limit of {duration(pool.max_run_s)} per turn" \
-                        if busy_s > pool.max_run_s else ""
-                    status = f"Stopped{why} after {stats.generated_tokens} tokens; its KV blocks were returned. " \
-                             + status
-                if stats.spec and stats.spec["drafted"]:
-                    status += f" {stats.spec['acceptance_rate']:.0%} of drafts accepted."
-                status += _shared_note(stats)
-                if not isinstance(kv_html, str):  # a turn too short for a live view: the pool as the turn left it
-                    kv_html = _kv_html(pool, engine, seq_id)
-                yield (history, history, turn_stats, stats_frame(turn_stats), kv_html, gr.skip(), status)
-                continue
-            answer, busy_s = answer + event.text, event.time_s
-            now = time.perf_counter()
-            if now - last_text >= TEXT_REFRESH_S:
-                last_text = now
-                history[-1] = {"role": "assistant", "content": answer}
-                kv_html = gr.skip()
-                if now - last_kv >= PANEL_REFRESH_S:
-                    kv_html, last_kv = _kv_html(pool, engine, seq_id), now
-                yield (history, history, gr.skip(), gr.skip(), kv_html, gr.skip(), gr.skip())
+        for _ in run.to_compile():
+            yield (gr.skip(),) * 6 + ("Compiling the decode step, once for these settings (a minute or two on a "
+                                      "CPU; a second start loads it from the disk cache in seconds)...",)
+            run.compile("chat")
+        history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
+        yield (history, history, turn_stats, gr.skip(), gr.skip(), "", "Generating...")
+        pool.settle_before_timed_work()
+        # Through the shared engine loop: other visitors' turns on the same configuration share its steps. The same
+        # Stop and time-limit handling as the race's lanes (stop after the step in flight).
+        run.start()
+        yield from _stream(pool, run, control, history, turn_stats)
     except Exception as error:  # the page gets a message, the log gets the traceback
         log.exception("chat turn failed")
         yield (gr.skip(),) * 6 + (f"**The model failed:** {type(error).__name__}: {html.escape(str(error))}",)
     finally:
-        turn.close()
+        run.close()
+
+
+def _stream(pool: EnginePool, run: Run, control: RunControl, history: list[dict], turn_stats: list[dict]):
+    """The answer as it streams, its KV view twice a second, and the turn's row in the table at the end."""
+    engine = run.engines.get("chat")  # None: an external engine answers, and nothing of the turn lives in ours
+    seq_id = run.requests["chat"][0].seq.seq_id if engine is not None else None
+    answer, last_text, last_kv, kv_html = "", time.perf_counter(), 0.0, gr.skip()
+    for handle, event in run.events(should_stop=lambda: control.stop_requested, heartbeat_s=WAIT_NOTE_S):
+        if handle is None:  # nothing for a while: say what the turn waits for
+            if not answer:
+                yield (gr.skip(),) * 6 + (waiting_note(pool, run.engines.values()),)
+            continue
+        if isinstance(event, FinishEvent):
+            history[-1] = {"role": "assistant", "content": event.text}
+            turn_stats = turn_stats + [_turn_row(len(turn_stats) + 1, run.job.lanes["chat"][1], event.stats)]
+            if not isinstance(kv_html, str):  # a turn too short for a live view: the pool as the turn left it
+                kv_html = _kv_html(pool, engine, seq_id)
+            yield (history, history, turn_stats, stats_frame(turn_stats), kv_html, gr.skip(),
+                   _turn_status(pool, run, turn_stats, event.stats))
+            continue
+        answer += event.text
+        now = time.perf_counter()
+        if now - last_text >= TEXT_REFRESH_S:
+            last_text = now
+            history[-1] = {"role": "assistant", "content": answer}
+            kv_html = gr.skip()
+            if now - last_kv >= PANEL_REFRESH_S:
+                kv_html, last_kv = _kv_html(pool, engine, seq_id), now
+            yield (history, history, gr.skip(), gr.skip(), kv_html, gr.skip(), gr.skip())
+
+
+def _turn_row(turn: int, settings, stats) -> dict:
+    return {"turn": turn, "config": settings.describe(), "prompt_tokens": stats.prompt_tokens,
+            "cached_prompt_tokens": stats.cached_prompt_tokens, "ttft_ms": stats.ttft_ms,
+            "decode_tokens_per_s": stats.decode_tokens_per_s, "generated_tokens": stats.generated_tokens,
+            "finish_reason": stats.finish_reason, "spec": stats.spec}
+
+
+def _turn_status(pool: EnginePool, run: Run, turn_stats: list[dict], stats) -> str:
+    status = (f"Turn {len(turn_stats)}: {stats.cached_prompt_tokens} of {stats.prompt_tokens} prompt tokens from the "
+              f"prefix cache, TTFT {stats.ttft_ms:.0f} ms, {stats.decode_tokens_per_s:.1f} tok/s.")
+    if stats.finish_reason == "stopped":
+        why = f" at this app's limit of {duration(pool.max_run_s)} per turn" if run.over_limit() else ""
+        status = f"Stopped{why} after {stats.generated_tokens} tokens; its KV blocks were returned. " + status
+    if stats.spec and stats.spec["drafted"]:
+        status += f" {stats.spec['acceptance_rate']:.0%} of drafts accepted."
+    return status + _shared_note(stats)
 
 
 def arm_chat(control: RunControl, request: gr.Request):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from server.policy import client_address
+from serving.policy import client_address
 
 
 @dataclass
@@ -48,7 +48,7 @@ class RunControl:
 
 
 def caller_of(request) -> str | None:
-    """A page visitor's client address from Gradio's request (`server.policy.client_address`, trusting a proxy's
+    """A page visitor's client address from Gradio's request (`serving.policy.client_address`, trusting a proxy's
     X-Forwarded-For); None outside a served page (tests driving a handler directly)."""
     if request is None:
         return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 from typing import Callable
 
-from inference_core.block_manager import FREED
+from inference_core.kv.block_manager import FREED
 
 OWNER_COLOURS = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#db2777", "#0891b2")
 CACHED_COLOUR, FREE_COLOUR, BORDER = "#cbd5e1", "#ffffff", "#94a3b8"

@@ -9,7 +9,7 @@ with its prefix (lane-a, lane-b, chat): -kv, -block-size, -prefix-cache, -temper
 source), -spec-k and -spec-layers. A setting that does not apply to the chosen mode is disabled (block size and prefix
 cache without the paged cache, top-p and seed when greedy) or hidden (draft length without a draft source, the
 early-exit depth for other sources). Every generation hands its requests to the pool's one engine loop
-(`inference_core.engine_loop`), which owns the device: a second tab's requests are batched with the first's where
+(`inference_core.engine.loop`), which owns the device: a second tab's requests are batched with the first's where
 they share a configuration, and take turns with them step by step where they do not.
 
 The app's API for programs is the `race` and `chat` endpoints of `ui.api`; every event of the page itself is private
@@ -25,20 +25,18 @@ import gradio as gr
 import pandas as pd
 
 from inference_core import SamplingParams
-from inference_core.compiled import compile_unavailable
-from inference_core.config import KV_DTYPES, KV_MODES
-from inference_core.quant import GROUP_SIZES, compute_dtype, weight_bytes
-from inference_core.speculative import HIDDEN_READERS, MAX_K, MAX_TREE_WIDTH
+from inference_core.engine.compiled import compile_unavailable
+from inference_core.settings import LaneSettings
+from serving.cost import duration
+from serving.pool import EnginePool
 from ui.api import add_api
 from ui.batching import build_batching_tab
 from ui.chat import CHAT_OUTPUTS, STATS_LABEL, arm_chat, chat_turn, clear_chat, stats_frame, stop_chat
 from ui.control import RunControl
 from ui.figures import speed_figure
-from ui.race import (LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_race, settings_from_values, stop_race,
-                     warm_up_race)
+from ui.lane_widgets import settings_widgets
+from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_race, settings_from_values, stop_race, warm_up_race
 from ui.race_table import SUMMARY_COLUMNS
-from ui.settings import (BLOCK_SIZES, DEFAULT_LAYERS, KV_DTYPE_LABELS, KV_MODE_LABELS, SPEC_METHOD_LABELS,
-                         WEIGHTS_LABELS, EnginePool, LaneSettings, duration)
 from ui.setups import DEFAULT_LANES, RACE_SETUPS, presets, setup_values
 from ui.stack import build_stack_tab
 
@@ -54,7 +52,7 @@ TABLE = {"interactive": False, "wrap": True, "buttons": ["copy", "fullscreen"]} 
 def _zero_gpu() -> bool:
     """Whether the `spaces` package is present (a ZeroGPU Space, or a machine that installed it)."""
     try:
-        import spaces  # noqa: F401
+        import spaces  # noqa: F401  (optional dependency: present on a ZeroGPU Space only)
     except ImportError:
         return False
     return True
@@ -65,7 +63,7 @@ def _gpu_task(handler):
     decorator does nothing, and without the package the handler is used as it is."""
     if not _zero_gpu():
         return handler
-    import spaces
+    import spaces  # optional dependency: present on a ZeroGPU Space only
 
     return spaces.GPU(duration=120)(handler)
 
@@ -83,121 +81,6 @@ def warm_up(pool: EnginePool) -> None:
     first = next(iter(presets().values()))
     warm_up_race(pool, DEFAULT_LANES, first["prompt"], first.get("system"))
     pool.get("chat", LaneSettings(kv_mode="paged")).complete("Hello", SamplingParams(max_new_tokens=4))
-
-
-def _settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
-                      prefix: str) -> list[gr.components.Component]:
-    """Widgets for one LaneSettings, in `LANE_SETTING_FIELDS` order, wired so that settings that do not apply are
-    disabled or hidden. The draft model is offered only when the app loaded one."""
-    paged, sampling = defaults.kv_mode == "paged", not defaults.greedy
-    kv_mode = gr.Radio([(KV_MODE_LABELS[mode], mode) for mode in KV_MODES[::-1] if mode in KV_MODE_LABELS],
-                       value=defaults.kv_mode, label=f"{label} KV cache", elem_id=f"{prefix}-kv")
-    block_size = gr.Dropdown(list(BLOCK_SIZES), value=defaults.block_size, label="block size (paged)",
-                             interactive=paged, elem_id=f"{prefix}-block-size")
-    prefix_cache = gr.Checkbox(value=defaults.prefix_cache, label="prefix cache (paged)", interactive=paged,
-                               elem_id=f"{prefix}-prefix-cache")
-    temperature = gr.Slider(0.0, 1.5, value=defaults.temperature, step=0.05, label="temperature (0 = greedy)",
-                            elem_id=f"{prefix}-temperature")
-    top_p = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="top-p (when sampling)",
-                      interactive=sampling, elem_id=f"{prefix}-top-p")
-    seed = gr.Number(value=defaults.seed, precision=0, label="seed (when sampling)", interactive=sampling,
-                     elem_id=f"{prefix}-seed")
-    methods = pool.spec_methods()
-    labels = {**SPEC_METHOD_LABELS, "draft": f"draft model ({pool.draft.name})" if pool.draft else ""}
-    spec_method = gr.Radio([(labels[method], method) for method in methods], value=defaults.spec_method,
-                           label="speculative decoding: draft source", elem_id=f"{prefix}-spec")
-    with gr.Row():
-        spec_k = gr.Slider(1, MAX_K, value=defaults.spec_k, step=1, label="draft length k",
-                           visible=defaults.speculates, elem_id=f"{prefix}-spec-k")
-        spec_adaptive = gr.Checkbox(value=defaults.spec_adaptive, label="adaptive k", visible=defaults.speculates)
-        spec_tree_width = gr.Slider(1, MAX_TREE_WIDTH, value=defaults.spec_tree_width, step=1, label="tree width",
-                                    info="greedy: each position's next-best tokens as leaves beside the chain, "
-                                         "verified in the same forward (1: a chain)",
-                                    visible=defaults.spec_method in HIDDEN_READERS, elem_id=f"{prefix}-spec-tree")
-        num_layers = pool.loaded.config.num_layers
-        # A dropdown, not a number box: an empty gr.Number arrives as 0, and "engine default" needs its own value.
-        draft_layers = gr.Dropdown([("engine default", DEFAULT_LAYERS)] + list(range(1, num_layers)),
-                                   value=defaults.draft_layers, label="early-exit draft layers",
-                                   visible=defaults.spec_method == "early-exit", elem_id=f"{prefix}-spec-layers")
-    unavailable = compile_unavailable(pool.loaded.device)
-    compiled = gr.Checkbox(value=defaults.compile and unavailable is None, label="compiled decode",
-                           interactive=unavailable is None and defaults.kv_mode != "none",
-                           info=f"not available here: {unavailable}" if unavailable else
-                           "needs a KV cache; compiles once per configuration and batch size (1-2 minutes on a CPU), kept on "
-                           "disk for the next start",
-                           elem_id=f"{prefix}-compile")
-    weights, quant_group, kv_dtype, sliding_window = _memory_widgets(pool, defaults, prefix)
-    kv_mode.change(lambda mode: (gr.update(interactive=mode == "paged"),) * 2
-                   + (gr.update(interactive=unavailable is None and mode != "none",
-                                **({"value": False} if mode == "none" else {})),)
-                   + (gr.update(interactive=mode != "none", **({"value": "auto"} if mode == "none" else {})),),
-                   kv_mode, [block_size, prefix_cache, compiled, kv_dtype], **QUICK)
-    weights.change(lambda scheme: gr.update(interactive=scheme in ("int4", "awq")), weights, quant_group, **QUICK)
-    temperature.change(lambda value: (gr.update(interactive=float(value or 0) > 0),) * 2, temperature,
-                       [top_p, seed], **QUICK)
-    # A tree needs ranked candidates (trained heads): for other sources the width goes back to a chain.
-    spec_method.change(lambda method: (gr.update(visible=method != "none"), gr.update(visible=method != "none"),
-                                       gr.update(visible=method in HIDDEN_READERS,
-                                                 **({} if method in HIDDEN_READERS else {"value": 1})),
-                                       gr.update(visible=method == "early-exit")),
-                       spec_method, [spec_k, spec_adaptive, spec_tree_width, draft_layers], **QUICK)
-    endpoint, endpoint_model = _external_widgets(pool, defaults, prefix)
-    return [kv_mode, block_size, prefix_cache, temperature, top_p, seed, spec_method, spec_k, spec_adaptive,
-            spec_tree_width, draft_layers, compiled, weights, quant_group, kv_dtype, sliding_window, endpoint,
-            endpoint_model]
-
-
-def _external_widgets(pool: EnginePool, defaults: LaneSettings, prefix: str) -> list[gr.components.Component]:
-    """Where the lane runs: this app's engine, or an external OpenAI-compatible server (`server.remote`). In public
-    mode only the URLs allowed at launch are offered (none: the choice is hidden)."""
-    policy = pool.policy
-    about = ("run this lane on an OpenAI-compatible server instead (vLLM, SGLang, llama.cpp's server, this app on "
-             "another machine): only temperature, top-p and seed apply there; its TTFT and tokens/s are wall-clock "
-             "as this app sees them")
-    if policy.public:
-        endpoint = gr.Dropdown([("this app's engine", "")] + [(url, url) for url in policy.allowed_endpoints],
-                               value=defaults.endpoint, label="engine", info=about,
-                               visible=bool(policy.allowed_endpoints), elem_id=f"{prefix}-endpoint")
-    else:
-        endpoint = gr.Textbox(defaults.endpoint, label="external engine URL (empty: this app's engine)", info=about,
-                              elem_id=f"{prefix}-endpoint")
-    endpoint_model = gr.Textbox(defaults.endpoint_model, label="external model id (empty: the first it lists)",
-                                visible=not policy.public or bool(policy.allowed_endpoints),
-                                elem_id=f"{prefix}-endpoint-model")
-    return [endpoint, endpoint_model]
-
-
-def _memory_widgets(pool: EnginePool, defaults: LaneSettings, prefix: str) -> list[gr.components.Component]:
-    """Weights, int4 group, KV dtype and sliding window, each saying what it does to memory on this model."""
-    loaded = pool.loaded
-    schemes = pool.weight_schemes()
-    base_mib = weight_bytes(loaded.model) / 2 ** 20
-    if loaded.device.type != "cpu":
-        weights_info = f"{base_mib:.0f} MiB in {loaded.dtype_name}; weight quantization runs on the CPU only so far"
-    elif compute_dtype("cpu", loaded.dtype) != loaded.dtype:
-        weights_info = (f"{base_mib:.0f} MiB in {loaded.dtype_name}; the quantized kernels (bf16 activations) are "
-                        "faster on this CPU as well as smaller; the race table shows each lane's weight memory")
-    else:
-        weights_info = (f"{base_mib:.0f} MiB in {loaded.dtype_name}; quantized weights save memory, not time, on "
-                        "this CPU (its quantized kernels measured no faster); the race table shows each lane's size")
-    weights = gr.Dropdown([(WEIGHTS_LABELS[scheme], scheme) for scheme in schemes],
-                          value=defaults.weights if defaults.weights in schemes else "none", label="weights",
-                          interactive=len(schemes) > 1, info=weights_info, elem_id=f"{prefix}-weights")
-    quant_group = gr.Dropdown(list(GROUP_SIZES), value=defaults.quant_group, label="int4 group size",
-                              interactive=defaults.weights in ("int4", "awq"), elem_id=f"{prefix}-quant-group")
-    per_token = {kv_dtype: loaded.config.kv_bytes_per_token(loaded.dtype, kv_dtype) for kv_dtype in KV_DTYPES}
-    kv_dtype = gr.Radio([(f"{KV_DTYPE_LABELS[name]} ({per_token[name] / 1024:.1f} KiB per token)", name)
-                         for name in KV_DTYPES], value=defaults.kv_dtype, label="KV cache dtype",
-                        interactive=defaults.kv_mode != "none", elem_id=f"{prefix}-kv-dtype",
-                        info=f"int8 holds {per_token['auto'] / per_token['int8']:.1f}x the tokens in the same memory; "
-                             "eager decode only")
-    own = loaded.config.sliding_window
-    sliding_window = gr.Number(value=defaults.sliding_window or 0, precision=0, minimum=0,
-                               label=f"sliding window (tokens; 0 = {f'the checkpoint window, {own}' if own else 'off'})",
-                               info="attend to the last N tokens only; the paged cache gives back blocks that fall "
-                                    "out of the window, so its memory stays flat as the text grows",
-                               elem_id=f"{prefix}-window")
-    return [weights, quant_group, kv_dtype, sliding_window]
 
 
 def available_setups(pool: EnginePool) -> list[str]:
@@ -234,7 +117,7 @@ def _build_race_tab(pool: EnginePool) -> None:
         for name, defaults in DEFAULT_LANES.items():
             with gr.Column(), gr.Accordion(_lane_summary(name, defaults), open=False,
                                            elem_id=f"lane-{name.lower()}-settings") as fold:
-                lane_widgets[name] = _settings_widgets(pool, defaults, f"Lane {name}", f"lane-{name.lower()}")
+                lane_widgets[name] = settings_widgets(pool, defaults, f"Lane {name}", f"lane-{name.lower()}")
             lane_folds[name] = fold
         with gr.Column(), gr.Accordion("System message and length: up to 128 new tokens per lane", open=False,
                                        elem_id="race-options") as options:
@@ -297,7 +180,7 @@ def _build_chat_tab(pool: EnginePool) -> None:
         system = gr.Textbox("", label="System message (optional)")
         max_new_tokens = gr.Slider(8, 512, value=128, step=8, label="max new tokens")
         with gr.Row():
-            settings = _settings_widgets(pool, LaneSettings(kv_mode="paged"), "Chat", "chat")
+            settings = settings_widgets(pool, LaneSettings(kv_mode="paged"), "Chat", "chat")
     # No label and no toolbar buttons: they were drawn over the messages. The one icon Gradio always shows, the
     # trash can, does what "New chat" does.
     chat_log = gr.Chatbot(elem_id="chat-log", height=380, show_label=False, buttons=[])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from inference_core import Engine
-from inference_core.quant import weight_bytes
+from inference_core.quant.linear import weight_bytes
 from ui.race_view import LaneFigures, LaneTrace, race_notes, speedup_html
 from ui.speculation import speculation_summary_rows
 

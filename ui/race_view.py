@@ -13,11 +13,11 @@ import html
 from dataclasses import dataclass, field
 
 from inference_core import Engine, FinishEvent, GenerationStats
-from inference_core.engine_loop import EngineLoop
-from inference_core.request import Request
+from inference_core.engine.loop import EngineLoop
+from inference_core.engine.request import Request
+from inference_core.settings import KV_MODE_LABELS, SPEC_METHOD_LABELS, LaneSettings
 from ui.figures import LANE_COLOURS
 from ui.kv_view import pool_counts, render_pool
-from ui.settings import KV_MODE_LABELS, SPEC_METHOD_LABELS, LaneSettings
 from ui.speculation import AcceptanceCount, HighlightedText, legend_html
 
 FINISH_REASONS = {"length": "max new tokens reached", "eos": "end of text", "stop": "stop string",
@@ -63,7 +63,7 @@ class LaneTrace:
 
     name: str
     settings: LaneSettings
-    engine: Engine | None  # None: an external engine (`server.remote`), of which only the streamed text is seen
+    engine: Engine | None  # None: an external engine (`serving.remote`), of which only the streamed text is seen
     prompt_tokens: int
     loop: EngineLoop | None = None  # the engine loop that steps `engine` (its state is read between steps)
     request: Request | None = None  # this lane's request: the only one whose text the KV view shows

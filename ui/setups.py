@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from inference_core.prompts import load_prompts
-from ui.settings import LaneSettings
+from inference_core.bench.prompts import load_prompts
+from inference_core.settings import LaneSettings
 
 
 @dataclass(frozen=True)

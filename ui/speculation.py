@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from inference_core import TokenEvent
-from inference_core.speculative import SpecStats
+from inference_core.spec.decoding import SpecStats
 
 # kind -> (background, text colour, legend label)
 TOKEN_KINDS = {

@@ -6,14 +6,13 @@ the paged cache (compiled decode, int8 weights, int4 weights, speculative decodi
 together. Every rung generates the same number of tokens for the same prompt (greedy, end of text ignored) and
 reports what its request measured: decode tokens/s, TTFT, the weights' stored size, the KV memory it reserved, and
 the quality delta, the perplexity of the first QUALITY_TOKENS tokens of the shipped evaluation text with the rung's
-weights and KV dtype against the model as loaded (`inference_core.quality`, measured once per weight setting). Rungs
+weights and KV dtype against the model as loaded (`inference_core.bench.quality`, measured once per weight setting). Rungs
 the device cannot run (compiled decode or quantized weights where unavailable) are left out and the tab says so.
 `climb` is a plain generator: the page streams its bars and table after each rung; tests drive it without a browser.
 """
 
 from __future__ import annotations
 
-import queue
 import shlex
 from dataclasses import dataclass, replace
 from functools import partial
@@ -23,13 +22,19 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from inference_core import ConfigError, FinishEvent, SamplingParams
-from inference_core.compiled import compile_unavailable
+from inference_core.config import ConfigError
+from inference_core.engine.request import FinishEvent
+from inference_core.bench.quality import eval_token_ids, perplexity
 from inference_core.config import EngineConfig
-from inference_core.quality import eval_token_ids, perplexity
-from inference_core.quant import weight_bytes
+from inference_core.engine.compiled import compile_unavailable
+from inference_core.quant.linear import weight_bytes
+from inference_core.settings import LaneSettings, command_flags
+from serving.admission import Job, Run
+from serving.cost import duration
+from serving.pool import EnginePool
 from ui.control import RunControl
-from ui.settings import PAGE_WORDS, EnginePool, LaneSettings, check_run_cost, duration
+from ui.setups import presets
+from ui.words import PAGE_WORDS, refusal
 
 QUALITY_TOKENS = 1024  # tokens of the evaluation text each weight setting's perplexity is measured on
 SPEC_K = 5
@@ -73,18 +78,12 @@ def ladder(pool: EnginePool, with_compiled: bool = True) -> tuple[list[Rung], li
 
 
 def command(settings: LaneSettings, prompt: str, system: str, new_tokens: int) -> str:
-    """The CLI line that runs the same configuration on the same prompt."""
+    """The CLI line that runs the same configuration on the same prompt (`generate`'s flags from the settings'
+    table)."""
     words = ["python -m inference_core generate", "--prompt", shlex.quote(prompt)]
-    if system:
-        words += ["--system", shlex.quote(system)]
-    words += ["--kv", settings.kv_mode, "--max-new-tokens", str(new_tokens), "--ignore-eos"]
-    if settings.compile:
-        words.append("--compile")
-    if settings.weights != "none":
-        words += ["--quant", settings.weights] + (["--quant-group", str(settings.quant_group)]
-                                                  if settings.weights in ("int4", "awq") else [])
-    if settings.spec_method != "none":
-        words += ["--spec", settings.spec_method, "--spec-k", str(settings.spec_k)]
+    if (system or "").strip():
+        words += ["--system", shlex.quote(system.strip())]
+    words += command_flags(settings, always=("kv_mode",)) + ["--max-new-tokens", str(new_tokens), "--ignore-eos"]
     return " ".join(words)
 
 
@@ -141,36 +140,26 @@ def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str
         if not (prompt or "").strip():
             raise ConfigError("the prompt is empty; type some text.")
         rungs, left_out = ladder(pool, bool(with_compiled))
-        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-        prompt_ids = pool.get("stack", rungs[0].settings).prompt_ids(prompt, (system or "").strip() or None)
-        # The climb's slowest rung (no KV cache) must fit the app's device-time limit like a race lane.
-        check_run_cost(pool, {rung.name: rung.settings for rung in rungs[:1]}, len(prompt_ids), new_tokens, "climb")
         rows: list[dict] = []
         yield _frame(figure=stack_figure(rows), table=pd.DataFrame(columns=TABLE_COLUMNS), run_button=gr.update(
             interactive=False), status=f"Climbing {len(rungs)} rungs, {new_tokens} tokens each...")
         for index, rung in enumerate(rungs):
             if control.stop_requested:
                 break
-            engine = pool.get("stack", rung.settings)
-            if pool.needs_compiling(engine):
+            # Through the admission path like a race lane: the first rung (no KV cache), the slowest, must fit the
+            # app's device-time limit before anything runs.
+            run = pool.submit(Job("rung", {"rung": ("stack", rung.settings)}, (prompt,),
+                                  system=(system or "").strip() or None, max_new_tokens=new_tokens, ignore_eos=True,
+                                  caller=control.caller, cache_salt=control.visitor))
+            for _ in run.to_compile():
                 yield _frame(status=f"Rung {index + 1} ({rung.name}): compiling the decode step once for these "
                                     "settings (a minute or two on a CPU; later starts load it from disk)...")
-                pool.compile(engine)
+                run.compile("rung")
             yield _frame(status=f"Rung {index + 1} of {len(rungs)}: {rung.name}...")
-            request = engine.make_request(prompt_ids, params, spec=rung.settings.spec(), cache_salt=control.visitor)
-            final = _run_one(pool, engine, request, control)
+            final = _run_one(run, control)
             if final is None or final.stats.finish_reason == "stopped":
                 break
-            stats = final.stats
-            ppl, delta = quality_delta(pool, rung.settings)
-            decode = round(stats.decode_tokens_per_s, 1)  # the speed-up is the ratio of the speeds shown
-            rows.append({"rung": rung.name, "adds": rung.adds, "decode tokens/s": decode,
-                         "vs no KV cache (x)": round(decode / rows[0]["decode tokens/s"], 2) if rows else 1.0,
-                         "TTFT (ms)": round(stats.ttft_ms),
-                         "weights (MiB)": round(weight_bytes(engine.loaded.model) / 2 ** 20),
-                         "KV reserved (MiB)": round(stats.kv_bytes_reserved / 2 ** 20, 2), "perplexity": round(ppl, 3),
-                         "quality delta (%)": round(delta, 2), "tokens": stats.generated_tokens,
-                         "command": command(rung.settings, prompt, (system or "").strip(), new_tokens)})
+            rows.append(_row(pool, rung, run, final.stats, rows, command(rung.settings, prompt, system, new_tokens)))
             yield _frame(figure=stack_figure(rows), table=pd.DataFrame(rows, columns=TABLE_COLUMNS))
         stopped = " Stopped before the last rungs." if len(rows) < len(rungs) else ""
         missing = f" Left out here: {'; '.join(left_out)}." if left_out else ""
@@ -178,32 +167,38 @@ def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str
                             f"{pool.loaded.dtype_name}.{stopped}{missing}", run_button=idle)
     except ConfigError as error:
         words = {**PAGE_WORDS, "max_new_tokens": "'new tokens per rung'"}
-        yield _frame(status=f"**Cannot climb:** {error.in_words(words)}", run_button=idle)
+        yield _frame(status=f"**Cannot climb:** {refusal(error, words)}", run_button=idle)
     finally:
         control.end()
 
 
-def _run_one(pool: EnginePool, engine, request, control: RunControl) -> FinishEvent | None:
+def _row(pool: EnginePool, rung: Rung, run: Run, stats, rows: list[dict], command_line: str) -> dict:
+    """A rung's row of the table: what its request measured, its weights' size and its quality delta."""
+    ppl, delta = quality_delta(pool, rung.settings)
+    decode = round(stats.decode_tokens_per_s, 1)  # the speed-up is the ratio of the speeds shown
+    return {"rung": rung.name, "adds": rung.adds, "decode tokens/s": decode,
+            "vs no KV cache (x)": round(decode / rows[0]["decode tokens/s"], 2) if rows else 1.0,
+            "TTFT (ms)": round(stats.ttft_ms), "weights (MiB)": round(weight_bytes(run.engines["rung"].loaded.model)
+                                                                       / 2 ** 20),
+            "KV reserved (MiB)": round(stats.kv_bytes_reserved / 2 ** 20, 2), "perplexity": round(ppl, 3),
+            "quality delta (%)": round(delta, 2), "tokens": stats.generated_tokens, "command": command_line}
+
+
+def _run_one(run: Run, control: RunControl) -> FinishEvent | None:
     """One rung's request through the engine loop; Stop ends it after the step in flight, and a closed page (the
     generator closed) cancels it, so its KV goes back to the pool either way."""
-    handle = pool.loop.enqueue(engine, request, sink=queue.Queue())
-    final, stopping = None, False
+    final = None
+    run.start()
     try:
-        for event in handle:
+        for _, event in run.events(should_stop=lambda: control.stop_requested):
             if isinstance(event, FinishEvent):
                 final = event
-            elif control.stop_requested and not stopping:
-                handle.stop()
-                stopping = True
     finally:
-        if final is None:
-            handle.cancel()
+        run.close()
     return final
 
 
 def build_stack_tab(pool: EnginePool) -> None:
-    from ui.setups import presets
-
     prompts = presets()
     grounded = next((key for key, row in prompts.items() if row["kind"] == "grounded"), next(iter(prompts)))
     control = gr.State(RunControl())

@@ -1,0 +1,275 @@
+"""`python -m inference_core batch-bench`: one set of requests with arrival times through each of our batching modes
+and through Hugging Face transformers `generate` (one request at a time, and in static left-padded batches), in one
+process on one device, reporting throughput and the TTFT and latency that a user sees.
+
+Method. N requests cycle through the prompt file's prompts (chat template applied as in `bench`), greedy, ending at
+end-of-sequence or after --max-new-tokens. Arrivals: `burst` (all at t=0) or `poisson:RATE` (exponential gaps of mean
+1/RATE s from a seeded RNG, the first at t=0); every row gets the same schedule. Our modes each get a fresh engine
+(paged KV; the pool, by default, holds --max-num-seqs requests of the longest prompt plus --max-new-tokens; the prefix
+cache off, so a repeated prompt is computed again as transformers computes it: batching alone is compared); the driver
+submits each request when its arrival time comes and steps the engine in between. transformers rows start a request no
+earlier than its arrival: `hf-sequential` one after another; `hf-static` a batch of the requests that have arrived (up
+to --max-num-seqs) once the previous batch has finished. Every row runs one untimed warm-up first (the first
+--max-num-seqs requests, 4 new tokens). Per request, wall clock: TTFT = arrival -> first token, latency = arrival ->
+last token (ours: when the engine emits the token; transformers: read by a stopping criterion after every forward, so a
+row's last token is the forward that produced it, not the end of its batch). Throughput = all output tokens / (last
+completion - first arrival). `mean_batch_size`: ours, sequences per engine step; transformers, rows per forward
+(finished rows of a batch included: transformers keeps computing them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inference_core.bench.prompts import DEFAULT_PROMPTS, load_prompts
+from inference_core.bench.speed import forward_clock, load_hf_model, machine_info, write_report
+from inference_core.config import BATCHING_MODES, ConfigError, EngineConfig
+from inference_core.engine.engine import Engine
+from inference_core.engine.request import FinishEvent, TokenEvent
+from inference_core.model.checkpoint import resolve_model_dir
+from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
+from inference_core.sampling import SamplingParams
+
+PEERS = ("hf-sequential", "hf-static")
+ROW_KEYS = ("name", "requests", "output_tokens", "throughput_tokens_per_s", "ttft_ms_p50", "ttft_ms_p95",
+            "latency_ms_p50", "latency_ms_p95", "preemptions", "mean_batch_size")
+WARMUP_TOKENS = 4
+
+
+@dataclass(slots=True)
+class Timing:
+    """One request's wall-clock times (time.perf_counter values) and what it produced."""
+
+    arrival: float
+    first_token: float = math.nan
+    last_token: float = math.nan
+    output_tokens: int = 0
+    preemptions: int = 0
+
+
+def parse_arrivals(arrival: str, count: int, seed: int) -> list[float]:
+    """Arrival offsets in seconds from the first request's arrival (t=0)."""
+    if arrival == "burst":
+        return [0.0] * count
+    kind, _, rate_text = arrival.partition(":")
+    try:
+        rate = float(rate_text)
+    except ValueError:
+        rate = 0.0
+    if kind != "poisson" or not rate > 0:
+        raise ConfigError(f"unknown --arrival {arrival!r}; use burst or poisson:RATE with RATE > 0 requests/s.")
+    rng = random.Random(seed)
+    offsets = [0.0]
+    for _ in range(count - 1):
+        offsets.append(offsets[-1] + rng.expovariate(rate))
+    return offsets
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], offsets: list[float], max_new_tokens: int):
+    """Submit each request at its arrival time and step the engine until all are done. Returns the timings and the
+    batch size of every engine step that ran work."""
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    start = time.perf_counter()
+    timings = [Timing(start + offset) for offset in offsets]
+    batch_sizes: list[int] = []
+
+    def listener(timing: Timing):
+        def on_event(request, event) -> None:  # called inside engine.step(), as each event is produced
+            now = time.perf_counter()
+            if isinstance(event, TokenEvent) and math.isnan(timing.first_token):
+                timing.first_token = now
+            elif isinstance(event, FinishEvent):
+                timing.last_token, timing.output_tokens = now, len(event.token_ids)
+                timing.preemptions = event.stats.preemptions
+        return on_event
+
+    submitted = 0
+    while submitted < len(prompts) or engine.has_work():
+        # 1. Submit every request whose arrival time has come; after the last one, nothing more is coming.
+        while submitted < len(prompts) and timings[submitted].arrival <= time.perf_counter():
+            engine.submit(prompts[submitted], params).listener = listener(timings[submitted])
+            submitted += 1
+            if submitted == len(prompts):
+                engine.drain()
+        # 2. Step when a step makes progress now; else sleep until the next arrival or the end of the batch window.
+        wait_s = engine.seconds_until_ready() if engine.has_work() else math.inf
+        if wait_s == 0:
+            report = engine.step()
+            if report.batch_size:
+                batch_sizes.append(report.batch_size)
+            continue
+        next_arrival_s = timings[submitted].arrival - time.perf_counter() if submitted < len(prompts) else math.inf
+        if math.isinf(wait_s) and math.isinf(next_arrival_s):
+            raise RuntimeError("the engine holds requests it will never start; this is a scheduler bug.")
+        time.sleep(max(0.0, min(wait_s, next_arrival_s)))
+    return timings, batch_sizes
+
+
+class HFPeer:
+    """transformers `generate` on the same weights: greedy, end-of-sequence ends a row, left-padded batches, the
+    clock read after every forward by a stopping criterion."""
+
+    def __init__(self, loaded: LoadedModel, model_dir: Path):
+        self.model = load_hf_model(loaded, model_dir)
+        self.device = loaded.device
+        self.eos_ids = sorted(loaded.eos_token_ids)
+        self.forward_times: list[float] = []
+        self.clock = forward_clock(self.forward_times)
+
+    def generate(self, prompts: list[list[int]], timings: list[Timing], max_new_tokens: int) -> list[int]:
+        """Run one batch; fill each row's timing. Returns the batch size of every forward."""
+        width = max(len(ids) for ids in prompts)
+        pad = self.eos_ids[0]  # any id: padded positions are masked out
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        self.forward_times.clear()
+        output = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                     eos_token_id=self.eos_ids, pad_token_id=pad, stopping_criteria=[self.clock])
+        for row, timing in zip(output[:, width:].tolist(), timings):
+            # Tokens up to and including the first end-of-sequence (later ones are transformers' padding).
+            count = next((i + 1 for i, token in enumerate(row) if token in self.eos_ids), len(row))
+            timing.first_token, timing.last_token = self.forward_times[0], self.forward_times[count - 1]
+            timing.output_tokens = count
+        return [len(prompts)] * len(self.forward_times)
+
+
+def run_hf(peer: HFPeer, name: str, prompts: list[list[int]], offsets: list[float], max_new_tokens: int,
+           max_num_seqs: int):
+    """hf-sequential: one request at a time; hf-static: batches of what has arrived, each after the previous one."""
+    batch_limit = 1 if name == "hf-sequential" else max_num_seqs
+    start = time.perf_counter()
+    timings = [Timing(start + offset) for offset in offsets]
+    batch_sizes: list[int] = []
+    first = 0
+    while first < len(prompts):
+        # 1. Nothing has arrived: wait for the next request.
+        time.sleep(max(0.0, timings[first].arrival - time.perf_counter()))
+        # 2. The batch: the requests that have arrived, up to the limit, in arrival order.
+        end = first + 1
+        now = time.perf_counter()
+        while end < len(prompts) and end - first < batch_limit and timings[end].arrival <= now:
+            end += 1
+        batch_sizes += peer.generate(prompts[first:end], timings[first:end], max_new_tokens)
+        first = end
+    return timings, batch_sizes
+
+
+def summarize(name: str, timings: list[Timing], batch_sizes: list[int]) -> dict:
+    ttft = [(t.first_token - t.arrival) * 1e3 for t in timings]
+    latency = [(t.last_token - t.arrival) * 1e3 for t in timings]
+    output_tokens = sum(t.output_tokens for t in timings)
+    wall_s = max(t.last_token for t in timings) - min(t.arrival for t in timings)
+    return {"name": name, "requests": len(timings), "output_tokens": output_tokens,
+            "throughput_tokens_per_s": round(output_tokens / wall_s, 2),
+            "ttft_ms_p50": round(percentile(ttft, 50), 1), "ttft_ms_p95": round(percentile(ttft, 95), 1),
+            "latency_ms_p50": round(percentile(latency, 50), 1), "latency_ms_p95": round(percentile(latency, 95), 1),
+            "preemptions": sum(t.preemptions for t in timings),
+            "mean_batch_size": round(statistics.mean(batch_sizes), 2) if batch_sizes else 0.0}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """`python -m inference_core batch-bench`'s flags."""
+    parser.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
+    parser.add_argument("--requests", type=int, default=32, help="requests, cycling through the prompts")
+    add_model_arguments(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--arrival", default="burst",
+                        help="burst (all at t=0) or poisson:RATE (RATE requests/s, seeded)")
+    parser.add_argument("--modes", default="none,static,dynamic,continuous",
+                        help="our batching modes, comma-separated")
+    parser.add_argument("--peers", default="hf-sequential,hf-static",
+                        help="transformers rows, comma-separated, from: hf-sequential, hf-static ('' for none)")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="batch size limit (ours and hf-static)")
+    parser.add_argument("--kv-cache-tokens", type=int,
+                        help="paged pool size (default: max-num-seqs requests of the longest prompt)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
+    parser.add_argument("--json", dest="json_path", help="write the results here")
+
+
+def run_batch_bench(args) -> int:
+    modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    peers = [peer.strip() for peer in args.peers.split(",") if peer.strip()]
+    if unknown := [m for m in modes if m not in BATCHING_MODES] + [p for p in peers if p not in PEERS]:
+        raise ConfigError(f"unknown batch-bench row {unknown[0]!r}; --modes takes {', '.join(BATCHING_MODES)} and "
+                          f"--peers {', '.join(PEERS)}.")
+    if not modes and not peers:
+        raise ConfigError("nothing to bench: name rows with --modes or --peers.")
+    if args.requests < 1 or args.max_new_tokens < 1 or args.max_num_seqs < 1:
+        raise ConfigError("batch-bench needs --requests, --max-new-tokens and --max-num-seqs of at least 1.")
+    offsets = parse_arrivals(args.arrival, args.requests, args.seed)
+    rows = load_prompts(args.prompts or DEFAULT_PROMPTS)  # a bad file fails before the model loads
+    loaded = load_model(args.model, args.device, args.dtype)
+    tokenizing = Engine(loaded, EngineConfig(kv_mode="none"))  # holds no KV memory
+    distinct = [tokenizing.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion")
+                for row in rows]
+    prompts = [distinct[i % len(distinct)] for i in range(args.requests)]
+    block_size = EngineConfig().block_size
+    longest_blocks = math.ceil((max(map(len, prompts)) + args.max_new_tokens) / block_size)
+    kv_cache_tokens = args.kv_cache_tokens or args.max_num_seqs * longest_blocks * block_size
+    warmup = (prompts[:args.max_num_seqs], [0.0] * min(args.max_num_seqs, len(prompts)), WARMUP_TOKENS)
+    machine = {**machine_info(loaded.device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+               "cpu_count": os.cpu_count()}
+    arguments = {"prompts": str(args.prompts or DEFAULT_PROMPTS), "requests": args.requests,
+                 "max_new_tokens": args.max_new_tokens, "arrival": args.arrival, "modes": modes, "peers": peers,
+                 "max_num_seqs": args.max_num_seqs, "kv_cache_tokens": kv_cache_tokens, "seed": args.seed,
+                 "model": loaded.name, "device": str(loaded.device),
+                 "dtype": str(loaded.dtype).removeprefix("torch.")}
+    report = {"arguments": arguments, "machine": machine, "arrivals_s": [round(s, 4) for s in offsets],
+              "prompt_tokens": [len(ids) for ids in prompts], "rows": []}
+    print(format_header(report), flush=True)
+    # 1. Our modes: a fresh engine each (no prefix cache: batching alone is compared), one warm-up, the timed run.
+    for mode in modes:
+        engine = Engine(loaded, EngineConfig(kv_mode="paged", batching=mode, max_num_seqs=args.max_num_seqs,
+                                             kv_cache_tokens=kv_cache_tokens, prefix_cache=False))
+        run_engine(engine, *warmup)
+        report["rows"].append(summarize(mode, *run_engine(engine, prompts, offsets, args.max_new_tokens)))
+        print(format_row(report["rows"][-1]), flush=True)
+        del engine  # its KV pool goes before the next one is made
+    # 2. transformers: one model for both peers, a warm-up per row.
+    peer = HFPeer(loaded, resolve_model_dir(args.model)) if peers else None
+    for name in peers:
+        run_hf(peer, name, *warmup, args.max_num_seqs)
+        timed = run_hf(peer, name, prompts, offsets, args.max_new_tokens, args.max_num_seqs)
+        report["rows"].append(summarize(name, *timed))
+        print(format_row(report["rows"][-1]), flush=True)
+    write_report(report, args.json_path)
+    return 0
+
+
+def format_row(row: dict) -> str:
+    return (f"| {row['name']} | {row['requests']} | {row['output_tokens']} | {row['throughput_tokens_per_s']:.1f} | "
+            f"{row['ttft_ms_p50']:.0f} | {row['ttft_ms_p95']:.0f} | {row['latency_ms_p50']:.0f} | "
+            f"{row['latency_ms_p95']:.0f} | {row['preemptions']} | {row['mean_batch_size']:.2f} |")
+
+
+def format_header(report: dict) -> str:
+    """The run's settings and machine, then the table's header; rows follow as they are measured."""
+    arguments, machine = report["arguments"], report["machine"]
+    gpu = f", {machine['gpu']}" if "gpu" in machine else ""
+    return "\n".join([
+        f"batch-bench: {arguments['model']} on {arguments['device']} in {arguments['dtype']}; {arguments['requests']} "
+        f"requests ({arguments['arrival']}), up to {arguments['max_new_tokens']} new tokens, max-num-seqs "
+        f"{arguments['max_num_seqs']}, KV pool {arguments['kv_cache_tokens']} tokens",
+        f"machine: {machine['processor']} ({machine['cpu_capability']}), {machine['cpu_count']} CPUs, "
+        f"{machine['threads']} torch threads, torch {machine['torch']}{gpu}",
+        "| row | requests | output tokens | tok/s | TTFT p50 ms | TTFT p95 ms | latency p50 ms | latency p95 ms | "
+        "preemptions | mean batch |",
+        "|---|---|---|---|---|---|---|---|---|---|"])

@@ -1,0 +1,307 @@
+"""`python -m inference_core bench`: our KV modes against Hugging Face transformers `generate`, same model, prompts,
+device and dtype, in one process.
+
+Method: one warm-up request per configuration (never timed); then for each repeat, each prompt runs under every
+configuration in turn (interleaved, so slow drift of a shared machine hits all rows alike); each row reports the
+median over its runs. Decode tokens/s counts the tokens after the first over the time from the first token to the
+last; TTFT is the prompt's prefill plus the first sampling (the paged prefix cache is emptied before each run so TTFT
+is a cold prompt). transformers is timed from inside `generate` by a stopping criterion that reads the clock after
+every token. `roofline_pct` is decode tokens/s as a percentage of the memory-bandwidth limit: the read bandwidth this
+script measures (summing a 1 GiB buffer) over the bytes one decode step must read (weights plus the KV of the
+average context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from inference_core.bench.llama_cpp import PEERS, open_peers
+from inference_core.bench.prompts import DEFAULT_PROMPTS, load_prompts
+from inference_core.config import ConfigError, EngineConfig
+from inference_core.engine.engine import Engine
+from inference_core.model.checkpoint import resolve_model_dir
+from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
+from inference_core.quant.linear import QuantConfig, weight_bytes
+from inference_core.quant.quantize import quantize
+from inference_core.sampling import SamplingParams
+
+DEFAULT_PROMPT_IDS = ("chat-short-1", "code-2", "grounded-1", "long-2")
+HF_ROW = "hf-transformers"
+
+
+def measure_read_bandwidth(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second that a full read of a large fp32 buffer achieves (best of `repeats`)."""
+    buffer = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        _synchronize(device)
+        start = time.perf_counter()
+        buffer.sum()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return size_bytes / best
+
+
+def decode_bytes_per_step(loaded: LoadedModel, context_len: float) -> float:
+    """Bytes one decode step reads: every weight matrix once (the embedding table only as the LM head, when tied;
+    an untied table is read one row at a time) plus K and V of the context in every layer."""
+    model = loaded.model
+    embedding = model.embed_tokens.weight
+    total = weight_bytes(model)  # quantized projections at their stored size
+    if getattr(model.lm_head, "weight", None) is None or model.lm_head.weight.data_ptr() != embedding.data_ptr():
+        # Untied, tied but stored transposed for speed, or quantized: the table itself is read only by rows.
+        total -= embedding.numel() * embedding.element_size()
+    return total + context_len * loaded.config.kv_bytes_per_token(loaded.dtype)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_hf_model(loaded: LoadedModel, model_dir: Path):
+    """The same checkpoint as a transformers model, on our model's device and dtype: the peer of every benchmark."""
+    from transformers import AutoModelForCausalLM  # optional dependency (requirements-tools.txt)
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=loaded.dtype).to(loaded.device)
+
+
+def forward_clock(times: list[float]):
+    """A transformers stopping criterion that never stops and appends the time after every forward to `times`
+    (after synchronizing the device), which is how a benchmark times transformers `generate` from inside."""
+    from transformers import StoppingCriteria  # optional dependency (requirements-tools.txt)
+
+    class Clock(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            _synchronize(input_ids.device)
+            times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return Clock()
+
+
+class _HFRunner:
+    """transformers `generate` on the same weights, greedy, end-of-sequence ignored, clock read after each token."""
+
+    def __init__(self, loaded: LoadedModel, model_dir: Path):
+        self.model = load_hf_model(loaded, model_dir)
+        self.device = loaded.device
+        self.token_times: list[float] = []
+        self.clock = forward_clock(self.token_times)
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
+        ids = torch.tensor([prompt_ids], device=self.device)
+        self.token_times.clear()
+        _synchronize(self.device)
+        start = time.perf_counter()
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=None, pad_token_id=0, stopping_criteria=[self.clock])
+        first, last = self.token_times[0], self.token_times[-1]
+        return {"ttft_ms": (first - start) * 1e3, "prefill_tokens_per_s": len(prompt_ids) / (first - start),
+                "decode_tokens_per_s": (len(self.token_times) - 1) / (last - first)}
+
+
+def _run_ours(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> dict:
+    engine.reset_prefix_cache()
+    stats = engine.complete(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)).stats
+    return {"ttft_ms": stats.ttft_ms, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+            "decode_tokens_per_s": stats.decode_tokens_per_s}
+
+
+def peer_list(value: str) -> list[str]:
+    """`--peer a,b` -> ['a', 'b'], each a known bench peer."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PEERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(unknown) or repr(value)}; choose from: "
+                                         f"{', '.join(PEERS)}")
+    return names
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """`python -m inference_core bench`'s flags."""
+    parser.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
+    parser.add_argument("--prompt-ids", help="comma-separated prompt ids to run (default: one per kind)")
+    add_model_arguments(parser)
+    parser.add_argument("--configs", default="contiguous,paged,contiguous+compile,paged+compile",
+                        help="our configurations to run, comma-separated: a KV mode (none, contiguous, paged), "
+                             "with '+compile' for compiled decode and '+int8' or '+int4' for quantized weights")
+    parser.add_argument("--quant-group", type=int, default=32, help="int4 rows: input features per scale and zero")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers row")
+    parser.add_argument("--peer", type=peer_list, action="extend",
+                        help="other engines on the same model, repeatable or comma-separated: llama-cpp (llama.cpp on "
+                             "the same GGUF file, where llama-cpp-python is installed; reported as absent otherwise)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", dest="json_path", help="write the results here")
+
+
+def run_bench(args) -> int:
+    if args.repeats < 1 or args.max_new_tokens < 2:
+        raise ConfigError("bench needs --repeats >= 1 and --max-new-tokens >= 2.")
+
+    parsed = {name: parse_config(name) for name in (part.strip() for part in args.configs.split(",")) if name}
+    configs = {name: config for name, (config, _) in parsed.items()}
+    schemes = {name: QuantConfig(scheme, args.quant_group) for name, (_, scheme) in parsed.items()}
+    rows = load_prompts(args.prompts or DEFAULT_PROMPTS)  # a bad file fails before the model loads
+    loaded = load_model(args.model, args.device, args.dtype)
+    models = {scheme: quantize(loaded, scheme) for scheme in set(schemes.values())}  # one copy per scheme
+    engines = {name: Engine(models[schemes[name]], config) for name, config in configs.items()}
+    compile_warmup, compile_rss = {}, {}
+    for name, engine in engines.items():
+        if engine.decoder is not None:
+            before = resident_mib()
+            compile_warmup[name] = round(engine.warm_up_compiled(), 2)
+            compile_rss[name] = round(resident_mib() - before, 1)
+    wanted = args.prompt_ids.split(",") if args.prompt_ids else DEFAULT_PROMPT_IDS
+    by_id = {row["id"]: row for row in rows}
+    chosen = [by_id[i] for i in wanted if i in by_id] or rows[:4]  # a custom file: its first prompts
+    tokenizing = Engine(loaded, EngineConfig(kv_mode="none"))  # holds no KV memory
+    prompts = [(row["id"], tokenizing.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion"))
+               for row in chosen]
+    runners = {name: (lambda ids, n, e=engine: _run_ours(e, ids, n)) for name, engine in engines.items()}
+    if not args.no_hf:
+        runners[HF_ROW] = _HFRunner(loaded, resolve_model_dir(args.model)).run
+    peers, absent_peers = {}, []  # --peer llama-cpp: llama.cpp on the same GGUF file, or a row that says why not
+    if args.peer:
+        peers, absent_peers = open_peers(args.peer, args.model, max(len(ids) for _, ids in prompts) +
+                                         args.max_new_tokens, loaded.config.kv_bytes_per_token(torch.float16))
+    runners.update({name: peer.run for name, peer in peers.items()})
+    if not runners:
+        raise ConfigError("nothing to bench: name KV modes with --configs or drop --no-hf.")
+    print(f"bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, "
+          f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens", flush=True)
+    bandwidth = measure_read_bandwidth(loaded.device)
+    # 1. Warm-up: one short request per configuration, never timed.
+    for run in runners.values():
+        run(prompts[0][1], 8)
+    # 2. Timed runs, interleaved: repeat -> prompt -> configuration.
+    results: dict[str, list[dict]] = {name: [] for name in runners}
+    for repeat in range(args.repeats):
+        for prompt_id, ids in prompts:
+            for name, run in runners.items():
+                results[name].append(run(ids, args.max_new_tokens))
+            print(f"  repeat {repeat + 1}/{args.repeats}, {prompt_id}: " + ", ".join(
+                f"{name} {results[name][-1]['decode_tokens_per_s']:.1f}" for name in runners) + " tok/s", flush=True)
+    # 3. Medians, roofline and speed-up over transformers.
+    mean_context = statistics.mean(len(ids) for _, ids in prompts) + args.max_new_tokens / 2
+    limit = bandwidth / decode_bytes_per_step(loaded, mean_context)
+    table = []
+    for name, runs in results.items():
+        decode = statistics.median(r["decode_tokens_per_s"] for r in runs)
+        if name in peers:
+            row_limit = bandwidth / peers[name].decode_bytes_per_step(mean_context)
+            described = peers[name].describe()
+        else:
+            row_model = engines[name].loaded if name in engines else loaded
+            row_limit = bandwidth / decode_bytes_per_step(row_model, mean_context)  # a quantized model reads less
+            described = {"name": name, "kv": "dynamic (transformers)" if name == HF_ROW else configs[name].kv_mode,
+                         "quant": schemes[name].name if name in schemes else "none",
+                         "weights_mib": round(weight_bytes(row_model.model) / 2**20, 1),
+                         "compile": engines[name].compile_stats() if name in engines else None,
+                         "compile_warmup_s": compile_warmup.get(name), "compile_rss_mib": compile_rss.get(name)}
+        table.append({**described, "decode_tokens_per_s": round(decode, 2),
+                      "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 1),
+                      "prefill_tokens_per_s": round(statistics.median(r["prefill_tokens_per_s"] for r in runs), 1),
+                      "roofline_pct": round(100 * decode / row_limit, 1), "runs": len(runs)})
+    hf = next((row for row in table if row["name"] == HF_ROW), None)
+    for row in table:
+        row["speedup_vs_hf"] = round(row["decode_tokens_per_s"] / hf["decode_tokens_per_s"], 2) if hf else None
+    table += absent_peers
+    report = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "prompts": [prompt_id for prompt_id, _ in prompts], "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+              "roofline_tokens_per_s": round(limit, 1), "machine": machine_info(loaded.device), "rows": table,
+              "ours_vs_peers": _ours_vs_peers(table, set(engines), set(peers))}
+    print(format_table(report))
+    write_report(report, args.json_path)
+    return 0
+
+
+def _ours_vs_peers(table: list[dict], ours: set[str], peers: set[str]) -> list[dict]:
+    """Our fastest row's decode tokens/s over each peer's, the ratio a peer comparison is about."""
+    measured = [row for row in table if row["name"] in ours]
+    if not measured:
+        return []
+    best = max(measured, key=lambda row: row["decode_tokens_per_s"])
+    return [{"ours": best["name"], "peer": row["name"], "ours_decode_tokens_per_s": best["decode_tokens_per_s"],
+             "peer_decode_tokens_per_s": row["decode_tokens_per_s"],
+             "ratio": round(best["decode_tokens_per_s"] / row["decode_tokens_per_s"], 2)}
+            for row in table if row["name"] in peers]
+
+
+def resident_mib() -> float:
+    """This process's resident memory in MiB (Linux; 0 elsewhere): what compiling a graph adds (frozen weights are
+    copied into each graph, prepacked)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def parse_config(name: str) -> tuple[EngineConfig, str]:
+    """A bench row's name -> its engine config and weight quantization: a KV mode, with '+compile' for compiled
+    decode and '+int8' or '+int4' for quantized weights (e.g. paged+compile+int8)."""
+    kv_mode, *extras = name.split("+")
+    quant = [extra for extra in extras if extra in ("int8", "int4")]
+    if any(extra not in ("compile", "int8", "int4") for extra in extras) or len(quant) > 1 or len(set(extras)) < len(
+            extras):
+        raise ConfigError(f"unknown bench configuration {name!r}: use a KV mode (none, contiguous, paged), with "
+                          "'+compile' for compiled decode and '+int8' or '+int4' for quantized weights (e.g. "
+                          "paged+compile+int8).")
+    return EngineConfig(kv_mode=kv_mode, compile="compile" in extras), (quant[0] if quant else "none")
+
+
+def write_report(report: dict, path: str | None) -> None:
+    """A benchmark's JSON report, written to `path` (folders made as needed) when one was given."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{report['model']} | {report['device']} | {report['dtype']} | read bandwidth "
+             f"{report['read_bandwidth_gb_s']} GB/s -> decode limit {report['roofline_tokens_per_s']} tok/s",
+             "| config | decode tok/s | vs transformers | TTFT ms | prefill tok/s | roofline % |",
+             "|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        if row.get("absent"):
+            lines.append(f"| {row['name']} | absent: {row['absent']} | | | | |")
+            continue
+        speedup = f"{row['speedup_vs_hf']:.2f}x" if row["speedup_vs_hf"] else "-"
+        lines.append(f"| {row['name']} | {row['decode_tokens_per_s']:.1f} | {speedup} | {row['ttft_ms']:.0f} | "
+                     f"{row['prefill_tokens_per_s']:.0f} | {row['roofline_pct']:.0f} |")
+    for pair in report.get("ours_vs_peers", []):
+        lines.append(f"ours best / {pair['peer']}, decode: {pair['ours']} {pair['ours_decode_tokens_per_s']:.1f} / "
+                     f"{pair['peer_decode_tokens_per_s']:.1f} tok/s = {pair['ratio']:.2f}x")
+    return "\n".join(lines)
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "processor": _cpu_name(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx": torch.cpu._is_amx_tile_supported()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

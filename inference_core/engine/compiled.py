@@ -1,0 +1,425 @@
+"""Compiled decode: the decode step with static shapes, compiled by inductor (CPU: C++ code, ahead of time into a
+package kept on disk; CUDA: `torch.compile`, captured in CUDA graphs, one per batch bucket).
+
+The eager step (`model.CausalLM.forward`) is written for any mix of prefills and decodes, and its shapes change
+every step. This module's step does one thing, a token for each of B sequences that already have their context in
+the KV cache, and is written so that a compiler can turn it into a few fused kernels:
+
+- The batch is padded to a bucket (1, 2, 4, 8, ... up to `max_num_seqs`), so one graph serves every batch size up
+  to its bucket; padding rows attend only to themselves and their output is dropped.
+- The inputs (token ids, positions, the KV read index, a key mask) live in persistent buffers per bucket, filled in
+  place each step; a step passes views of them.
+- The KV cache is read, never written, inside the graph: contiguous reads each slot's buffer up to the key width,
+  paged gathers whole blocks through the block table; a [batch, width] mask hides keys at or past each sequence's
+  position, and the new token's own key is scored separately (softmax over [cached keys, own key]). The graph
+  returns the logits and every layer's new k and v, which `store` writes into the cache with one indexed copy each
+  (an in-place write inside the graph measured slower than eager: the compiler copied whole cache buffers).
+- The key width is the batch's longest context (paged: whole blocks) on the CPU, marked dynamic so that one graph
+  serves every length, and the cache's full width on CUDA, where a CUDA graph needs every shape fixed.
+
+Nothing inside the step syncs with the host or loops over sequences. Prefill, chunked prefill, mixed steps and
+speculative verification stay on the eager path.
+
+Two ways to compile it (`CompiledDecoder(backend=...)`):
+
+- `aoti` (the CPU's default): `torch.export` of the step, with the key width as a dynamic dimension, compiled ahead
+  of time by AOTInductor with the same inductor options (freezing, max-autotune) into a package on disk
+  (`compile_cache_dir()`), one per model, dtype, KV layout and batch bucket. A second start loads the package in
+  a few seconds instead of compiling again: `torch.compile` cannot keep a frozen graph in its own caches (its
+  prepacked oneDNN weights do not pickle), so it rebuilt the graph each start (about 70% of a first compile). Measured
+  on the bundled model, fp32, batch 1: the same step time as `torch.compile` with those options (23.7 vs 23.6 ms).
+- `torch.compile` (CUDA's default, with CUDA graphs through `mode="reduce-overhead"`): compiled in the process, on
+  the first step of each bucket; inductor's disk cache keeps its generated kernels between starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import shutil
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_core.model.llama import CausalLM, model_fingerprint
+from inference_core.model.paths import cache_root
+
+# Inductor options for the CPU decode step, the fastest of those measured by
+# `python -m inference_core compile-options`
+# (docs/benchmarks.md, "Compiled decode"): freezing makes the weights constants that are prepacked, and max-autotune
+# then benchmarks inductor's C++ GEMM template against oneDNN/MKL per projection and keeps the faster (the template,
+# for one-row decode matmuls). Bundled model, fp32, batch 1: eager 38.9 ms/step, default 38.3, freezing alone 44.8,
+# max-autotune alone 38.9, both 20.8, both with the C++ wrapper 23.2.
+CPU_OPTIONS = {"freezing": True, "max_autotune": True}
+
+
+RECOMPILE_LIMIT = 256  # graphs of the decode step one process may hold (engines x buckets)
+
+
+CACHE_LIMIT_GB = 8.0  # AOTInductor packages kept on disk (the least recently used go first); env COMPILE_CACHE_GB
+
+
+def compile_cache_dir() -> Path:
+    """Where compiled decode steps are kept between starts (AOTInductor packages and inductor's own cache):
+    env INFERENCE_CORE_COMPILE_CACHE, else `compiled/` in the local cache."""
+    return Path(os.environ.get("INFERENCE_CORE_COMPILE_CACHE") or cache_root() / "compiled")
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why compiled decode cannot run on `device` (None: it can)."""
+    if os.environ.get("SPACES_ZERO_GPU"):
+        return "ZeroGPU does not support torch.compile"
+    if device.type == "cpu" and not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+        return "no C++ compiler found (inductor generates C++ for the CPU; install g++)"
+    if device.type not in ("cpu", "cuda"):
+        return f"torch.compile is not set up for {device.type} here"
+    return None
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes a graph is compiled for: powers of two below max_num_seqs, and max_num_seqs itself."""
+    buckets, size = [], 1
+    while size < max_num_seqs:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_num_seqs]
+
+
+class DecodeGraph(nn.Module):
+    """The decode step as a pure function of its inputs (see the module docstring). `paged` selects how the KV pool is
+    read; `attention_dtype` is the model's (fp32 on the CPU)."""
+
+    def __init__(self, model: CausalLM, paged: bool, block_size: int):
+        super().__init__()
+        self.model = model
+        self.paged = paged
+        self.block_size = block_size
+
+    def forward(self, input_ids, positions, read_index, key_mask, k_pool, v_pool):
+        """input_ids, positions: [B]; read_index: contiguous [B] slots, paged [B, blocks] int32 block table;
+        key_mask: [B, width] bool, True where a cached key is attended. k_pool, v_pool: the cache's whole tensors.
+        Returns fp32 logits [B, vocab] and the new k, v [layers, B, kv_heads, head_dim]."""
+        model = self.model
+        x = F.embedding(input_ids, model.embed_tokens.weight)
+        cos_table, sin_table = model.rope_tables(x.dtype)
+        cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+        new_k, new_v = [], []
+        width = key_mask.shape[1]
+        for index, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm.forward(x), cos, sin)
+            new_k.append(k)
+            new_v.append(v)
+            if self.paged:  # [blocks, block_size, kv_heads, d] gathered -> [B, kv_heads, width, d]
+                k_ctx = k_pool[index][read_index].flatten(1, 2).transpose(1, 2)
+                v_ctx = v_pool[index][read_index].flatten(1, 2).transpose(1, 2)
+            else:  # [slots, kv_heads, max_seq_len, d] -> [B, kv_heads, width, d]
+                k_ctx = k_pool[index][:, :, :width].index_select(0, read_index)
+                v_ctx = v_pool[index][:, :, :width].index_select(0, read_index)
+            out = _attend_one(q, k, v, k_ctx, v_ctx, key_mask, attn.scale, attn.attention_dtype)
+            x = x + attn.o_proj.forward(out.reshape(x.shape[0], attn.q_size).to(x.dtype))
+            x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
+        logits = model.lm_head.forward(model.norm.forward(x)).float()
+        return logits, torch.stack(new_k), torch.stack(new_v)
+
+
+def _attend_one(q, k, v, k_ctx, v_ctx, key_mask, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """One query per sequence against its cached keys and its own new key, with grouped-query heads.
+    q: [B, heads, d]; k, v: [B, kv_heads, d]; k_ctx, v_ctx: [B, kv_heads, width, d]; key_mask: [B, width].
+    Returns [B, kv_heads, group, d]."""
+    batch, kv_heads, head_dim = k.shape
+    q = q.view(batch, kv_heads, -1, head_dim).to(dtype)  # [B, kv_heads, group, d]
+    k, v, k_ctx, v_ctx = k.to(dtype), v.to(dtype), k_ctx.to(dtype), v_ctx.to(dtype)
+    scores = (q @ k_ctx.transpose(-1, -2)) * scale  # [B, kv_heads, group, width]
+    scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    own = (q * k[:, :, None, :]).sum(-1, keepdim=True) * scale  # [B, kv_heads, group, 1]
+    probs = torch.softmax(torch.cat([scores, own], -1), dim=-1)
+    return probs[..., :-1] @ v_ctx + probs[..., -1:] * v[:, :, None, :]
+
+
+@dataclass
+class CompileStats:
+    """What compilation cost and did, for `GenerationStats.compile` and the playground."""
+
+    mode: str  # the backend and options in words, e.g. "AOTInductor on cpu (freezing, max-autotune)"
+    warmup_s: float = 0.0  # seconds spent in the steps that compiled or loaded a graph (first use of each bucket)
+    graphs: int = 0  # graphs this engine compiled or loaded (one per batch bucket used; 0 where another engine with
+    # the same shapes had them in this process first)
+    from_disk: int = 0  # of those, graphs loaded from the disk cache (a second start) instead of compiled
+    recompiles: int = 0  # compiles of a bucket that already had a graph (should stay 0)
+    compiled_steps: int = 0  # decode steps run through an already compiled graph
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class CompiledDecoder:
+    """Runs decode steps through a compiled `DecodeGraph` for one engine's model and KV cache (contiguous or paged):
+    pads the batch to its bucket, fills the bucket's persistent input buffers, calls the graph, and writes the new
+    k/v into the cache. `ModelRunner` sends it every step that is only decodes."""
+
+    def __init__(self, model: CausalLM, kv_cache, device: torch.device, max_num_seqs: int, max_seq_len: int,
+                 options: dict | None = None, backend: str | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.paged = kv_cache.kv_mode == "paged"
+        self.block_size = kv_cache.block_size if self.paged else 1
+        # The most a sequence can read: blocks (paged) or positions (contiguous).
+        self.max_width = (min(kv_cache.manager.num_blocks, -(-max_seq_len // self.block_size)) if self.paged
+                          else kv_cache.max_seq_len)
+        self.buckets = batch_buckets(max_num_seqs)
+        self.static_width = device.type == "cuda"  # a CUDA graph needs fixed shapes: read the cache's full width
+        self.backend = backend or default_backend(device)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown compile backend {self.backend!r}; one of {', '.join(BACKENDS)}")
+        self.options = dict(options if options is not None else default_options(device))
+        self.stats = CompileStats(mode=describe_options(device, self.options, self.backend))
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir() / "inductor"))
+        model.rope_tables(model.embed_tokens.weight.dtype)  # built now: a graph traced before would be rebuilt after
+        self.step = DecodeGraph(model, self.paged, self.block_size).eval()
+        # Inductor options are applied as a config patch around each call, not through torch.compile(options=...):
+        # freezing (weights as constants, prepacked for oneDNN) is decided outside what `options` patches, and
+        # measured no faster than no freezing when passed that way.
+        self._inductor_config = {name: value for name, value in self.options.items() if name != "mode"}
+        if self.backend == "torch.compile":
+            # Dynamo keeps the graphs of one function together and stops compiling past `recompile_limit` of them;
+            # every engine's buckets (and every model, KV layout and pool size) are separate graphs of the step.
+            # (torch._dynamo is read as an attribute: torch loads it on first use, a second's import at start-up.)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            self._graph_counter = torch._dynamo.utils.counters["stats"]  # "unique_graphs": graphs dynamo has traced
+            self.graph = torch.compile(self.step, fullgraph=True, dynamic=False, mode=self.options.get("mode"))
+        self._programs: dict[int, object] = {}  # aoti: bucket -> loaded package
+        self._ready_buckets: set[int] = set()  # buckets whose graph has run in this engine
+        self._buffers: dict[int, dict[str, torch.Tensor]] = {}
+
+    def _bucket_buffers(self, bucket: int) -> dict[str, torch.Tensor]:
+        buffers = self._buffers.get(bucket)
+        if buffers is None:
+            width = self.max_width
+            index_shape = (bucket, width) if self.paged else (bucket,)
+            index_dtype = torch.int32 if self.paged else torch.long
+            buffers = self._buffers[bucket] = {
+                "input_ids": torch.zeros(bucket, dtype=torch.long, device=self.device),
+                "positions": torch.zeros(bucket, dtype=torch.long, device=self.device),
+                "read_index": torch.zeros(index_shape, dtype=index_dtype, device=self.device),
+                "key_mask": torch.zeros(bucket, width * self.block_size, dtype=torch.bool, device=self.device),
+            }
+        return buffers
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        return next((bucket for bucket in self.buckets if bucket >= batch_size), None)
+
+    def handles(self, seqs, num_new_tokens: list[int]) -> bool:
+        """Whether a forward is a compiled decode step: one new token per sequence, each with a cached context. (An
+        exported step reads less than the cache's whole width: the last positions a sequence can reach run eager.)"""
+        last = (self.max_width - 1) * self.block_size if self.backend == "aoti" else float("inf")
+        return 0 < len(seqs) <= self.buckets[-1] and all(
+            count == 1 and 0 < seq.num_computed_tokens < last for seq, count in zip(seqs, num_new_tokens))
+
+    @torch.inference_mode()
+    def run(self, seqs) -> torch.Tensor:
+        """One decode token for each of `seqs` (each has its whole context but the last token cached). Returns fp32
+        logits [len(seqs), vocab]; writes the new KV (the caller commits)."""
+        count = len(seqs)
+        bucket = self.bucket_for(count)
+        buffers = self._bucket_buffers(bucket)
+        positions = [seq.num_computed_tokens for seq in seqs]
+        if self.paged:
+            width = self._width(-(-(max(positions) + 1) // self.block_size))
+            # Padded with block 0; so are blocks released from a sliding window (FREED, -1): the key mask hides both.
+            rows = [([max(block, 0) for block in seq.block_table[:width]] + [0] * width)[:width] for seq in seqs]
+            read_index = buffers["read_index"][:, :width]
+            read_index[:count] = torch.tensor(rows, dtype=torch.int32)
+            read_index[count:] = 0
+        else:
+            width = self._width(max(positions) + 1)
+            read_index = buffers["read_index"]
+            read_index[:count] = torch.tensor([seq.cache_slot for seq in seqs], dtype=torch.long)
+            read_index[count:] = read_index[0]
+        buffers["input_ids"][:count] = torch.tensor([seq.token_ids[p] for seq, p in zip(seqs, positions)],
+                                                  dtype=torch.long)
+        buffers["input_ids"][count:] = 0
+        position_tensor = torch.tensor(positions, dtype=torch.long)
+        buffers["positions"][:count] = position_tensor
+        buffers["positions"][count:] = 0
+        keys = width * self.block_size
+        key_mask = buffers["key_mask"][:, :keys]
+        key_mask[:count] = torch.arange(keys) < position_tensor[:, None]
+        if self.kv_cache.sliding_window is not None:  # the own key (scored apart) is the window's last one
+            key_mask[:count] &= torch.arange(keys) > position_tensor[:, None] - self.kv_cache.sliding_window
+        key_mask[count:] = False
+        logits, new_k, new_v = self._call(bucket, buffers, read_index, key_mask)
+        self._store(new_k[:, :count], new_v[:, :count], buffers["positions"][:count], read_index[:count])
+        return logits[:count].clone()  # a CUDA graph's output is overwritten by its next replay
+
+    @torch.inference_mode()
+    def warm_up(self, batch_size: int) -> None:
+        """Compile (or load from the disk cache) the graph of `batch_size`'s bucket with a step of padding rows only;
+        the cache is read, not written."""
+        bucket = self.bucket_for(batch_size)
+        buffers = self._bucket_buffers(bucket)
+        for buffer in buffers.values():
+            buffer.zero_()
+        width = self._width(2)
+        read_index = buffers["read_index"][:, :width] if self.paged else buffers["read_index"]
+        self._call(bucket, buffers, read_index, buffers["key_mask"][:, :width * self.block_size])
+
+    def _width(self, needed: int) -> int:
+        """The key width a step reads (positions, or blocks when paged): the cache's whole width on CUDA, else what
+        the batch needs but at least 2 (a dynamic size of 1 would be specialized to 1 by the compiler)."""
+        return self.max_width if self.static_width or self.max_width < 2 else max(needed, 2)
+
+    def _call(self, bucket: int, buffers: dict[str, torch.Tensor], read_index, key_mask):
+        args = (buffers["input_ids"], buffers["positions"], read_index, key_mask, self.kv_cache.k, self.kv_cache.v)
+        if self.backend == "aoti":
+            return self._call_package(bucket, args)
+        return self._call_compiled(bucket, args)
+
+    def _call_package(self, bucket: int, args: tuple):
+        # An exported program takes its inputs with the strides it was traced with (dense): the width views of the
+        # bucket's buffers are not.
+        args = tuple(arg.contiguous() for arg in args)
+        started = time.perf_counter()
+        program = self._programs.get(bucket)
+        if program is None:
+            program = self._programs[bucket] = self._load_or_build(args)
+            self.stats.warmup_s += time.perf_counter() - started
+        elif bucket in self._ready_buckets:
+            self.stats.compiled_steps += 1
+        self._ready_buckets.add(bucket)
+        return program(*args)
+
+    def _call_compiled(self, bucket: int, args: tuple):
+        _, _, read_index, key_mask, _, _ = args
+        if not self.static_width and self.max_width >= 2:
+            torch._dynamo.mark_dynamic(key_mask, 1)
+            if self.paged:
+                torch._dynamo.mark_dynamic(read_index, 1)
+        graphs_before = self._graph_counter["unique_graphs"]
+        started = time.perf_counter()
+        with torch._inductor.config.patch(self._inductor_config):
+            outputs = self.graph(*args)
+        if self._graph_counter["unique_graphs"] != graphs_before:
+            if bucket in self._ready_buckets:
+                self.stats.recompiles += 1
+            self.stats.graphs += 1
+            self.stats.warmup_s += time.perf_counter() - started
+        elif bucket in self._ready_buckets:
+            self.stats.compiled_steps += 1
+        else:  # another engine with the same shapes compiled this graph already: only its first call's set-up
+            self.stats.warmup_s += time.perf_counter() - started
+        self._ready_buckets.add(bucket)
+        return outputs
+
+    def _load_or_build(self, args: tuple):
+        """The AOTInductor package of the step for these inputs' shapes (one batch bucket): already loaded in this process (by another engine with the
+        same model and shapes), loaded from the disk cache, or exported, compiled and written there first."""
+        key = self._package_key(args)
+        with _PACKAGE_LOCK:
+            program = _LOADED_PACKAGES.get(key)
+            if program is not None:
+                return program
+            path = compile_cache_dir() / f"decode-{key}.pt2"
+            if path.exists():
+                self.stats.from_disk += 1
+                os.utime(path)  # recently used: kept when the cache is trimmed
+            else:
+                self._build_package(args, path)
+            program = torch._inductor.aoti_load_package(str(path))
+            self.stats.graphs += 1
+            _LOADED_PACKAGES[key] = program
+            return program
+
+    def _build_package(self, args: tuple, path: Path) -> None:
+        dynamic = None
+        if self.max_width >= 3:  # the key width varies; the batch bucket and the cache tensors are fixed
+            # Up to the cache's whole width less one: export's shape reasoning treats the whole width as a special case.
+            width = torch.export.Dim("width", min=2, max=self.max_width - 1)
+            dynamic = ((None, None, {1: width}, {1: width * self.block_size}, None, None) if self.paged
+                       else (None, None, None, {1: width}, None, None))
+        with torch.inference_mode(False), torch.no_grad():
+            # Shapes are what export needs: the values are not read, the cache tensors are not copied.
+            example = tuple(torch.zeros_like(t) if t.numel() < 1 << 20 else torch.empty_like(t) for t in args)
+            program = torch.export.export(self.step, example, dynamic_shapes=dynamic)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"partial-{os.getpid()}-{path.name}")
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
+                                                     inductor_configs=self._inductor_config)
+        os.replace(partial, path)
+        trim_compile_cache()
+
+    def _package_key(self, args: tuple) -> str:
+        """What the compiled step depends on: the weights and config, this code, the shapes, the options, torch and
+        the CPU's instruction set."""
+        digest = hashlib.blake2b(digest_size=12)
+        for part in (model_fingerprint(self.model), _CODE_FINGERPRINT, torch.__version__, self.device.type,
+                     torch.backends.cpu.get_cpu_capability(), self.paged, self.block_size, self.max_width,
+                     sorted(self._inductor_config.items()), [(t.dtype, tuple(t.shape)) for t in args]):
+            digest.update(repr(part).encode())
+        return digest.hexdigest()
+
+    def ready(self, batch_size: int) -> bool:
+        """Whether the graph of `batch_size`'s bucket has run once (compiled, or found compiled) in this engine."""
+        return self.bucket_for(batch_size) in self._ready_buckets
+
+    def _store(self, new_k, new_v, positions, read_index) -> None:
+        """Write each layer's new k/v ([layers, B, kv_heads, d]) at the sequences' positions."""
+        cache = self.kv_cache
+        if self.paged:
+            blocks = read_index.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
+            slots = blocks.long() * self.block_size + positions % self.block_size
+            k_flat = cache.k.view(cache.k.shape[0], -1, *cache.k.shape[3:])
+            v_flat = cache.v.view(cache.v.shape[0], -1, *cache.v.shape[3:])
+            k_flat.index_copy_(1, slots, new_k)
+            v_flat.index_copy_(1, slots, new_v)
+        else:
+            cache.k[:, read_index, :, positions] = new_k.transpose(0, 1)
+            cache.v[:, read_index, :, positions] = new_v.transpose(0, 1)
+
+
+BACKENDS = ("aoti", "torch.compile")
+_PACKAGE_LOCK = threading.Lock()
+# Loaded packages by key, shared by the engines of one process while any of them holds one.
+_LOADED_PACKAGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_CODE_FINGERPRINT = hashlib.blake2b(
+    (inspect.getsource(sys.modules[CausalLM.__module__]) + inspect.getsource(sys.modules[__name__])).encode(),
+    digest_size=12).hexdigest()
+
+
+def trim_compile_cache(limit_gb: float | None = None) -> None:
+    """Delete the least recently used packages until the cache holds at most `limit_gb` (env COMPILE_CACHE_GB)."""
+    limit = limit_gb if limit_gb is not None else float(os.environ.get("COMPILE_CACHE_GB", CACHE_LIMIT_GB))
+    packages = sorted(compile_cache_dir().glob("decode-*.pt2"), key=lambda path: path.stat().st_mtime, reverse=True)
+    total = packages[0].stat().st_size if packages else 0
+    for path in packages[1:]:  # the newest stays, whatever its size
+        total += path.stat().st_size
+        if total > limit * 2**30:
+            path.unlink(missing_ok=True)
+
+
+def default_backend(device: torch.device) -> str:
+    """AOTInductor packages on the CPU (cached on disk, same speed); `torch.compile` with CUDA graphs on CUDA."""
+    return "aoti" if device.type == "cpu" else "torch.compile"
+
+
+def default_options(device: torch.device) -> dict:
+    """The compile options used unless asked otherwise: on the CPU the measured-fastest inductor options, on CUDA
+    CUDA graphs through `mode="reduce-overhead"`."""
+    if device.type == "cuda":
+        return {"mode": "reduce-overhead"}
+    return dict(CPU_OPTIONS)
+
+
+def describe_options(device: torch.device, options: dict, backend: str) -> str:
+    words = [name.replace("_", "-") if value is True else f"{name}={value}" for name, value in options.items()]
+    name = "AOTInductor" if backend == "aoti" else "inductor"
+    return f"{name} on {device.type}" + (f" ({', '.join(words)})" if words else "")

@@ -1,0 +1,533 @@
+"""The engine: one configuration over a loaded model, serving any number of requests through one scheduler.
+
+An `Engine` pairs a `LoadedModel` with one `EngineConfig` (KV mode, block size, prefix cache, batching mode and its
+limits) and owns that configuration's KV cache, runner and scheduler, so two engines can race on one set of weights.
+
+- `submit(prompt, params, ...)` validates a request (a clear `ConfigError` for one that can never run) and queues
+  it; the returned `Request` collects its events (`Request.events`, or a `listener` callback).
+- `step()` advances every running request by one scheduler step and reads like nano-vllm's: schedule, run,
+  post-process, collect finished. It returns a `StepReport` of what ran, for timelines and benchmarks.
+- `generate(prompt, ...)` is the single-request generator on top: it queues its request on the first `next()` and
+  steps the engine until that request has an event to yield, so several generators over one engine (or the engine
+  loop's callers, `inference_core.engine.loop`) are batched together.
+
+Ending a request early: `cancel()` (or closing its generator) frees it at once with no final event;
+`stop()` (or `throw(StopGeneration)` into its generator) ends it after the step in flight: the tokens that step
+produced still arrive, then a FinishEvent with finish_reason "stopped". A finished request's KV is released in the
+step that finishes it. A forward that fails fails the requests of that step (their generators re-raise the error)
+and releases their KV; the engine stays usable. Not thread-safe: one thread drives an engine (see `engine_loop`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from inference_core.config import ConfigError, EngineConfig
+from inference_core.engine.compiled import CompiledDecoder, compile_unavailable
+from inference_core.engine.request import FinishEvent, Request, StopGeneration, TokenEvent
+from inference_core.engine.runner import ModelRunner
+from inference_core.engine.scheduler import ScheduledWork, Scheduler
+from inference_core.kv.block_manager import FREED
+from inference_core.kv.cache import ContiguousKVCache, PagedKVCache, RecomputeKVCache
+from inference_core.model.loader import LoadedModel, check_draft_model
+from inference_core.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from inference_core.sampling import SamplingParams, sample_batch
+from inference_core.spec.decoding import (MAX_K, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, SpecConfig, next_k,
+                                          speculative_step, tree_speculative_step)
+from inference_core.spec.draft_heads import DraftHeads, EagleDrafter, MedusaDrafter, find_heads, load_heads
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What one `Engine.step()` did, as plain values."""
+
+    index: int
+    started_at: float  # time.perf_counter() when the step began
+    duration_ms: float
+    work: tuple[tuple[int, str, int], ...]  # (request id, "prefill" | "decode" | "speculative", tokens forwarded)
+    preempted: tuple[int, ...]  # request ids sent back to the queue to free KV blocks
+    finished: tuple[int, ...]  # request ids that ended in this step
+    num_waiting: int
+    num_running: int
+    blocks_in_use: int  # paged: blocks; contiguous: slots; none: 0
+    padding_rows: int = 0  # static batching: finished members' rows this step computed and threw away
+    prompt_padding_tokens: int = 0  # static batching: padding tokens computed after prompts (padded to the longest)
+    compile_ms: float = 0.0  # compiled decode: time this step spent compiling a graph (a batch size's first use)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.work)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(tokens for _, _, tokens in self.work)
+
+
+def make_kv_cache(loaded: LoadedModel, config: EngineConfig, max_seq_len: int):
+    window = config.attention_window(loaded.config)
+    if config.kv_mode == "contiguous":
+        return ContiguousKVCache(loaded.config, max_seq_len, config.max_num_seqs, loaded.dtype, loaded.device,
+                                 config.kv_dtype, window)
+    if config.kv_mode == "paged":
+        return PagedKVCache(loaded.config, config.num_kv_blocks(loaded.config), config.block_size,
+                            config.prefix_cache, loaded.dtype, loaded.device, config.kv_dtype, window)
+    return RecomputeKVCache(window)
+
+
+class Engine:
+    """One configuration over a loaded model: owns its KV cache, runner and scheduler and, with a `draft_model` for
+    speculative decoding, the draft's own cache of the same kind."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 draft_model: LoadedModel | None = None):
+        self.loaded = loaded
+        self.config = config = config or EngineConfig()
+        self.max_seq_len = config.context_length(loaded.config)
+        self.kv_cache = make_kv_cache(loaded, config, self.max_seq_len)
+        self.decoder: CompiledDecoder | None = None
+        if config.compile:
+            if (reason := compile_unavailable(loaded.device)) is not None:
+                raise ConfigError(f"compiled decode is not available here: {reason}; run without compile.")
+            self.decoder = CompiledDecoder(loaded.model, self.kv_cache, loaded.device, config.max_num_seqs,
+                                           self.max_seq_len)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device, self.decoder)
+        self.scheduler = Scheduler(self.kv_cache, config.batching, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.chunked_prefill, config.batch_window_ms)
+        self.steps_taken = 0
+        self.draft_model = draft_model
+        self.draft_runner: ModelRunner | None = None  # the draft model's, built by its first request
+        self.draft_heads: dict[str, DraftHeads] = {}  # trained heads by kind ("medusa", "eagle"), loaded when asked
+        if draft_model is not None:
+            check_draft_model(loaded, draft_model)
+            if draft_model.config.max_position_embeddings < self.max_seq_len:
+                raise ConfigError(f"the draft model's context ({draft_model.config.max_position_embeddings} tokens) "
+                                  f"is shorter than this engine's ({self.max_seq_len}); lower --max-seq-len.")
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    # --- requests -------------------------------------------------------------------------------------------------
+
+    def prompt_ids(self, prompt: str | list[dict], system: str | None = None, chat: bool = True) -> list[int]:
+        """Text (or chat messages) -> prompt token ids, through the chat template unless chat=False."""
+        return self.tokenizer.prompt_ids(prompt, system, chat)
+
+    def make_request(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
+                     system: str | None = None, chat: bool = True, spec: SpecConfig | None = None,
+                     priority: int = 0, cache_salt: str | None = None) -> Request:
+        """Validate and tokenize a request without queueing it (`submit` queues it). Raises ConfigError, saying what
+        to change, for a request that could never run on this engine."""
+        params = params or SamplingParams()
+        spec = self.resolve_spec(spec or SpecConfig())
+        if spec.tree_width > 1 and not params.greedy:
+            raise ConfigError("tree verification ({spec_tree_width} > 1) keeps greedy decoding's tokens only; set the "
+                              "temperature to 0 or the tree width to 1 (a chain, which keeps the sampled "
+                              "distribution).")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigError(f"priority must be an integer (lower runs first), got {priority!r}.")
+        started = time.perf_counter()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            prompt_ids = list(prompt)
+        else:
+            prompt_ids = self.prompt_ids(prompt, system, chat)
+        self._check_fits(prompt_ids, params)
+        return Request(prompt_ids, params, spec, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
+                       eos_ids=self.loaded.eos_token_ids, device=self.loaded.device, priority=priority,
+                       cache_salt=cache_salt, tokenize_s=time.perf_counter() - started)
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ConfigError("the prompt encodes to no tokens; type some text.")
+        vocab_size = self.loaded.config.vocab_size
+        outside = [token for token in prompt_ids if not 0 <= token < vocab_size]
+        if outside:
+            raise ConfigError(f"prompt token id {outside[0]} is outside the model's vocabulary (0..{vocab_size - 1}).")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ConfigError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_seq_len}; "
+                              f"shorten the prompt by at least {len(prompt_ids) - self.max_seq_len + 1} tokens"
+                              "{longer_context}.")
+        room = self.max_seq_len - len(prompt_ids)
+        if params.max_new_tokens > room:
+            raise ConfigError(f"{params.max_new_tokens} new tokens do not fit: the prompt has {len(prompt_ids)} tokens "
+                              f"and the context holds {self.max_seq_len}; set {{max_new_tokens}} to {room} or less.")
+        if isinstance(self.kv_cache, PagedKVCache):
+            # KV is written for every token but the last generated one: prompt + max_new_tokens - 1 slots. A request
+            # that fits the pool alone always finishes: the scheduler preempts others to make room for it.
+            pool_tokens = self.kv_cache.num_tokens
+            if len(prompt_ids) + params.max_new_tokens - 1 > pool_tokens:
+                raise ConfigError(f"the KV pool holds {pool_tokens} tokens but this request needs up to "
+                                  f"{len(prompt_ids) + params.max_new_tokens - 1} ({len(prompt_ids)} prompt + "
+                                  f"{params.max_new_tokens} new - 1); raise {{kv_cache_tokens}} or lower "
+                                  "{max_new_tokens}.")
+
+    def submit(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
+               **kwargs) -> Request:
+        """Validate and queue a request (keywords as `make_request`); its events arrive as the engine steps."""
+        return self.enqueue(self.make_request(prompt, params, **kwargs))
+
+    def enqueue(self, request: Request) -> Request:
+        request.submitted_at = time.perf_counter()
+        self.scheduler.add(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """End a request now, wherever it is, with no final event; its KV goes back to the pool."""
+        if not request.finished:
+            self._release(request)
+
+    def stop(self, request: Request) -> None:
+        """End a request after the step in flight, with a final event (finish_reason "stopped")."""
+        request.stop_requested = True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def seconds_until_ready(self) -> float:
+        """0 when a step would make progress now; else how long until it would (dynamic batching's window), or inf
+        when only another request or `drain()` can start it (a static batch that is not full)."""
+        if self.scheduler.running or any(r.stop_requested for r in self.scheduler.waiting):
+            return 0.0  # a step runs, or ends the requests asked to stop
+        return self.scheduler.seconds_until_admission()
+
+    def drain(self) -> None:
+        """No more requests are coming (static batching may start a partial batch)."""
+        self.scheduler.drain()
+
+    def load_draft_heads(self, kind: str, path=None) -> DraftHeads:
+        """The engine's trained `kind` heads: from `path`, else (once) from where `train-draft` writes or the shipped
+        ones for the bundled model. A ConfigError says how to train them where there are none."""
+        if path is None and kind in self.draft_heads:
+            return self.draft_heads[kind]
+        if path is None:
+            path = find_heads(self.loaded.name, self.loaded.config, kind)
+        if path is None:
+            raise ConfigError(f"no trained {kind} heads for {self.loaded.name}; train them with `python -m "
+                              f"inference_core train-draft --kind {kind} --model {self.loaded.name}`.")
+        heads = load_heads(path, self.loaded.config, self.loaded.device, self.loaded.dtype)
+        self.draft_heads[kind] = heads
+        return heads
+
+    def resolve_spec(self, spec: SpecConfig) -> SpecConfig:
+        """Settle what the speculative settings leave to the model (early exit's default depth), or refuse them."""
+        num_layers = self.loaded.config.num_layers
+        if spec.method in ("medusa", "eagle"):
+            heads = self.load_draft_heads(spec.method)
+            if heads.num_heads and spec.k > heads.num_heads:
+                raise ConfigError(f"these Medusa heads draft at most {heads.num_heads} tokens ahead: draft length k "
+                                  f"({{spec_k}}) must be 1 to {heads.num_heads}, got {spec.k}.")
+        if spec.method == "draft" and self.draft_model is None:
+            raise ConfigError("speculative method 'draft' needs a draft model: {draft_model} (the engine's "
+                              "draft_model).")
+        if spec.method == "early-exit":
+            if num_layers < 2:
+                raise ConfigError("early-exit drafting needs a model of at least 2 layers.")
+            if spec.draft_layers is None:
+                return replace(spec, draft_layers=num_layers // 2)
+            if spec.draft_layers >= num_layers:
+                raise ConfigError(f"{{draft_layers}} must be below the model's {num_layers} layers (1 to "
+                                  f"{num_layers - 1}), got {spec.draft_layers}.")
+        return spec
+
+    # --- the step -------------------------------------------------------------------------------------------------
+
+    def step(self) -> StepReport:
+        """Schedule, run, post-process, collect finished. Returns what ran; the tokens go to each request's events."""
+        started = time.perf_counter()
+        finished: list[Request] = []
+        # 1. Requests asked to stop end before anything else runs (after the step that was in flight for them).
+        for request in [r for r in self.scheduler.running + self.scheduler.waiting if r.stop_requested]:
+            self._finish(request, finished)
+        # 2. Schedule. Dynamic batching may have to wait for its window: sleep until then, untimed by any request.
+        if 0 < (wait_s := self.seconds_until_ready()) < math.inf:
+            time.sleep(wait_s)
+        output = self.scheduler.schedule()
+        for request in output.preempted:
+            self._close_drafter(request)
+        plain = [w for w in output.work if w.kind != "speculative"]
+        speculative = [w for w in output.work if w.kind == "speculative"]
+        # 3. One forward for every plain sequence (prefill chunks and decodes), then each speculative request in a
+        # step of its own (draft, verify, roll back).
+        padding_rows = len(self.scheduler.padding) if plain else 0
+        compiled_before = self._compile_seconds()
+        prompt_padding = self._run_plain(plain, len(output.work), finished) if plain else 0
+        for work in speculative:
+            if not work.request.finished:
+                self._run_speculative(work.request, len(output.work), finished)
+        if not self.scheduler.running:
+            self.scheduler.free_padding()  # a static batch has ended: its padding rows' KV goes back
+        self.steps_taken += 1
+        return StepReport(self.steps_taken, started, (time.perf_counter() - started) * 1e3,
+                          tuple((w.request.request_id, w.kind, w.num_tokens) for w in output.work),
+                          tuple(r.request_id for r in output.preempted), tuple(r.request_id for r in finished),
+                          len(self.scheduler.waiting), len(self.scheduler.running), self.kv_cache.blocks_in_use(),
+                          padding_rows, prompt_padding,
+                          (self._compile_seconds() - compiled_before) * 1e3)
+
+    def _run_plain(self, work: list[ScheduledWork], batch_size: int, finished: list[Request]) -> int:
+        """One forward for the step's prefill chunks and decodes (and a static batch's padding); returns the prompt
+        padding tokens it computed."""
+        requests = [w.request for w in work]
+        for request in requests:
+            self._mark_scheduled(request)
+        step_start = time.perf_counter()
+        padding = self.scheduler.pad_rows()  # static batching: finished members' rows, computed and thrown away
+        prompt_padding = [self._reserve_prompt_padding(w) for w in work]
+        compiled_before = self._compile_seconds()
+        # Trained draft heads read the target's hidden states: they see every position it computes for them.
+        readers = [i for i, request in enumerate(requests) if request.spec.reads_hidden]
+        firsts = [request.seq.num_computed_tokens for request in requests]
+        try:
+            logits = self.runner.run([r.seq for r in requests] + padding,
+                                     [w.num_tokens for w in work] + [len(s) - s.num_computed_tokens for s in padding],
+                                     num_padding=prompt_padding + [0] * len(padding), return_hidden=bool(readers))
+            if readers:
+                logits, hidden = logits
+                for i in readers:
+                    if requests[i].drafter is None:
+                        requests[i].drafter = self._drafter(requests[i].spec)
+                    requests[i].drafter.observe(firsts[i], hidden[i])
+            # Sequences whose whole text is now computed get a new token; a prefill chunk that is not the prompt's
+            # last waits for the next step.
+            done = [i for i, request in enumerate(requests) if self._completes(request)]
+            tokens = sample_batch(logits[done], [requests[i].params for i in done],
+                                  [requests[i].generator for i in done]) if done else []
+        except BaseException as error:
+            for request in requests:
+                self._fail(request, error)
+            raise
+        step_s = time.perf_counter() - step_start
+        compile_s = self._compile_seconds() - compiled_before
+        sampled = dict(zip(done, tokens))
+        for index, (request, item) in enumerate(zip(requests, work)):
+            prompt_tokens = item.num_tokens if request.seq.num_generated_tokens == 0 else 0
+            request.account_step(step_s, batch_size, prompt_tokens, compile_s)
+            if prompt_padding[index] or index in sampled:
+                request.prompt_padding = 0  # computed (or, where the pool had no room for it, given up)
+            if index in sampled:
+                self._emit_token(request, sampled[index], step_s, batch_size, finished)
+        return sum(prompt_padding)
+
+    def _reserve_prompt_padding(self, work: ScheduledWork) -> int:
+        """Static batching: the padding (up to the batch's longest prompt) that rides with a prompt's last chunk, its
+        KV room taken now; 0 for other work, or where the pool has no room for it (the padding is then skipped)."""
+        seq, padding = work.request.seq, work.request.prompt_padding
+        if not padding or seq.num_computed_tokens + work.num_tokens != len(seq) \
+                or not self.kv_cache.can_append(seq, len(seq) + padding):
+            return 0
+        self.kv_cache.ensure_capacity(seq, len(seq) + padding)
+        return padding
+
+    def _completes(self, request: Request) -> bool:
+        """After a forward: whether it reached the end of the request's text (so a new token is sampled). Mode none
+        always forwards the whole text."""
+        seq = request.seq
+        return isinstance(self.kv_cache, RecomputeKVCache) or seq.num_computed_tokens == len(seq)
+
+    def _run_speculative(self, request: Request, batch_size: int, finished: list[Request]) -> None:
+        seq = request.seq
+        self._mark_scheduled(request)
+        step_start = time.perf_counter()
+        try:
+            if request.drafter is None:
+                request.drafter = self._drafter(request.spec)
+            # Drafts need KV room too: shorten the draft to what the free blocks hold (0: a plain step).
+            room = request.room() - 1
+            k = min(request.draft_k, room)
+            width = request.spec.tree_width  # a tree holds k * width drafts while it is verified
+            while k > 0 and not self.kv_cache.can_append(seq, len(seq) + k * width):
+                k -= 1
+            tokens = []
+            if k > 0 and width > 1:
+                tokens = tree_speculative_step(self.runner, seq, request.drafter, k, width, request.spec_stats,
+                                               request.eos_ids)
+            elif k > 0:
+                tokens = speculative_step(self.runner, seq, request.drafter, k, request.spec_stats, request.params,
+                                          request.generator, request.eos_ids)
+            if tokens and request.spec.adaptive:
+                accepted = len(tokens) - 1
+                request.draft_k = next_k(request.draft_k, accepted + len(tokens[-1][2]), accepted,
+                                         request.spec.max_k)
+            if not tokens:  # nothing drafted or no room: a plain decode step of its own
+                position = seq.num_computed_tokens  # the first forwarded (mode none: the whole sequence again)
+                logits = self.runner.run([seq], return_hidden=request.spec.reads_hidden)
+                if request.spec.reads_hidden:
+                    logits, hidden = logits
+                    request.drafter.observe(position, hidden[0])
+                tokens = [(sample_batch(logits, [request.params], [request.generator])[0], None, ())]
+        except BaseException as error:
+            self._fail(request, error)
+            raise
+        step_s = time.perf_counter() - step_start
+        request.account_step(step_s, batch_size, 0)
+        for index, (token, kind, rejected) in enumerate(tokens):
+            self._emit_token(request, token, step_s if index == 0 else 0.0, batch_size, finished, kind, rejected)
+            if request.finished:
+                break
+
+    def _mark_scheduled(self, request: Request) -> None:
+        if request.first_scheduled_at is None:
+            request.first_scheduled_at = time.perf_counter()
+        if request.cached_prompt_tokens is None:
+            request.cached_prompt_tokens = request.seq.num_cached_tokens
+
+    def _emit_token(self, request: Request, token: int, step_s: float, batch_size: int, finished: list[Request],
+                    draft: str | None = None, rejected: tuple[int, ...] = ()) -> None:
+        request.emit(request.record(token, step_s, batch_size, draft, rejected))
+        if request.finish_reason is not None:
+            self._finish(request, finished)
+
+    def _finish(self, request: Request, finished: list[Request]) -> None:
+        """The request's final event (with its KV usage at the end), then its KV goes back."""
+        if request.keep_final_kv_snapshot:
+            request.final_kv_snapshot = self.kv_snapshot()
+        request.emit(request.finish_event(self.config.kv_mode, self.kv_cache.usage(request.seq),
+                                          self.compile_stats()))
+        self._release(request)
+        finished.append(request)
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        request.error = error
+        if request.listener is not None:  # the engine loop's caller re-raises it from the request's events
+            request.listener(request, error)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        if request.finish_reason is not None and request.error is None and self.scheduler.keeps_row() \
+                and request in self.scheduler.running:
+            self.scheduler.retire_to_padding(request)  # a padded static batch keeps computing the row
+        else:
+            self.scheduler.remove(request)
+        self._close_drafter(request)
+        request.state = "finished"
+
+    def _close_drafter(self, request: Request) -> None:
+        if request.drafter is not None:
+            request.drafter.close()
+            request.drafter = None
+
+    def _drafter(self, spec: SpecConfig):
+        if spec.method == "ngram":
+            return NgramDrafter(spec)
+        if spec.method == "early-exit":
+            return EarlyExitDrafter(self.runner, spec.draft_layers)
+        if spec.method == "medusa":
+            return MedusaDrafter(self.load_draft_heads("medusa"), self.loaded.model)
+        if spec.method == "eagle":
+            return EagleDrafter(self.load_draft_heads("eagle"), self.loaded.model, self.max_seq_len + 2 * MAX_K)
+        if self.draft_runner is None:
+            draft_config = replace(self.config, max_seq_len=self.max_seq_len)
+            self.draft_runner = ModelRunner(self.draft_model.model,
+                                             make_kv_cache(self.draft_model, draft_config, self.max_seq_len),
+                                             self.draft_model.device)
+        return DraftModelDrafter(self.draft_runner, self.loaded.config.vocab_size)
+
+    # --- single-request use ---------------------------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
+                 **kwargs) -> Iterator[TokenEvent | FinishEvent]:
+        """Validate now (keywords as `make_request`); return a generator of this request's events that queues the
+        request on its first next() and steps the engine whenever it has no event to give. Other requests on this
+        engine advance in the same steps."""
+        return self._stream(self.make_request(prompt, params, **kwargs))
+
+    def _stream(self, request: Request) -> Iterator[TokenEvent | FinishEvent]:
+        self.enqueue(request)
+        try:
+            while True:
+                while request.events:
+                    event = request.events.popleft()
+                    try:
+                        yield event
+                    except StopGeneration:
+                        self.stop(request)
+                    if isinstance(event, FinishEvent):
+                        return
+                if request.error is not None:
+                    raise request.error
+                if request.finished:  # cancelled from elsewhere
+                    return
+                if self.seconds_until_ready() == math.inf:
+                    self.drain()  # a static batch waits for more requests, and this caller is not sending any
+                self.step()
+        finally:
+            self.cancel(request)  # closed early or failed: its KV goes back (nothing to do once finished)
+
+    def complete(self, prompt, params: SamplingParams | None = None, **kwargs) -> FinishEvent:
+        """Run a request to the end and return its final event."""
+        for event in self.generate(prompt, params, **kwargs):
+            pass
+        return event
+
+    # --- asking, not reaching -------------------------------------------------------------------------------------
+
+    def _compile_seconds(self) -> float:
+        """Seconds this engine has spent compiling decode graphs so far (0 for an eager engine)."""
+        return self.decoder.stats.warmup_s if self.decoder is not None else 0.0
+
+    def compile_stats(self) -> dict | None:
+        """Compiled decode's totals (`compiled.CompileStats`: options, warm-up seconds, graphs, recompiles); None
+        for an eager engine."""
+        return self.decoder.stats.as_dict() if self.decoder is not None else None
+
+    def warm_up_compiled(self, batch_sizes: tuple[int, ...] = (1,)) -> float:
+        """Compile the decode graph for the buckets of `batch_sizes` now (a compiled engine otherwise compiles a
+        bucket on its first decode step at that size). Returns the seconds it took; 0 for an eager engine."""
+        if self.decoder is None:
+            return 0.0
+        started = time.perf_counter()
+        for size in batch_sizes:
+            self.decoder.warm_up(size)
+        return time.perf_counter() - started
+
+    def num_requests(self) -> int:
+        """Requests queued or running (0 whenever nothing is generating)."""
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def blocks_in_use(self) -> int:
+        """KV held right now: paged blocks (the draft model's too) or contiguous slots; 0 in mode none."""
+        draft = self.draft_runner.kv_cache.blocks_in_use() if self.draft_runner is not None else 0
+        return self.kv_cache.blocks_in_use() + draft
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, the draft model's too (paged KV; nothing to do in the other modes)."""
+        caches = [self.kv_cache] + ([self.draft_runner.kv_cache] if self.draft_runner is not None else [])
+        for cache in caches:
+            if isinstance(cache, PagedKVCache):
+                cache.manager.reset_prefix_cache()
+
+    def kv_snapshot(self) -> dict | None:
+        """The paged pool as plain values for drawing (None for the other KV modes): the block manager's snapshot
+        (each block's state, owners, reference count and fill; each sequence's block table; free list and eviction
+        order), each block's `token_ids` (what its filled slots hold, also for cached blocks no request owns), and
+        `requests`: per running request its prompt length, tokens whose KV is stored and prompt tokens from the
+        cache (a viewer shows text only for its own requests, by `seq_id`).
+        `bytes_per_token` and `context_length` let a caller compare with what a contiguous cache would reserve;
+        `kv_dtype` and `sliding_window` say how the pool stores and reads. A block-table entry FREED (-1) is a block
+        that fell out of the sliding window and went back to the pool; `stored_tokens` counts only tokens still held."""
+        if not isinstance(self.kv_cache, PagedKVCache):
+            return None
+        manager, block_size = self.kv_cache.manager, self.config.block_size
+        seqs = [request.seq for request in self.scheduler.running]
+        snapshot = manager.snapshot(seqs)
+        held = {}  # block id -> tokens of its owning request (a shared block holds the same tokens for every owner)
+        for seq in seqs:
+            for index, block_id in enumerate(seq.block_table):
+                if block_id != FREED:
+                    held[block_id] = seq.token_ids[index * block_size:(index + 1) * block_size]
+        for block, info in zip(manager.blocks, snapshot["blocks"]):
+            tokens = held.get(block.block_id, block.token_ids or ())
+            info["token_ids"] = list(tokens[:block.num_filled])
+        snapshot["requests"] = [
+            {"seq_id": seq.seq_id, "prompt_tokens": seq.num_prompt_tokens,
+             "stored_tokens": self.kv_cache.held_tokens(seq),
+             "cached_prompt_tokens": seq.num_cached_tokens, "block_table": list(seq.block_table)}
+            for seq in seqs]
+        snapshot["bytes_per_token"] = self.kv_cache.bytes_per_token
+        snapshot["context_length"] = self.max_seq_len
+        snapshot["kv_dtype"] = self.kv_cache.kv_dtype
+        snapshot["sliding_window"] = self.kv_cache.sliding_window
+        return snapshot

@@ -1,0 +1,225 @@
+"""One request's own state and the events it streams: what the engine keeps per request between scheduler steps.
+
+A `Request` owns its `Sequence` (token ids and KV placement), its sampling settings and seeded generator, its
+incremental detokenizer and stop-string handling, its speculative draft source and statistics, and its clocks. The
+engine's step turns the tokens a forward produced into `TokenEvent`s through `Request.record` and ends the request
+with one `FinishEvent` (`Request.finish_event`); nothing else in the engine knows about text.
+
+Clocks. `busy_s` is the request's own device time: tokenization plus the duration of every engine step it took part
+in (a shared step counts in full for each request in it: that is how long the request waited for it), never the time
+it spent queued, preempted, or suspended in a caller. TTFT and tokens/s in `GenerationStats` are on this clock, so a
+race lane's numbers do not include the other lane's steps. Wall-clock times (`submitted_at`, `first_scheduled_at`)
+are kept too, for queueing delay and for benchmarks that measure latency as a user sees it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from inference_core.model.tokenizer import IncrementalDetokenizer
+from inference_core.sampling import SamplingParams, make_generator
+from inference_core.sequence import Sequence
+from inference_core.spec.decoding import SpecConfig, SpecStats
+
+_next_request_id = itertools.count()
+
+
+class StopGeneration(Exception):
+    """Thrown into a running request's generator to stop it with a final event (finish_reason "stopped")."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token_id: int
+    text: str  # text delta; "" while an incomplete character or a possible stop string is held back
+    index: int  # 0 for the first generated token
+    time_s: float  # the request's own busy time when this token was ready
+    step_ms: float  # the forward pass + sampling that produced this token (0 for later tokens of a speculative step)
+    # Speculative decoding: "accepted" (a draft the target agreed with), "replaced" (the target's token where it
+    # rejected a draft), "bonus" (the target's token after a fully accepted draft), or None (a plain decode step).
+    draft: str | None = None
+    rejected_ids: tuple[int, ...] = ()  # on a "replaced" token: the drafts rejected from this position on
+    # The first token's event only (None on later ones): prompt tokens whose KV came from the prefix cache.
+    cached_prompt_tokens: int | None = None
+    batch_size: int = 1  # sequences in the engine step that produced this token (1: the request ran alone)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationStats:
+    kv_mode: str
+    prompt_tokens: int
+    cached_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
+    generated_tokens: int
+    finish_reason: str  # "eos" | "stop" | "length" | "stopped" (StopGeneration)
+    ttft_ms: float  # tokenization + prefill + first sampling, on the request's own clock
+    prefill_tokens_per_s: float  # computed (not cached) prompt tokens / the prefill steps' time
+    decode_tokens_per_s: float  # tokens after the first / busy time from the first token to the last
+    total_ms: float
+    kv_bytes_in_use: int  # KV of this request's tokens at its end
+    kv_bytes_reserved: int  # KV memory set aside for this request (contiguous: its whole slot; paged: its blocks)
+    spec: dict | None = None  # speculative decoding statistics (`SpecStats.as_dict`), None without speculation
+    preemptions: int = 0  # times the scheduler took its KV away (recompute) to make room for others
+    queue_ms: float = 0.0  # wall time from submission to its first scheduled step
+    batch_size_mean: float = 1.0  # mean number of sequences in the steps that served this request
+    # Compiled decode (None when eager): the engine's `compiled.CompileStats` at the end of this request, and
+    # `compile_s`, the seconds this request waited for a graph to compile (left out of decode_tokens_per_s).
+    compile: dict | None = None
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEvent:
+    text: str
+    token_ids: list[int]  # generated ids (an end-of-sequence token included)
+    stats: GenerationStats
+
+
+class Request:
+    """A request from submission to its final event. States: "waiting" (queued, or preempted and queued again),
+    "running" (holds KV placement), "finished" (final event produced; KV released)."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig, *, detokenizer,
+                 eos_ids: frozenset[int], device, priority: int = 0, cache_salt: str | None = None,
+                 tokenize_s: float = 0.0):
+        self.request_id = next(_next_request_id)
+        self.seq = Sequence(list(prompt_ids), cache_salt=cache_salt)
+        self.params = params
+        self.spec = spec
+        self.priority = priority
+        self.generator = make_generator(params, device)
+        self.eos_ids = frozenset() if params.ignore_eos else eos_ids
+        self.detokenizer: IncrementalDetokenizer = detokenizer
+        self.longest_stop = max((len(s) for s in params.stop), default=0)
+        self.state = "waiting"
+        # Where events go: `listener` (the engine loop's callback) if set, else the `events` deque for the caller. A
+        # failed step calls the listener with the error instead of an event.
+        self.events: deque[TokenEvent | FinishEvent] = deque()
+        self.listener: Callable[[Request, TokenEvent | FinishEvent | BaseException], None] | None = None
+        self.stop_requested = False  # StopGeneration: end after the step in flight, with a final event
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None  # set when a step failed: the handle re-raises it
+        # A viewer that draws the KV pool asks for its picture at the request's last token (taken by the step that
+        # finishes the request, just before its blocks go back).
+        self.keep_final_kv_snapshot = False
+        self.final_kv_snapshot: dict | None = None
+        self.text, self.emitted = "", 0
+        # Speculative decoding: the draft source (built at first admission), stats, and the current draft length.
+        self.drafter = None
+        self.spec_stats = SpecStats(spec.max_k, tree_width=spec.tree_width) if spec.enabled else None
+        self.draft_k = spec.k
+        # Clocks and counters (see the module docstring).
+        self.submitted_at = time.perf_counter()
+        self.first_scheduled_at: float | None = None
+        self.first_token_at: float | None = None  # wall clock (perf_counter) of the first token, queueing included
+        self.finished_at: float | None = None  # wall clock of the final event
+        self.busy_s = tokenize_s
+        self.first_token_busy_s: float | None = None
+        self.prefill_s = 0.0  # steps that computed prompt tokens (the first token's step included)
+        self.compile_s = 0.0  # time its steps spent compiling decode graphs (compiled engines only)
+        self.cached_prompt_tokens: int | None = None  # set at first admission
+        self.num_computed_prompt_tokens = 0
+        self.preemptions = 0
+        # Static batching: PAD_TOKENs forwarded after the prompt's last chunk (the prompt padded to its batch's
+        # longest, as in a padded batch; see ModelRunner.run). Set at admission, cleared once computed.
+        self.prompt_padding = 0
+        self.steps = 0
+        self.batch_size_sum = 0
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id}, {self.state}, {len(self.seq)} tokens, priority {self.priority})"
+
+    @property
+    def speculates(self) -> bool:
+        return self.spec.enabled
+
+    @property
+    def finished(self) -> bool:
+        return self.state == "finished"
+
+    def emit(self, event: TokenEvent | FinishEvent) -> None:
+        if self.listener is not None:
+            self.listener(self, event)
+        else:
+            self.events.append(event)
+
+    def room(self) -> int:
+        """New tokens this request may still produce."""
+        return self.params.max_new_tokens - self.seq.num_generated_tokens
+
+    def account_step(self, step_s: float, batch_size: int, prompt_tokens: int, compile_s: float = 0.0) -> None:
+        """Charge one engine step this request took part in: its duration, the batch size, whether it computed
+        prompt tokens (a prefill chunk), and the part of it spent compiling a graph."""
+        self.busy_s += step_s
+        self.compile_s += compile_s
+        self.steps += 1
+        self.batch_size_sum += batch_size
+        if prompt_tokens:
+            self.prefill_s += step_s
+            self.num_computed_prompt_tokens += prompt_tokens
+
+    def record(self, token: int, step_s: float, batch_size: int, draft: str | None = None,
+               rejected_ids: tuple[int, ...] = ()) -> TokenEvent:
+        """Append one generated token, extend the text, check the stop conditions (sets `finish_reason`)."""
+        seq = self.seq
+        seq.append(token)
+        text = self.text + ("" if token in self.eos_ids else self.detokenizer.add(token))
+        stops = self.params.stop
+        if token in self.eos_ids:
+            self.finish_reason = "eos"
+        elif stops and (hit := _find_stop(text, stops, max(0, self.emitted - self.longest_stop))) >= 0:
+            text, self.finish_reason = text[:hit], "stop"
+        elif seq.num_generated_tokens >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        self.text = text
+        # Hold back a tail that could still become a stop string.
+        safe = len(text) if self.finish_reason else len(text) - _stop_prefix_len(text, stops)
+        delta, self.emitted = text[self.emitted:safe], max(self.emitted, safe)
+        first = seq.num_generated_tokens == 1
+        if first:
+            self.first_token_busy_s = self.busy_s
+            self.first_token_at = time.perf_counter()
+        return TokenEvent(token, delta, seq.num_generated_tokens - 1, self.busy_s, step_s * 1e3, draft, rejected_ids,
+                          self.cached_prompt_tokens if first else None, batch_size)
+
+    def stats(self, kv_mode: str, kv_usage: tuple[int, int], compile_stats: dict | None = None) -> GenerationStats:
+        generated = self.seq.num_generated_tokens
+        first_busy = self.first_token_busy_s if self.first_token_busy_s is not None else self.busy_s
+        decode_s = self.busy_s - first_busy - self.compile_s  # graphs compile in decode steps only
+        decode_tokens = max(generated - 1, 0)
+        queue_s = (self.first_scheduled_at or time.perf_counter()) - self.submitted_at
+        return GenerationStats(
+            kv_mode=kv_mode, prompt_tokens=self.seq.num_prompt_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens or 0, generated_tokens=generated,
+            finish_reason=self.finish_reason or "stopped", ttft_ms=first_busy * 1e3,
+            prefill_tokens_per_s=self.num_computed_prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0,
+            decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
+            total_ms=self.busy_s * 1e3, kv_bytes_in_use=kv_usage[0], kv_bytes_reserved=kv_usage[1],
+            spec=self.spec_stats.as_dict() if self.spec_stats is not None else None, preemptions=self.preemptions,
+            queue_ms=queue_s * 1e3, batch_size_mean=self.batch_size_sum / self.steps if self.steps else 0.0,
+            compile=None if compile_stats is None else {**compile_stats, "compile_s": self.compile_s})
+
+    def finish_event(self, kv_mode: str, kv_usage: tuple[int, int], compile_stats: dict | None = None) -> FinishEvent:
+        self.finished_at = time.perf_counter()
+        return FinishEvent(self.text, self.seq.generated_token_ids, self.stats(kv_mode, kv_usage, compile_stats))
+
+
+def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:
+    hits = [i for s in stops if (i := text.find(s, search_from)) >= 0]
+    return min(hits) if hits else -1
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is the start of a stop string."""
+    best = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:size]):
+                best = size
+                break
+    return best

@@ -1,0 +1,213 @@
+"""The model runner: the one place where Python lists of sequences become tensors for a forward pass.
+
+Every forward, batch of one or many, goes through `ModelRunner.run(seqs, num_new_tokens)`: each sequence contributes
+its next `num_new_tokens` uncomputed tokens (a prefill chunk, a single decode token, or a speculative verification),
+at its own positions, with its own block table or cache slot. In KV mode `none` the cache keeps nothing, so every
+sequence contributes its whole text every time.
+
+The flat batch puts single-token decodes first: attention handles all of them with one gather and one SDPA call
+(`KVCache.load_decodes`, padded to the longest context and masked by length), and loops only over the prefill
+chunks. The batch's index tensors (positions, write slots, int32 block tables padded to `[batch, max_blocks]`,
+context lengths, cumulative query lengths) have shapes that depend only on the batch size, the number of tokens and
+the longest context, so a decode step can later be padded to buckets and compiled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from inference_core.kv.cache import KVCache, RecomputeKVCache
+from inference_core.model.llama import CausalLM
+from inference_core.model.loader import LoadedModel
+from inference_core.sequence import PAD_TOKEN, Sequence
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Tensors and per-sequence ranges for one forward pass over a flat batch of tokens (decodes first)."""
+
+    input_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]
+    logits_indices: torch.Tensor  # [logit rows]: flat indices of the tokens whose logits are returned, caller's order
+    query_start_loc: torch.Tensor  # [sequences + 1] int32: cumulative query lengths
+    context_lens_tensor: torch.Tensor  # [sequences] int32: tokens each attends to after this step
+    num_decodes: int  # the first num_decodes sequences forward one token each against their cache
+    query_ranges: list[tuple[int, int]]  # per sequence: its new tokens' [start, end) in the flat batch
+    order: list[int]  # the caller's index of each sequence, in the flat batch's order
+    position_ranges: list[tuple[int, int]]  # per sequence: positions [first, last) being computed
+    context_lens: list[int]  # per sequence: tokens it attends to after this step (cached + new)
+    is_causal: list[bool]  # per sequence: SDPA's own causal mask fits (queries and keys start together)
+    attention_masks: list[torch.Tensor | None]  # per sequence: [new, context] bool mask where SDPA's does not fit
+    max_decode_context: int = 0  # the longest context among the decodes
+    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_decode_context] bool: key j < context length
+    # Filled by the KV cache's prepare(): contiguous slots, or paged write slots and block tables.
+    cache_slots: list[int] = field(default_factory=list)
+    decode_slots: torch.Tensor | None = None  # [decodes] contiguous slots of the decodes
+    slot_mapping: torch.Tensor | None = None  # [tokens] flat write slot of each new token (paged)
+    block_tables: torch.Tensor | None = None  # [sequences, max_blocks] int32, padded with block 0 (paged)
+    num_blocks: list[int] = field(default_factory=list)  # per sequence: blocks its context spans (paged)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, decoder=None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.decoder = decoder  # a `compiled.CompiledDecoder` for steps that are only decodes (None: all eager)
+
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int], num_logits: int = 1,
+                num_padding: list[int] | None = None) -> ForwardBatch:
+        """`seqs[i]` forwards tokens [num_computed, num_computed + num_new_tokens[i]), the last `num_padding[i]` of
+        them padding (their logits rows are skipped). The flat batch orders the single-token decodes (with cached
+        context) first; logits rows follow the caller's order."""
+        num_padding = num_padding or [0] * len(seqs)
+        firsts = [seq.num_computed_tokens for seq in seqs]
+        is_decode = [count == 1 and first > 0 for first, count in zip(firsts, num_new_tokens)]
+        order = [i for i in range(len(seqs)) if is_decode[i]] + [i for i in range(len(seqs)) if not is_decode[i]]
+        num_decodes = sum(is_decode)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_ranges, position_ranges, context_lens, is_causal, masks = [], [], [], [], []
+        window = self.kv_cache.sliding_window
+        logit_rows: dict[int, list[int]] = {}
+        for index in order:
+            seq, first, new_tokens = seqs[index], firsts[index], num_new_tokens[index]
+            context = first + new_tokens
+            start = len(input_ids)
+            input_ids.extend(seq.token_ids[first:context])
+            positions.extend(range(first, context))
+            query_ranges.append((start, start + new_tokens))
+            position_ranges.append((first, context))
+            context_lens.append(context)
+            last = start + new_tokens - num_padding[index]  # one past the last real token
+            logit_rows[index] = list(range(last - min(num_logits, last - start), last))
+            if window is not None and context > window:
+                # Sliding window: query at position p sees keys p - window + 1 .. p.
+                query_positions = torch.arange(first, context, device=self.device)[:, None]
+                keys = torch.arange(context, device=self.device)[None, :]
+                masks.append((keys <= query_positions) & (keys > query_positions - window))
+                is_causal.append(False)
+            elif new_tokens == 1 or new_tokens == context:
+                # One query sees everything before it; or queries and keys start together (plain causal).
+                is_causal.append(new_tokens > 1)
+                masks.append(None)
+            else:
+                # New tokens after a cached prefix: query i (position first + i) sees keys 0..first + i.
+                masks.append(torch.ones(new_tokens, context, dtype=torch.bool, device=self.device)
+                             .tril(diagonal=first))
+                is_causal.append(False)
+        starts = [start for start, _ in query_ranges] + [len(input_ids)]
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            logits_indices=torch.tensor([row for index in range(len(seqs)) for row in logit_rows[index]],
+                                        dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            num_decodes=num_decodes, query_ranges=query_ranges, order=order, position_ranges=position_ranges,
+            context_lens=context_lens, is_causal=is_causal, attention_masks=masks)
+        if num_decodes > 1:
+            batch.max_decode_context = max(context_lens[:num_decodes])
+            keys = torch.arange(batch.max_decode_context, device=self.device)
+            contexts = batch.context_lens_tensor[:num_decodes, None]
+            visible = keys[None, :] < contexts
+            if window is not None:  # the decode's query is at position context - 1
+                visible &= keys[None, :] >= contexts - window
+            batch.decode_mask = visible[:, None, None, :]
+        self.kv_cache.prepare([seqs[index] for index in order], batch)
+        return batch
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None, num_logits: int = 1,
+            num_padding: list[int] | None = None, return_hidden: bool = False):
+        """Forward the next `num_new_tokens[i]` uncomputed tokens of each sequence (default: all of them); returns
+        fp32 logits for each sequence's last `num_logits` forwarded tokens, [len(seqs) * num_logits, vocab] (more than
+        1 for speculative verification). Commits the new KV. With `return_hidden`, returns (logits, hidden) where
+        hidden[i] is the final-normed hidden state of sequence i's forwarded tokens, [num_new_tokens[i], hidden_size]
+        (what trained draft heads read; always the eager forward).
+
+        `num_padding[i]` PAD_TOKENs are forwarded right after sequence i's new tokens (a static batch's prompts padded
+        to its longest): computed like any token, at the next positions, so no real token attends to them; their KV
+        goes to the sequence's next slots, which its own next tokens overwrite; never committed; logits are those of
+        the last real token. The caller has checked that the KV cache has room for them."""
+        if num_new_tokens is None:
+            num_new_tokens = [len(seq) - seq.num_computed_tokens for seq in seqs]
+        if self.decoder is not None and num_logits == 1 and not any(num_padding or ()) and not return_hidden \
+                and self.decoder.handles(seqs, num_new_tokens):
+            for seq in seqs:
+                self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + 1)
+            logits = self.decoder.run(seqs)
+            for seq in seqs:
+                self.kv_cache.commit(seq, seq.num_computed_tokens + 1)
+            return logits
+        num_padding = num_padding or [0] * len(seqs)
+        for seq, pads in zip(seqs, num_padding):
+            seq.token_ids.extend([PAD_TOKEN] * pads)  # for the forward only: taken out again below
+        try:
+            for seq in seqs:
+                self.kv_cache.ensure_capacity(seq)
+            batch = self.prepare(seqs, [count + pads for count, pads in zip(num_new_tokens, num_padding)],
+                                 num_logits, num_padding)
+            logits = self.model.forward(batch, self.kv_cache, return_hidden=return_hidden)
+        finally:
+            for seq, pads in zip(seqs, num_padding):
+                if pads:
+                    del seq.token_ids[-pads:]
+        for seq, count in zip(seqs, num_new_tokens):
+            self.kv_cache.commit(seq, seq.num_computed_tokens + count)
+        if not return_hidden:
+            return logits
+        logits, flat = logits
+        hidden: list[torch.Tensor] = [flat] * len(seqs)
+        for (start, _), index in zip(batch.query_ranges, batch.order):
+            hidden[index] = flat[start:start + num_new_tokens[index]]
+        return logits, hidden
+
+    @torch.inference_mode()
+    def run_tree(self, seq: Sequence, depths: list[int], tree_mask: torch.Tensor):
+        """A tree verification forward. The last len(depths) tokens of `seq` are a draft tree in slot order: node i
+        sits at depth depths[i] below node 0 (the sequence's last real token, depth 0), so it is rotated to position
+        node 0's + depths[i], and it attends to the context before node 0 and to the nodes `tree_mask[i]` marks (its
+        ancestors and itself, [nodes, nodes] bool). Earlier uncomputed tokens (mode none forwards everything) are
+        computed as usual. Returns (fp32 logits for every node [nodes, vocab], the nodes' final-normed hidden states
+        [nodes, hidden]: the trained heads that draft trees read them). Nothing is committed: the caller keeps the
+        accepted path (its KV moved to consecutive slots) and commits that."""
+        first, num_nodes = seq.num_computed_tokens, len(depths)
+        root = len(seq) - num_nodes  # node 0's position (and slot)
+        self.kv_cache.ensure_capacity(seq)
+        batch = self.prepare([seq], [len(seq) - first], num_logits=num_nodes)
+        positions = torch.cat([torch.arange(first, root, device=self.device),
+                               root + torch.tensor(depths, device=self.device)])
+        # Keys in slot order: the context [0, root) and then the nodes. Queries: tokens [first, len(seq)).
+        key_positions = torch.cat([torch.arange(root, device=self.device), positions[root - first:]])
+        mask = torch.zeros(len(seq) - first, len(seq), dtype=torch.bool, device=self.device)
+        mask[:, :root] = torch.ones(len(seq) - first, root, dtype=torch.bool, device=self.device).tril(first)
+        mask[root - first:, root:] = tree_mask.to(self.device)
+        window = self.kv_cache.sliding_window
+        if window is not None:  # a query at position p sees keys at positions p - window + 1 .. p
+            mask &= key_positions[None, :] > positions[:, None] - window
+        batch.positions, batch.attention_masks[0], batch.is_causal[0] = positions, mask, False
+        logits, flat = self.model.forward(batch, self.kv_cache, return_hidden=True)
+        return logits, flat[-num_nodes:]
+
+    @torch.inference_mode()
+    def run_shallow(self, seq: Sequence, num_layers: int) -> torch.Tensor:
+        """An early-exit draft pass: forward the uncomputed tokens of `seq` through the first `num_layers` layers
+        (writing only their KV) and return the last token's fp32 logits [1, vocab]. Nothing is committed: the caller
+        moves `seq.num_computed_tokens` itself and puts it back before the full-depth pass, which rewrites every
+        layer's KV at those positions."""
+        self.kv_cache.ensure_capacity(seq)
+        batch = self.prepare([seq], [len(seq) - seq.num_computed_tokens])
+        return self.model.forward(batch, self.kv_cache, num_layers)
+
+
+@torch.inference_mode()
+def wake_device(loaded: LoadedModel) -> None:
+    """One untimed single-token forward, to run just before timed work. After the device has sat idle for a second
+    or more, its first forward runs slower: on a 2-core CPU, after 1.5 s idle a race's lanes reached their first
+    token 25-70 ms later (TTFTs of 100-250 ms) than with one forward run just before."""
+    ModelRunner(loaded.model, RecomputeKVCache(), loaded.device).run([Sequence([0])])
+    if loaded.device.type == "cuda":
+        torch.cuda.synchronize(loaded.device)

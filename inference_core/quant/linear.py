@@ -1,0 +1,187 @@
+"""Weight-only quantized projections: int8 per output channel, int4 per group of input features (`QuantLinear`, the
+layer `inference_core.quant.quantize` swaps in for each `Linear`), and the settings that name a scheme (`QuantConfig`).
+
+Kernels are ATen's weight-only ones: `_weight_int8pack_mm` (int8 weights, a scale per output channel) and
+`_weight_int4pack_mm_for_cpu` (int4 weights packed two per byte, a scale and a zero per group of `group_size` input
+features, as tinygemm lays them out). Each dequantizes inside the matmul, so only the small weights stream from
+memory. On the CPU both are fast only with bf16 activations: one decode row against a 1536x576 int8 weight took 30 us
+in bf16 and 494 us in fp32 (an fp32 `F.linear` on the full weight: 69 us), so an fp32 model's activations are cast to
+bf16 around each quantized projection where that measures faster on this host (`compute_dtype`, measured once), as it
+does on CPUs with AVX-512 BF16 or AMX. `QuantLinear.dequantized()` gives back the float weight the kernel computes
+with, the reference the tests hold the kernels to.
+
+Round to nearest: int8 symmetric (scale = max|w| / 127), int4 asymmetric per group (scale = (max - min) / 15, w = (q -
+8) * scale + zero; `round_int4`). Scheme `awq` is int4 after activation-aware scaling (`inference_core.quant.awq`:
+calibrated once, saved, then loaded). Quality is measured by `python -m inference_core quality`."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from inference_core.config import ConfigError
+from inference_core.model.llama import Linear
+
+SCHEMES = ("none", "int8", "int4", "awq")
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    scheme: str = "none"  # none, int8 (per output channel), int4 (per group) or awq (int4 after AWQ scaling)
+    group_size: int = 32  # int4 and awq: input features sharing a scale and zero
+    lm_head: bool = True  # quantize the LM head too (about a fifth of a small model's weights)
+
+    def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise ConfigError(f"unknown quantization {self.scheme!r}; one of {', '.join(SCHEMES)}.")
+        if self.group_size not in GROUP_SIZES:
+            raise ConfigError(f"quantization group size must be one of {', '.join(map(str, GROUP_SIZES))}, "
+                              f"not {self.group_size}.")
+
+    @property
+    def name(self) -> str:
+        """e.g. 'int4 g32', 'awq int4 g32', 'int8 (LM head in the model dtype)'."""
+        if self.scheme == "none":
+            return "none"
+        words = {"int8": "int8", "int4": f"int4 g{self.group_size}", "awq": f"awq int4 g{self.group_size}"}[self.scheme]
+        return words + ("" if self.lm_head else " (LM head in the model dtype)")
+
+
+@dataclass
+class Int4Weight:
+    """An int4 weight before packing: q [out, in] int32 in 0..15; scale and zero [out, in / group_size] fp32; the
+    weight it stands for is (q - 8) * scale + zero."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def dequantized(self, compute: torch.dtype = torch.float32) -> torch.Tensor:
+        """The [out, in] fp32 weight, with scale and zero rounded to `compute` as the kernel keeps them."""
+        scale, zero = self.scale.to(compute).float(), self.zero.to(compute).float()
+        groups = (self.q.view(*scale.shape, -1).float() - 8) * scale[..., None] + zero[..., None]
+        return groups.view(self.q.shape)
+
+
+def round_int4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> Int4Weight:
+    """Round-to-nearest int4 of an fp32 [out, in] weight, asymmetric per group of `group_size` input features.
+    `clip` [out, in / group_size] (AWQ's): each group's range first cut to +-clip * its max |w|."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ConfigError(f"int4 groups of {group_size} do not divide {in_features} input features; "
+                          f"pick another --quant-group.")
+    groups = weight.contiguous().view(out_features, -1, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    if clip is not None:
+        bound = torch.maximum(-low, high) * clip
+        low, high = torch.maximum(low, -bound), torch.minimum(high, bound)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    zero = low + 8 * scale  # dequantized: (q - 8) * scale + zero
+    return Int4Weight(q.view(out_features, in_features), scale, zero)
+
+
+class QuantLinear(nn.Module):
+    """A `model.Linear` with its weight quantized; same inputs and outputs."""
+
+    def __init__(self, linear: Linear, scheme: str, group_size: int, compute: torch.dtype):
+        super().__init__()
+        weight = linear.weight.detach()
+        weight = (weight.t() if linear.in_out else weight).float().contiguous()  # [out, in]
+        self.out_features, self.in_features = weight.shape
+        self.scheme, self.group_size, self.compute = scheme, group_size, compute
+        self.bias = linear.bias
+        if scheme == "int8":
+            scale = weight.abs().amax(1).clamp(min=1e-8) / 127
+            self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+            self.register_buffer("scales", scale.to(compute))
+        elif scheme == "int4":
+            self._store_int4(round_int4(weight, group_size))
+        else:
+            raise ConfigError(f"unknown quantization {scheme!r}")
+
+    @classmethod
+    def from_int4(cls, weight: Int4Weight, bias: torch.Tensor | None, compute: torch.dtype) -> QuantLinear:
+        """An int4 layer from weights already rounded (AWQ's scaled ones, or ones read back from a file)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = weight.q.shape
+        layer.scheme, layer.group_size, layer.compute, layer.bias = "int4", weight.group_size, compute, bias
+        layer._store_int4(weight)
+        return layer
+
+    def _store_int4(self, weight: Int4Weight) -> None:
+        # qweight: the kernel's packed layout, two per byte; scales: [in / group_size, out, 2] (scale, zero).
+        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(weight.q, 1))
+        self.register_buffer("scales", torch.stack([weight.scale.t(), weight.zero.t()], -1).to(self.compute)
+                             .contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(self.compute)
+        if self.scheme == "int8":
+            out = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales)
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The [out, in] float weight this layer computes with (the kernels' reference)."""
+        if self.scheme == "int8":
+            return self.qweight.float() * self.scales.float()[:, None]
+        eye = torch.eye(self.in_features, dtype=self.compute)
+        # The packed layout is the kernel's own: read it back through the kernel, column by column.
+        return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, self.scales).float().t()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as stored: parameters and quantized buffers, each tensor once."""
+    seen, total = set(), 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+@functools.cache
+def compute_dtype(device_type: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype of the quantized kernels: the model's, except on a CPU where bf16 measures faster (the
+    kernels are tuned for it; an fp32 model's activations are then cast around each projection)."""
+    if device_type != "cpu" or model_dtype == torch.bfloat16:
+        return model_dtype
+    weight = torch.zeros(1536, 576, dtype=torch.int8)
+
+    def seconds(dtype: torch.dtype) -> float:
+        x, scales = torch.randn(1, 576, dtype=dtype), torch.ones(1536, dtype=dtype)
+        torch._weight_int8pack_mm(x, weight, scales)
+        started = time.perf_counter()
+        for _ in range(20):
+            torch._weight_int8pack_mm(x, weight, scales)
+        return time.perf_counter() - started
+
+    # On one thread: on a busy 2-core host two OpenMP threads wait on each other at every call (measured: 24 ms a
+    # call in either dtype, which hid a 100x difference: 49 us in bf16, 4.8 ms in fp32 on one thread).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.bfloat16 if seconds(torch.bfloat16) * 1.1 < seconds(model_dtype) else model_dtype
+    finally:
+        torch.set_num_threads(threads)
+
+
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s modules that shares every parameter and buffer with it (swap modules in the copy freely;
+    never change a tensor in place)."""
+    memo = {id(tensor): tensor for tensor in [*model.parameters(), *model.buffers()]}
+    return copy.deepcopy(model, memo)

@@ -1,0 +1,298 @@
+"""The lane settings, declared once: the switches a person flips for one configuration (KV cache, sampling,
+speculative decoding, compiled decode, weights, KV dtype, sliding window, an external engine), each with its type,
+default, choices or bounds, when it applies, and its words on the page, in the API and on the command line.
+
+`LaneSettings` is that table: every field carries a `Setting` (`SETTINGS` lists them in order), and what each surface
+offers is derived from it: the page's widgets and their enabling (`ui.layout`), the API's extra body fields
+(`server.openai_api`), `generate`'s flags (`add_setting_arguments`, `from_args`) and the command that reproduces a
+configuration (`command_flags`). `engine_config`, `quant`, `sampling` and `spec` map a lane onto the engine's own
+settings, which check every value, so a bad one fails with the engine's `ConfigError`; `words(surface)` names each
+setting the way that surface's refusals quote it. Adding a setting means a field here and the code that implements
+it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Callable
+
+from inference_core.config import KV_DTYPES, KV_MODES, EngineConfig
+from inference_core.quant.linear import GROUP_SIZES, SCHEMES, QuantConfig
+from inference_core.sampling import SamplingParams
+from inference_core.spec.decoding import HIDDEN_READERS, MAX_K, MAX_TREE_WIDTH, SPEC_METHODS, SpecConfig
+
+BLOCK_SIZES = (4, 8, 16, 32)
+DEFAULT_LAYERS = "default"  # draft_layers' value for "the engine's default depth" (a widget needs a value for it)
+KV_MODE_LABELS = {"paged": "paged KV cache", "contiguous": "contiguous KV cache", "none": "no KV cache (recompute)"}
+SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "early exit", "draft": "draft model",
+                      "medusa": "Medusa heads (trained)", "eagle": "EAGLE layer (trained)"}
+WEIGHTS_LABELS = {"none": "model dtype", "int8": "int8 per channel", "int4": "int4 per group",
+                  "awq": "AWQ int4 per group (calibrated)"}
+KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and head"}
+UNSET = object()  # a Setting's flag_default or off_value that was not given
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one lane setting appears on each surface and when it applies."""
+
+    label: str  # the page's label; the page's refusals quote it
+    widget: str  # the page's control: radio, dropdown, checkbox, slider, number or text
+    info: str = ""  # a line under the page's control (a surface with more to say about this model adds it there)
+    choices: tuple = ()  # the values offered (the API refuses others the engine would take)
+    labels: dict | None = None  # choice -> the page's words for it
+    bounds: tuple[float, float, float] | None = None  # slider or number: (low, high, step)
+    kinds: tuple[type, ...] = ()  # the API's accepted JSON types (default: the default value's type)
+    api: str | None = "extra"  # "extra": a playground body field; "openai": read from OpenAI's own field; None: none
+    flag: str | None = None  # `generate`'s flag (a bool defaulting to True gets --no-<flag>); None: not on the CLI
+    flag_default: object = UNSET  # the CLI's default where it differs from the page's
+    help: str = ""  # the flag's help
+    # When the setting does something: (another setting, values of it); outside them the page disables the control
+    # (`hidden`: hides it) and sets it to `off_value` where one is given.
+    applies: tuple[str, Callable[[object], bool]] | None = None
+    hidden: bool = False
+    off_value: object = UNSET
+
+
+def _setting(default, **declared) -> field:
+    return field(default=default, metadata={"setting": Setting(**declared)})
+
+
+def _one_of(*values) -> Callable[[object], bool]:
+    return lambda value: value in values
+
+
+def _sampling(temperature) -> bool:
+    try:
+        return float(temperature or 0) > 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _whole(value):
+    """A widget's whole number as an int (sliders give 5.0); anything else unchanged, for the engine to refuse."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+WITH_KV_CACHE = ("kv_mode", _one_of("contiguous", "paged"))
+SPECULATING = ("spec_method", lambda method: method not in (None, "", "none"))
+
+
+@dataclass(frozen=True, slots=True)
+class LaneSettings:
+    kv_mode: str = _setting(
+        "paged", label="KV cache", widget="radio", choices=KV_MODES[::-1], labels=KV_MODE_LABELS, flag="kv",
+        help="KV cache mode (default: paged)")
+    block_size: int = _setting(
+        16, label="block size (paged)", widget="dropdown", choices=BLOCK_SIZES, flag="block-size",
+        help="paged KV block size in tokens", applies=("kv_mode", _one_of("paged")))
+    prefix_cache: bool = _setting(
+        True, label="prefix cache (paged)", widget="checkbox", flag="prefix-cache",
+        help="paged: do not reuse cached prefixes", applies=("kv_mode", _one_of("paged")))
+    temperature: float = _setting(
+        0.0, label="temperature (0 = greedy)", widget="slider", bounds=(0.0, 1.5, 0.05), api="openai",
+        flag="temperature", help="0 is greedy")
+    top_p: float = _setting(
+        1.0, label="top-p (when sampling)", widget="slider", bounds=(0.05, 1.0, 0.05), api="openai", flag="top-p",
+        help="1 is off", applies=("temperature", _sampling))
+    seed: int | None = _setting(  # None: a fresh seed per request; the page shows the 0 the engine gets
+        0, label="seed (when sampling)", widget="number", api="openai", flag="seed", flag_default=None,
+        applies=("temperature", _sampling))
+    spec_method: str = _setting(
+        "none", label="speculative decoding: draft source", widget="radio", choices=SPEC_METHODS,
+        labels=SPEC_METHOD_LABELS, flag="spec",
+        help="speculative decoding draft source: ngram = prompt lookup, early-exit = the model's first "
+             "--draft-layers layers, draft = --draft-model, medusa / eagle = trained draft heads (shipped for the "
+             "bundled model; others: train-draft, or --draft-heads)")
+    spec_k: int = _setting(  # where it starts when adaptive
+        4, label="draft length k", widget="slider", bounds=(1, MAX_K, 1), flag="spec-k",
+        help="draft length k (where adaptive k starts)", applies=SPECULATING, hidden=True)
+    spec_adaptive: bool = _setting(
+        False, label="adaptive k", widget="checkbox", flag="spec-adaptive",
+        help="adapt k: longer after a fully accepted draft, shorter after an early rejection", applies=SPECULATING,
+        hidden=True)
+    spec_tree_width: int = _setting(  # a tree needs ranked candidates: for other sources it goes back to a chain
+        1, label="tree width", widget="slider", bounds=(1, MAX_TREE_WIDTH, 1),
+        info="greedy: each position's next-best tokens as leaves beside the chain, verified in the same forward "
+             "(1: a chain)", flag="spec-tree-width",
+        help="medusa, eagle, greedy: verify a tree with this many candidates per draft position (the best ones "
+             "chained, the others as leaves beside them; 1: a chain)",
+        applies=("spec_method", _one_of(*HIDDEN_READERS)), hidden=True, off_value=1)
+    draft_layers: int | str | None = _setting(  # DEFAULT_LAYERS (or None): the engine's default depth
+        DEFAULT_LAYERS, label="early-exit draft layers", widget="dropdown", kinds=(int, str), flag="draft-layers",
+        flag_default=None, help="early-exit: layers the draft runs (default: half)",
+        applies=("spec_method", _one_of("early-exit")), hidden=True)
+    compile: bool = _setting(
+        False, label="compiled decode", widget="checkbox",
+        info="needs a KV cache; compiles once per configuration and batch size (1-2 minutes on a CPU), kept on disk "
+             "for the next start", flag="compile",
+        help="decode steps through torch.compile (contiguous or paged KV; the first decode step at each batch size "
+             "compiles first, 1-2 minutes on a CPU)", applies=WITH_KV_CACHE, off_value=False)
+    weights: str = _setting(
+        "none", label="weights", widget="dropdown", choices=SCHEMES, labels=WEIGHTS_LABELS, flag="quant",
+        help="weight-only quantization of the projections: int8 per output channel, int4 per group, awq: int4 per "
+             "group after activation-aware scaling (calibrated once and cached)")
+    quant_group: int = _setting(
+        32, label="int4 group size", widget="dropdown", choices=GROUP_SIZES, flag="quant-group",
+        help="int4: input features per scale and zero", applies=("weights", _one_of("int4", "awq")))
+    kv_dtype: str = _setting(
+        "auto", label="KV cache dtype", widget="radio", choices=KV_DTYPES, labels=KV_DTYPE_LABELS, flag="kv-dtype",
+        help="KV cache storage: auto (the model dtype) or int8 (per token and head scales)", applies=WITH_KV_CACHE,
+        off_value="auto")
+    sliding_window: int | None = _setting(  # 0 (or None): the checkpoint's own window, if any
+        0, label="sliding window (tokens)", widget="number", bounds=(0, 1 << 20, 1),
+        info="attend to the last N tokens only; the paged cache gives back blocks that fall out of the window, so "
+             "its memory stays flat as the text grows", flag="sliding-window", flag_default=None,
+        help="attend to the last N tokens only (default: the checkpoint's own window, if any); paged KV gives back "
+             "the blocks that fall out of it")
+    # An external OpenAI-compatible server (vLLM, SGLang, llama.cpp's server, this app's API elsewhere): the lane runs
+    # there through `serving.remote` instead of on this engine, and only the sampling settings above apply.
+    endpoint: str = _setting(
+        "", label="external engine URL (empty: this app's engine)", widget="text", api=None,
+        info="run this lane on an OpenAI-compatible server instead (vLLM, SGLang, llama.cpp's server, this app on "
+             "another machine): only temperature, top-p and seed apply there; its TTFT and tokens/s are wall-clock "
+             "as this app sees them")
+    endpoint_model: str = _setting(
+        "", label="external model id (empty: the first it lists)", widget="text", api=None)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "LaneSettings":
+        """A lane from `generate`'s flags (see `add_setting_arguments`)."""
+        return cls(**{name: getattr(args, name) for name, setting in SETTINGS.items() if setting.flag})
+
+    def engine_config(self, max_seq_len: int | None, **engine) -> EngineConfig:
+        """The engine's settings for this lane; `engine`: settings that are not the lane's (batching, pool size)."""
+        window = _whole(self.sliding_window) or None
+        return EngineConfig(kv_mode=self.kv_mode, block_size=_whole(self.block_size),
+                            prefix_cache=bool(self.prefix_cache), max_seq_len=max_seq_len, compile=bool(self.compile),
+                            kv_dtype=self.kv_dtype, sliding_window=window, **engine)
+
+    def quant(self, lm_head: bool = True) -> QuantConfig:
+        return QuantConfig(self.weights or "none", _whole(self.quant_group), lm_head)
+
+    def sampling(self, max_new_tokens: int, **more) -> SamplingParams:
+        """The sampling settings for `max_new_tokens`; `more`: top-k, stop strings and the like."""
+        seed = None if self.seed in (None, "") else int(self.seed)
+        return SamplingParams(max_new_tokens=int(max_new_tokens), temperature=float(self.temperature),
+                              top_p=float(self.top_p), seed=seed, **more)
+
+    def spec(self) -> SpecConfig:
+        """The speculative settings (raises ConfigError for a bad one). The early-exit depth is passed only with
+        that method, so a value left in its hidden box cannot affect another draft source."""
+        layers = self.draft_layers if self.spec_method == "early-exit" else None
+        layers = None if layers in ("", DEFAULT_LAYERS) else layers
+        method = self.spec_method or "none"
+        return SpecConfig(method=method, k=_whole(self.spec_k), adaptive=bool(self.spec_adaptive),
+                          draft_layers=_whole(layers),
+                          tree_width=_whole(self.spec_tree_width) if method != "none" else 1)
+
+    def check(self) -> None:
+        """Refuse a bad value or a combination the engine cannot run (ConfigError), without building an engine."""
+        self.engine_config(1 << 16), self.quant(), self.spec()
+
+    @property
+    def external(self) -> bool:
+        return bool((self.endpoint or "").strip())
+
+    @property
+    def greedy(self) -> bool:
+        return float(self.temperature) == 0.0
+
+    @property
+    def speculates(self) -> bool:
+        return not self.external and self.spec_method not in (None, "", "none")
+
+    def describe(self) -> str:
+        """This lane in a line of words, as the page's summaries and the API's reports say it."""
+        sampling = "greedy" if self.greedy else f"temperature {float(self.temperature):g}, top-p {float(self.top_p):g}"
+        if self.external:
+            model = f" ({self.endpoint_model})" if self.endpoint_model else ""
+            return f"external engine {self.endpoint.strip()}{model}, {sampling}"
+        parts = [KV_MODE_LABELS.get(self.kv_mode, self.kv_mode)]
+        if self.kv_mode == "paged":
+            parts.append(f"block {int(self.block_size)}")
+            parts.append("prefix cache" if self.prefix_cache else "no prefix cache")
+        parts.append(sampling)
+        if self.speculates:
+            draft = SPEC_METHOD_LABELS.get(self.spec_method, self.spec_method)
+            if self.spec_method == "early-exit" and self.draft_layers not in (None, "", DEFAULT_LAYERS):
+                draft += f" ({_whole(self.draft_layers)} layers)"
+            width = _whole(self.spec_tree_width)
+            parts.append(f"{draft} k={_whole(self.spec_k)}" + (" adaptive" if self.spec_adaptive else "")
+                         + (f" tree {width} wide" if width != 1 else ""))
+        if self.compile:
+            parts.append("compiled decode")
+        if self.weights not in (None, "", "none"):
+            parts.append(f"{self.quant().name} weights")
+        if self.kv_dtype == "int8":
+            parts.append("int8 KV")
+        if _whole(self.sliding_window):
+            parts.append(f"window {_whole(self.sliding_window)}")
+        return ", ".join(parts)
+
+
+SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(LaneSettings)}
+DEFAULTS = LaneSettings()
+
+
+def kinds(name: str) -> tuple[type, ...]:
+    """The JSON types the API accepts for setting `name`."""
+    return SETTINGS[name].kinds or (type(getattr(DEFAULTS, name)),)
+
+
+def applies(settings: LaneSettings, name: str) -> bool:
+    """Whether setting `name` does something with the rest of `settings`."""
+    condition = SETTINGS[name].applies
+    return condition is None or condition[1](getattr(settings, condition[0]))
+
+
+def words(surface: str) -> dict[str, str]:
+    """How `surface` ("page", "api" or "cli") names each setting in a `ConfigError`'s message (see
+    `ConfigError.in_words`): the page quotes its label, the API the field's name, the command line its flag."""
+    if surface == "page":
+        return {name: f"'{setting.label}'" for name, setting in SETTINGS.items()}
+    if surface == "api":
+        return {name: f"'{name}'" for name, setting in SETTINGS.items() if setting.api}
+    return {name: f"--{setting.flag}" for name, setting in SETTINGS.items() if setting.flag}
+
+
+def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """`generate`'s flags for the lane settings, one per setting with a flag, in the table's order."""
+    for name, setting in SETTINGS.items():
+        if not setting.flag:
+            continue
+        default = getattr(DEFAULTS, name) if setting.flag_default is UNSET else setting.flag_default
+        if isinstance(default, bool):
+            flag = f"--no-{setting.flag}" if default else f"--{setting.flag}"
+            parser.add_argument(flag, dest=name, action="store_false" if default else "store_true",
+                                help=setting.help)
+            continue
+        kind = kinds(name)[0] if name != "draft_layers" else int
+        parser.add_argument(f"--{setting.flag}", dest=name, type=kind, default=default,
+                            choices=setting.choices if kind is str and setting.choices else None, help=setting.help)
+
+
+def command_flags(settings: LaneSettings, always: tuple[str, ...] = ()) -> list[str]:
+    """`generate`'s flags that reproduce `settings`: every setting changed from its default, the details of every
+    switch that is on (the group size of int4 weights, the draft length of a draft source, top-p and seed when
+    sampling), and the settings named in `always`."""
+    words = []
+    for name, setting in SETTINGS.items():
+        value = getattr(settings, name)
+        if not setting.flag or value in (None, "", DEFAULT_LAYERS):
+            continue
+        cli_default = getattr(DEFAULTS, name) if setting.flag_default is UNSET else setting.flag_default
+        changed = value != getattr(DEFAULTS, name) and value != cli_default
+        switched_on = setting.applies is not None and \
+            getattr(settings, setting.applies[0]) != getattr(DEFAULTS, setting.applies[0])
+        if name not in always and not (applies(settings, name) and (changed or switched_on)):
+            continue
+        if isinstance(cli_default, bool):
+            if value != cli_default:
+                words.append(f"--no-{setting.flag}" if cli_default else f"--{setting.flag}")
+        else:
+            words += [f"--{setting.flag}", str(_whole(value))]
+    return words

@@ -1,0 +1,436 @@
+"""Speculative decoding: cheap drafts of the next k tokens, verified by the target model in one forward pass.
+
+This module owns the draft sources, the verification step, the acceptance rule and the statistics; the engine owns
+the request loop (`Engine._run`) and builds the draft source for a request (`Engine._drafter`). One verification step
+(`speculative_step`):
+
+1. A draft source proposes up to k tokens after the sequence so far (`propose`).
+2. The target forwards the last accepted token plus the k drafts through its KV cache in one pass and returns logits
+   for every one of those k + 1 positions (`ModelRunner.run(..., num_logits=k + 1)`).
+3. Acceptance. Greedy: draft i is accepted while it equals the target's argmax at its position; at the first
+   mismatch the target's own token replaces it, and if all k are accepted the target's token after them is a bonus.
+   Every step therefore yields between 1 and k + 1 tokens, exactly the tokens plain greedy decoding would have
+   produced. Sampling (`accept_sampled`): the standard rule that keeps the target's distribution exactly.
+4. The KV of rejected drafts is rolled back (paged: their tail blocks return to the pool).
+
+Draft sources, each with `propose` (up to k tokens and, when sampling from a model, their draft distributions) and
+`close` (release what the request held):
+- `ngram`: prompt lookup. Find the latest earlier occurrence of the sequence's last n tokens and propose what
+  followed it. No model, nearly free; helps where the answer copies from the prompt.
+- `early-exit`: self-speculation. The target's first L layers, then its final norm and LM head, draft k tokens one
+  by one. No extra weights: the draft writes layers 0..L-1 of the target's own KV cache, and the verification pass
+  rewrites every layer at those positions.
+- `draft`: a separate, smaller model with the same tokenizer, with its own KV cache that is rolled back to the
+  tokens both models agree on before each proposal.
+- `medusa` and `eagle`: heads trained on the target's own answers that read its last hidden state
+  (`inference_core.spec.draft_heads`); the verification pass hands them the hidden states of the positions it keeps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inference_core.config import ConfigError
+from inference_core.sampling import SamplingParams, probabilities, sample_with_probabilities
+from inference_core.sequence import Sequence
+
+SPEC_METHODS = ("none", "ngram", "early-exit", "draft", "medusa", "eagle")
+HIDDEN_READERS = ("medusa", "eagle")  # draft sources that read the target's hidden states
+MAX_K = 16
+MAX_TREE_WIDTH = 8
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Speculative decoding settings of one request. method: 'none', 'ngram' (prompt lookup), 'early-exit' (the
+    target's first `draft_layers` layers as the draft), 'draft' (the engine's separate draft model), or 'medusa' /
+    'eagle' (trained draft heads). With
+    `adaptive`, k is where the draft length starts: it grows by one after a fully accepted step (up to 2k, at most
+    MAX_K) and shrinks by one after a rejection in the first half of the drafts (down to 1)."""
+
+    method: str = "none"
+    k: int = 4  # draft length (the starting one when adaptive)
+    adaptive: bool = False
+    draft_layers: int | None = None  # early exit: layers the draft runs (None: half the model's)
+    # Prompt lookup: the longest and shortest suffix to match. Shorter matches than 3 tokens propose far more drafts
+    # that the target rejects (bundled model, k=5: acceptance 0.16 on chat prompts with 1-token matches, 0.50 with
+    # 3-token ones), and on a CPU each rejected draft costs verification time (see README, "Speculative decoding").
+    ngram_max: int = 3
+    ngram_min: int = 3
+    # Tree verification (trained heads, greedy): each draft position offers its `tree_width` best tokens. The best
+    # ones form the chain; the others are leaves beside it, verified in the same forward (`tree_speculative_step`).
+    tree_width: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"unknown speculative method {self.method!r}; use one of: {', '.join(SPEC_METHODS)}.")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
+            raise ConfigError(f"draft length k must be an integer from 1 to {MAX_K} ({{spec_k}}), got {self.k!r}.")
+        if self.draft_layers is not None and (isinstance(self.draft_layers, bool)
+                                              or not isinstance(self.draft_layers, int) or self.draft_layers < 1):
+            raise ConfigError(f"draft layers must be a positive integer ({{draft_layers}}), got {self.draft_layers!r}.")
+        if isinstance(self.tree_width, bool) or not isinstance(self.tree_width, int) \
+                or not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise ConfigError(f"tree width must be an integer from 1 to {MAX_TREE_WIDTH} ({{spec_tree_width}}), "
+                              f"got {self.tree_width!r}.")
+        if self.tree_width > 1 and self.method not in HIDDEN_READERS:
+            raise ConfigError(f"tree verification ({{spec_tree_width}} > 1) needs a draft source that ranks its "
+                              f"candidates: {' or '.join(HIDDEN_READERS)}, not {self.method!r}.")
+        if self.tree_width > 1 and self.adaptive:
+            raise ConfigError("tree verification ({spec_tree_width} > 1) drafts a fixed depth; turn adaptive k off.")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"prompt lookup needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
+                              f"{self.ngram_max}.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def reads_hidden(self) -> bool:
+        """Trained draft heads: the engine hands them the target's hidden state at every position it computes."""
+        return self.method in HIDDEN_READERS
+
+    @property
+    def max_k(self) -> int:
+        """The longest draft this setting can propose."""
+        return min(2 * self.k, MAX_K) if self.adaptive else self.k
+
+
+def propose_ngram(token_ids: list[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
+    """Prompt lookup: the up-to-k tokens that followed the latest earlier occurrence of the sequence's last n tokens,
+    trying the longest n first. [] when no suffix recurs."""
+    length = len(token_ids)
+    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
+        suffix = token_ids[length - n:]
+        # Latest match first: recent text predicts the continuation best. A match must leave a token after it.
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start:start + n] == suffix:
+                return token_ids[start + n:start + n + k]
+    return []
+
+
+def next_k(k: int, drafted: int, accepted: int, max_k: int) -> int:
+    """Adaptive draft length: one longer after a full draft was wholly accepted, one shorter after a rejection in the
+    first half of the drafts, else unchanged (within 1..max_k)."""
+    if drafted == k and accepted == drafted:
+        return min(k + 1, max_k)
+    if accepted < drafted // 2:
+        return max(k - 1, 1)
+    return k
+
+
+class NgramDrafter:
+    """Prompt lookup: deterministic drafts, so no draft distribution."""
+
+    def __init__(self, spec: SpecConfig):
+        self.ngram_max, self.ngram_min = spec.ngram_max, spec.ngram_min
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        return propose_ngram(seq.token_ids, max_drafts, self.ngram_max, self.ngram_min), None
+
+    def close(self) -> None:
+        pass
+
+
+class EarlyExitDrafter:
+    """The target's first `num_layers` layers as the draft, on the target's own runner and KV cache."""
+
+    def __init__(self, runner, num_layers: int):
+        self.runner, self.num_layers = runner, num_layers
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        full_depth = seq.num_computed_tokens  # every layer's KV is written before this position
+        num_before = len(seq)
+        drafts, probs = [], []
+        try:
+            for _ in range(max_drafts):
+                logits = self.runner.run_shallow(seq, self.num_layers)[0]
+                # The shallow layers' KV now covers the sequence; the next draft pass computes only the new token.
+                seq.num_computed_tokens = len(seq)
+                token, q = sample_with_probabilities(logits, params, generator)
+                seq.token_ids.append(token)
+                drafts.append(token)
+                probs.append(q)
+        finally:
+            # The verification pass recomputes these positions at full depth (overwriting layers 0..L-1 too).
+            del seq.token_ids[num_before:]
+            seq.num_computed_tokens = full_depth
+        return drafts, None if params.greedy else torch.stack(probs)
+
+    def close(self) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """A separate draft model on its own runner and KV cache. Its sequence mirrors the target's: before each proposal
+    it takes the target's tokens, and its KV is rolled back to the longest prefix both still share (the drafts the
+    target rejected drop out there). Its logits are cut to the target's `vocab_size`, so it drafts only ids the target
+    can emit and its draft distribution is one over the target's ids."""
+
+    def __init__(self, runner, vocab_size: int):
+        self.runner, self.vocab_size = runner, vocab_size
+        self.seq: Sequence | None = None
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        kv_cache = self.runner.kv_cache
+        if self.seq is None:
+            self.seq = Sequence(list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens)
+            kv_cache.allocate(self.seq)
+        else:
+            shared = common_prefix_length(self.seq.token_ids, seq.token_ids)
+            # Keep the last token uncomputed: its logits give the first draft.
+            kv_cache.rollback(self.seq, min(self.seq.num_computed_tokens, shared, len(seq) - 1))
+            self.seq.token_ids = list(seq.token_ids)
+        drafts, probs = [], []
+        for _ in range(max_drafts):
+            token, q = sample_with_probabilities(self.runner.run([self.seq])[0, :self.vocab_size], params, generator)
+            self.seq.append(token)
+            drafts.append(token)
+            probs.append(q)
+        return drafts, None if params.greedy else torch.stack(probs)
+
+    def close(self) -> None:
+        if self.seq is not None:
+            self.runner.kv_cache.free(self.seq)
+        self.seq = None
+
+
+def common_prefix_length(first: list[int], second: list[int]) -> int:
+    """How many leading token ids the two lists share."""
+    length = 0
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        length += 1
+    return length
+
+
+def accept_greedy(drafts: list[int], target_ids: list[int]) -> int:
+    """Number of drafts accepted: the length of the prefix where each draft equals the target's argmax at its
+    position. `target_ids` has len(drafts) + 1 entries (the last one is the bonus position)."""
+    return common_prefix_length(drafts, target_ids[:len(drafts)])
+
+
+def accept_sampled(drafts: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling. target_probs: [len(drafts) + 1, vocab], the target's sampling distribution at each draft
+    position and after the last; draft_probs: [len(drafts), vocab] the draft's, or None for a deterministic draft
+    source (prompt lookup: all its mass on the proposed token). Returns (drafts accepted, the step's final token).
+
+    Draft x at position i is accepted with probability min(1, p(x) / q(x)). At the first rejection the token is drawn
+    from max(0, p - q) renormalized, and after k acceptances a bonus token is drawn from p at position k; together
+    these make every emitted token distributed exactly as the target alone would sample it."""
+    for index, token in enumerate(drafts):
+        p = target_probs[index]
+        if draft_probs is None:
+            q = torch.zeros_like(p)
+            q[token] = 1.0
+        else:
+            q = draft_probs[index]
+        # u < p/q, written as u * q < p so that q(x) = 0 (a draft outside its own support) can only be rejected.
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * q[token] < p[token]:
+            continue
+        residual = (p - q).clamp(min=0)
+        total = residual.sum()
+        # total = 0 only if p == q, where rejection cannot happen; guard rounding all the same.
+        residual = residual / total if total > 0 else p
+        return index, int(torch.multinomial(residual, 1, generator=generator))
+    return len(drafts), int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Per-request acceptance statistics, as plain numbers. The by-position lists start `k` long (the longest draft
+    the request can propose) and grow if a longer draft is recorded (a count that starts at k=0 and learns k)."""
+
+    k: int
+    tree_width: int = 1  # candidates verified per draft position (1: a chain)
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    accepted_by_position: list[int] = field(default_factory=list)  # drafts accepted at position i (0-based)
+    drafted_by_position: list[int] = field(default_factory=list)  # drafts proposed at position i
+
+    def __post_init__(self) -> None:
+        self.accepted_by_position = [0] * self.k
+        self.drafted_by_position = [0] * self.k
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        missing = num_drafted - len(self.drafted_by_position)
+        if missing > 0:
+            self.accepted_by_position += [0] * missing
+            self.drafted_by_position += [0] * missing
+        self.steps += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        for position in range(num_drafted):
+            self.drafted_by_position[position] += 1
+            self.accepted_by_position[position] += position < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "k": self.k, "tree_width": self.tree_width, "steps": self.steps, "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            # Tokens a verification step produced on average: the accepted drafts plus the target's own token.
+            "mean_accepted_length": (self.accepted + self.steps) / self.steps if self.steps else 0.0,
+            "accepted_by_position": list(self.accepted_by_position),
+            "drafted_by_position": list(self.drafted_by_position),
+            "draft_ms": self.draft_ms, "verify_ms": self.verify_ms,
+        }
+
+
+def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: SpecStats, params: SamplingParams,
+                     generator, eos_ids) -> list[tuple]:
+    """One verification step: draft, score the last token + drafts in one forward, keep the accepted prefix
+    (greedy: the agreeing one; sampling: the standard rule), roll the rest back. Returns the step's tokens as
+    (token, draft kind, rejected drafts), or [] when the drafter proposed nothing."""
+    started = time.perf_counter()
+    drafts, draft_probs = drafter.propose(seq, max_drafts, params, generator)
+    drafts = through_first_eos(drafts, eos_ids)
+    drafted_at = time.perf_counter()
+    stats.draft_ms += (drafted_at - started) * 1e3
+    if not drafts:  # nothing to propose: the caller takes a plain step
+        return []
+    num_before = len(seq)  # the last token (KV not yet written) is at num_before - 1
+    seq.token_ids.extend(drafts)
+    # logits: [len(drafts) + 1, vocab] for the positions of the last token and of each draft
+    reads_hidden = getattr(drafter, "wants_hidden", False)
+    logits = runner.run([seq], num_logits=len(drafts) + 1, return_hidden=reads_hidden)
+    if reads_hidden:
+        logits, hidden = logits
+    if params.greedy:
+        target_ids = logits.argmax(dim=-1).tolist()
+        accepted = accept_greedy(drafts, target_ids)
+        final_token = target_ids[accepted]
+    else:
+        target_probs = probabilities(logits, params)
+        if draft_probs is not None:  # a draft model with a narrower vocabulary: no probability on the rest
+            draft_probs = _pad_width(draft_probs[:len(drafts)], target_probs.shape[-1])
+        accepted, final_token = accept_sampled(drafts, draft_probs, target_probs, generator)
+    # Keep the KV of the last token and the accepted drafts; the tokens themselves are re-appended by the caller.
+    del seq.token_ids[num_before:]
+    if reads_hidden:  # the hidden states of the kept positions (mode none forwards more before them); the last one
+        # predicted the final token
+        drafter.observe(num_before - 1, hidden[0][-(len(drafts) + 1):][:accepted + 1])
+    runner.kv_cache.rollback(seq, num_before + accepted)
+    stats.record(len(drafts), accepted)
+    stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
+    return step_tokens(drafts[:accepted], final_token, drafts)
+
+
+@dataclass(slots=True)
+class DraftTree:
+    """Draft tokens as a tree below node 0 (the sequence's last token): nodes 1..len(chain) are the chain of each
+    position's best token, one below the other; after them come the other candidates, each a leaf at its position
+    whose parent is the chain's node just above. Node order is the slot order of the verification forward."""
+
+    chain: list[int]
+    tokens: list[int]  # nodes 1.. (chain first)
+    depths: list[int]  # node 0's and each node's: 0, 1, 2, ...
+    parents: list[int]  # node 0's (-1) and each node's parent index
+
+    @classmethod
+    def from_candidates(cls, candidates: list[list[int]], eos_ids) -> DraftTree:
+        """`candidates[d]`: position d's tokens, best first. Nothing after an end-of-sequence token in the chain
+        can be emitted, so the tree stops at its depth."""
+        chain = through_first_eos([ranked[0] for ranked in candidates], eos_ids)
+        others = [(depth, token) for depth, ranked in enumerate(candidates[:len(chain)], 1) for token in ranked[1:]]
+        return cls(chain=chain, tokens=chain + [token for _, token in others],
+                   depths=[0, *range(1, len(chain) + 1), *(depth for depth, _ in others)],
+                   parents=[-1, *range(len(chain)), *(depth - 1 for depth, _ in others)])
+
+    def mask(self) -> torch.Tensor:
+        """[nodes, nodes] bool: node i sees its ancestors and itself."""
+        rows = torch.zeros(len(self.parents), len(self.parents), dtype=torch.bool)
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                rows[node] = rows[parent]
+            rows[node, node] = True
+        return rows
+
+    def accept_greedy(self, target_ids: list[int]) -> list[int]:
+        """The accepted path (node indices below node 0): follow the chain while it matches the target's argmax at
+        its parent; at the first mismatch, a leaf at that depth that matches ends the path."""
+        path, node = [], 0
+        for depth in range(1, len(self.chain) + 1):
+            want = target_ids[node]
+            if self.chain[depth - 1] == want:
+                path.append(node := depth)
+                continue
+            for leaf in range(len(self.chain) + 1, len(self.parents)):
+                if self.depths[leaf] == depth and self.tokens[leaf - 1] == want:
+                    path.append(leaf)
+                    break
+            break
+        return path
+
+
+def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int, stats: SpecStats,
+                          eos_ids) -> list[tuple]:
+    """A greedy verification step over a draft tree (`DraftTree`): the drafter ranks `width` candidates at each of
+    `depth` positions; one forward scores every node under a tree attention mask (`ModelRunner.run_tree`); the
+    longest path the target's argmax follows is kept, the KV of a leaf that ends it moved next to its parent, and
+    the rest rolled back. Emits exactly plain greedy decoding's tokens, like the chain (`speculative_step`), with more
+    chances at each position for one wider forward. Returns [] when the drafter proposed nothing."""
+    started = time.perf_counter()
+    candidates = drafter.propose_tree(seq, depth, width)
+    drafted_at = time.perf_counter()
+    stats.draft_ms += (drafted_at - started) * 1e3
+    if not candidates:
+        return []
+    tree = DraftTree.from_candidates(candidates, eos_ids)
+    root = len(seq) - 1  # node 0: the last token, its KV not yet written
+    seq.token_ids.extend(tree.tokens)
+    try:
+        logits, hidden = runner.run_tree(seq, tree.depths, tree.mask())
+        target_ids = logits.argmax(dim=-1).tolist()
+        path = tree.accept_greedy(target_ids)
+        if path and path[-1] > len(tree.chain):  # a leaf ended the path: its KV goes to its depth's chain slot
+            runner.kv_cache.copy_token(seq, root + path[-1], root + len(path))
+        # Commit node 0 and the path (as consecutive tokens, for the prefix cache's block hashes), free the rest.
+        del seq.token_ids[root + 1:]
+        seq.token_ids.extend(tree.tokens[node - 1] for node in path)
+        runner.kv_cache.commit(seq, root + 1 + len(path))
+    finally:
+        del seq.token_ids[root + 1:]
+    runner.kv_cache.rollback(seq, root + 1 + len(path))
+    drafter.observe(root, hidden[[0, *path]])
+    stats.record(len(tree.chain), len(path))
+    stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
+    # The target's token after the path replaces the chain's drafts from there on (a leaf took the place of the
+    # chain's token at its depth, and the chain's later drafts followed that token).
+    return step_tokens([tree.tokens[node - 1] for node in path], target_ids[path[-1] if path else 0], tree.chain)
+
+
+def through_first_eos(drafts: list[int], eos_ids) -> list[int]:
+    """The drafts up to and including the first end-of-sequence token: nothing after it can be emitted."""
+    for index, token in enumerate(drafts):
+        if token in eos_ids:
+            return drafts[:index + 1]
+    return drafts
+
+
+def step_tokens(accepted: list[int], final_token: int, chain: list[int]) -> list[tuple]:
+    """A verification step's tokens as (token, draft kind, rejected drafts): the accepted drafts, then the target's
+    own token, which replaces the chain's drafts past the accepted ones or, after the whole chain, is a bonus."""
+    tokens = [(token, "accepted", ()) for token in accepted]
+    if len(accepted) < len(chain):
+        return tokens + [(final_token, "replaced", tuple(chain[len(accepted):]))]
+    return tokens + [(final_token, "bonus", ())]
+
+
+def _pad_width(probs: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, v] probabilities -> [n, width] with v <= width, zero-padded."""
+    return torch.nn.functional.pad(probs, (0, width - probs.shape[-1]))

@@ -1,0 +1,445 @@
+"""Trained draft heads: small networks on the target model's last hidden state that guess its next tokens, trained here
+on the model's own answers (`python -m inference_core train-draft`, `inference_core.training.train_draft`) and used as
+speculative draft sources `medusa` and `eagle`. The target model stays frozen and verifies every draft, so the output is
+the target's whatever the heads guess; better heads only mean more accepted drafts.
+
+Both read the target's final-normed hidden state f_t at position t (the vector its LM head turns into the logits of
+token t+1) and score tokens through the target's own LM head rows, restricted to a draft vocabulary: the most
+frequent tokens of the training answers (a few thousand of the model's 49k; FR-Spec and EAGLE-3 do the same). On
+the bundled model the full LM head is a fifth of the weights, so scoring every token would cost a draft step a
+fifth of a whole forward; the restricted head reads a sixth of its rows. A draft outside that vocabulary is never
+proposed, and under sampling its draft probability is 0, which the acceptance rule handles exactly.
+
+- `medusa` (Medusa, Cai et al. 2024): K heads, each a residual block f + SiLU(W_i f + b_i), where head i predicts the
+  token i+1 places after the one the target just predicted. All K drafts come from one hidden state in one batched
+  matmul; the drafts do not see each other.
+- `eagle` (EAGLE, Li et al. 2024): one decoder layer over the pairs (f_j, embedding of token j+1), fused by a linear
+  layer, that predicts the next hidden state f_{j+1}; its own output and the drafted token feed the next draft step,
+  k steps in all. It attends over the request's earlier positions through a small KV cache of its own, kept with
+  the target's true hidden states and rolled back past each step's drafts.
+
+Weights are safetensors files with their metadata (kind, model fingerprint, training note). `find_heads` looks for
+a model's heads in the user cache (where `train-draft` writes) and in the package (the bundled model's, shipped in
+`inference_core/data/draft_heads/`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from inference_core.config import ConfigError, ModelConfig
+from inference_core.model.bundled import BUNDLED_NAMES
+from inference_core.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm, weight_layout
+from inference_core.model.paths import DATA_DIR, cache_root
+from inference_core.sampling import SamplingParams, sample_with_probabilities
+from inference_core.sequence import Sequence
+
+DRAFT_KINDS = ("medusa", "eagle")
+SHIPPED = DATA_DIR / "draft_heads"
+
+
+def fingerprint(config: ModelConfig) -> str:
+    """What a set of heads must match: the shapes of the hidden state and the vocabulary they read and score."""
+    return (f"{config.architecture}:h{config.hidden_size}:l{config.num_layers}:v{config.vocab_size}:"
+            f"heads{config.num_heads}/{config.num_kv_heads}")
+
+
+def lm_head_rows(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM head rows of token `ids`, [len(ids), hidden], in the model dtype (tied models read the
+    embedding, which quantized weights leave in the model dtype)."""
+    if model.config.tie_word_embeddings:
+        return model.embed_tokens.weight[ids].detach()
+    head = model.lm_head
+    if hasattr(head, "in_out"):
+        weight = head.weight.t() if head.in_out else head.weight
+        return weight[ids].detach()
+    # A quantized, untied LM head: read its rows back through the layer itself.
+    eye = torch.eye(model.config.hidden_size, dtype=model.embed_tokens.weight.dtype,
+                    device=model.embed_tokens.weight.device)
+    return head.forward(eye).t()[ids].detach()
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks on the hidden state: head i maps f to f + SiLU(f W_i + b_i). W starts at zero, so every head
+    starts as the target's own next-token prediction."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., num_heads, hidden]."""
+        mixed = torch.einsum("...d,nde->...ne", hidden, self.weight) + self.bias
+        return hidden.unsqueeze(-2) + F.silu(mixed)
+
+
+class EagleLayer(nn.Module):
+    """fc(cat(f_j, e(x_{j+1}))) -> one decoder layer (the target's layer shape, attention over earlier positions) ->
+    RMSNorm, an estimate of f_{j+1}."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.fc = Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        nn.init.kaiming_uniform_(self.fc.weight, a=math.sqrt(5))  # nn.Linear's initialization
+        bound = 1 / math.sqrt(2 * config.hidden_size)
+        nn.init.uniform_(self.fc.bias, -bound, bound)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, 0)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        for module in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, features, embeddings, cos, sin, cache=None, start: int = 0) -> torch.Tensor:
+        """features, embeddings: [batch, tokens, hidden]; cos, sin: [tokens, 1, head_dim] (the rotary tables at these
+        tokens' positions). Training passes no cache: causal attention within each row. Drafting passes `cache`
+        (keys, values [positions, kv_heads, head_dim]) for batch 1: these tokens' keys and values are written at
+        `start`.. and the tokens attend to everything before them there. Returns [batch, tokens, hidden]."""
+        x, q, k, v = self._project(features, embeddings, cos, sin)
+        tokens = x.shape[1]
+        if cache is None:
+            keys, values, mask, causal = k.transpose(1, 2), v.transpose(1, 2), None, tokens > 1
+        else:
+            cache_k, cache_v = cache
+            cache_k[start:start + tokens] = k[0]
+            cache_v[start:start + tokens] = v[0]
+            keys = cache_k[:start + tokens].transpose(0, 1).unsqueeze(0)
+            values = cache_v[:start + tokens].transpose(0, 1).unsqueeze(0)
+            causal = False
+            mask = None if tokens == 1 else torch.ones(tokens, start + tokens, dtype=torch.bool,
+                                                      device=x.device).tril(diagonal=start)
+        attn = self.self_attn
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=attn.scale,
+                                             enable_gqa=attn.num_heads != attn.num_kv_heads)
+        return self._finish(x, out)
+
+    def unrolled(self, features, embeddings, cos, sin, steps: int) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3): the layer run `steps` times over whole sequences [batch, tokens, hidden], each
+        step the way a draft that many tokens ahead runs. Step 1 is `forward`: at position p it reads the target's
+        hidden state f_p and the embedding of token p+1. Step s reads at p step s-1's output at p-1 (its estimate of
+        f_p) with the same embedding, and attends as the drafter's cache lets it: to step 1's keys and values up to
+        position p-s+1 (those the target's true hidden states gave) and to steps 2..s's own at p-s+2..p. Returns
+        every step's outputs [batch, tokens, hidden]; step s's mean something from position s-1 on."""
+        attn = self.self_attn
+        tokens = features.shape[1]
+        positions = torch.arange(tokens, device=features.device)
+        outputs, keys, values = [], [], []
+        inputs = features
+        for step in range(steps):
+            if step:
+                inputs = F.pad(outputs[-1][:, :-1], (0, 0, 1, 0))  # position p reads the last step's output at p-1
+            x, q, k, v = self._project(inputs, embeddings, cos, sin)
+            keys.append(k.transpose(1, 2))
+            values.append(v.transpose(1, 2))
+            # Over every step's keys so far: step 1's up to position p - (s - 1), step t's (t = 2..s) at p - (s - t).
+            masks = [positions[None, :] <= positions[:, None] - step] + \
+                [positions[None, :] == positions[:, None] - (step - t) for t in range(1, step + 1)]
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
+                                                 attn_mask=torch.cat(masks, 1), scale=attn.scale,
+                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)
+            outputs.append(self._finish(x, out))
+        return outputs
+
+    def _project(self, features, embeddings, cos, sin):
+        """The fused input x [batch, tokens, hidden] and its rotated q [batch, heads, tokens, head_dim], k and v
+        [batch, tokens, kv_heads, head_dim]."""
+        batch, tokens, hidden = features.shape
+        x = self.fc(torch.cat((features, embeddings), -1).view(batch * tokens, 2 * hidden)).view(batch, tokens, hidden)
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm.forward(x).reshape(batch * tokens, hidden),
+                               cos.repeat(batch, 1, 1), sin.repeat(batch, 1, 1))
+        q = q.view(batch, tokens, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = k.view(batch, tokens, attn.num_kv_heads, attn.head_dim)
+        v = v.view(batch, tokens, attn.num_kv_heads, attn.head_dim)
+        return x, q, k, v
+
+    def _finish(self, x, attended) -> torch.Tensor:
+        """The rest of the layer after attention (`attended` [batch, heads, tokens, head_dim]), then the norm."""
+        batch, tokens, hidden = x.shape
+        attn = self.self_attn
+        x = x + attn.o_proj.forward(attended.transpose(1, 2).reshape(batch * tokens, attn.q_size)).view(x.shape)
+        x = x + self.mlp.forward(self.post_attention_layernorm.forward(x).reshape(batch * tokens, hidden)
+                                 ).view(x.shape)
+        return self.norm.forward(x)
+
+
+@dataclass
+class DraftHeads:
+    """Trained heads for one model: the network, the draft vocabulary (target token ids) and the file's metadata."""
+
+    kind: str
+    network: nn.Module
+    vocab_ids: torch.Tensor  # [draft vocab] long: target ids the heads score
+    meta: dict
+    dtype: torch.dtype = torch.float32  # what the network and the scoring rows compute in: see heads_dtype
+    scoring: Linear | None = None  # hidden -> draft vocabulary scores: see scorer
+
+    def scorer(self, model: CausalLM) -> Linear:
+        """The target's LM head rows for the draft vocabulary as a projection hidden -> scores in the heads' dtype,
+        gathered once (an engine's heads serve one model) rather than by every request's drafter, in the layout the
+        engine uses for that dtype here (`weight_layout`). One row, 8191 x 576, on a 2-core AVX-512 BF16 host:
+        0.46 ms in fp32 [in, out] (1.31 ms [out, in]; the [out, in] rows are kept for several rows at once), 0.10 ms
+        in bf16 packed."""
+        if self.scoring is None:
+            rows = lm_head_rows(model, self.vocab_ids).to(self.dtype)
+            self.scoring = Linear(rows.shape[1], rows.shape[0], bias=False)
+            self.scoring.weight = nn.Parameter(rows, requires_grad=False)
+            self.scoring.use_layout(weight_layout(rows.device, rows.dtype), keep_out_in=True)
+        return self.scoring
+
+    @property
+    def num_heads(self) -> int:
+        """Medusa: how many tokens ahead the heads reach (the longest draft); EAGLE drafts any length."""
+        return self.network.weight.shape[0] if self.kind == "medusa" else 0
+
+    def state(self) -> dict[str, torch.Tensor]:
+        tensors = {f"network.{name}": value.detach().contiguous() for name, value in self.network.state_dict().items()}
+        tensors["vocab_ids"] = self.vocab_ids.to(torch.int64).contiguous()
+        return tensors
+
+    def save(self, path: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        tensors = {name: value.to(dtype) if value.is_floating_point() else value
+                   for name, value in self.state().items()}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata={"kind": self.kind, "meta": json.dumps(self.meta)})
+
+
+def build_network(kind: str, config: ModelConfig, num_heads: int = 4) -> nn.Module:
+    if kind == "medusa":
+        return MedusaHeads(config.hidden_size, num_heads)
+    if kind == "eagle":
+        return EagleLayer(config)
+    raise ConfigError(f"unknown draft head kind {kind!r}; use one of: {', '.join(DRAFT_KINDS)}.")
+
+
+def heads_dtype(device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """What draft heads compute in next to a model in `model_dtype`: its dtype on a GPU and where its weights run
+    packed on a CPU (bf16 with native bf16 math), else fp32, which a CPU without those runs faster. The bundled
+    model's EAGLE draft (k=1, a tree 5 wide), 2-core AVX-512 BF16 host: 2.9-3.0 ms a step in fp32, 1.8-2.1 ms in
+    bf16 packed (1.1 ms with its weights hot in the cache)."""
+    if device.type != "cpu" or weight_layout(device, model_dtype) == "packed":
+        return model_dtype
+    return torch.float32
+
+
+def load_heads(path: Path, config: ModelConfig, device: torch.device | str = "cpu",
+               model_dtype: torch.dtype = torch.float32) -> DraftHeads:
+    """Heads from a file, checked against the model they will draft for (in `model_dtype`, which sets the heads'
+    own: `heads_dtype`); refused with a clear message otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no draft heads at {path}.")
+    try:
+        kind, meta = _metadata(path)
+    except Exception as error:  # not a safetensors file at all
+        raise ConfigError(f"{path} is not a draft heads file ({error}).") from None
+    if kind not in DRAFT_KINDS:
+        raise ConfigError(f"{path} is not a draft heads file (kind {kind!r}).")
+    if meta.get("fingerprint") != fingerprint(config):
+        raise ConfigError(f"the {kind} heads in {path} were trained for another model ({meta.get('model')}, "
+                          f"{meta.get('fingerprint')}), not this one ({fingerprint(config)}).")
+    tensors = load_file(str(path))
+    state = {name.removeprefix("network."): value.float() for name, value in tensors.items()
+             if name.startswith("network.")}
+    network = build_network(kind, config, state["weight"].shape[0] if kind == "medusa" else 0)
+    network.load_state_dict(state)
+    network.requires_grad_(False)
+    device = torch.device(device)
+    dtype = heads_dtype(device, model_dtype)
+    network.to(device=device, dtype=dtype)
+    for module in network.modules():  # the draft layer decodes a row or two at a time, as the model does
+        if isinstance(module, Linear):
+            module.use_layout(weight_layout(device, dtype), keep_out_in=True)
+    return DraftHeads(kind, network.eval(), tensors["vocab_ids"].to(device), meta, dtype)
+
+
+def heads_file_name(model_name: str, kind: str) -> str:
+    return f"{Path(model_name).name}-{kind}.safetensors"
+
+
+def find_heads(model_name: str, config: ModelConfig, kind: str, cache_dir: Path | None = None) -> Path | None:
+    """Where `kind` heads for this model are: the user cache (what train-draft wrote) first, then the shipped ones;
+    None if there are none trained for its shapes."""
+    names = [heads_file_name(model_name, kind)]
+    if model_name in BUNDLED_NAMES or Path(model_name).name.startswith("SmolLM2-135M-Instruct"):
+        names.append(heads_file_name("SmolLM2-135M-Instruct", kind))
+    for directory in ((cache_dir or cache_root()) / "draft_heads", SHIPPED):
+        for name in names:
+            path = directory / name
+            if path.is_file() and _metadata(path)[1].get("fingerprint") == fingerprint(config):
+                return path
+    return None
+
+
+def _metadata(path: Path) -> tuple[str | None, dict]:
+    """A heads file's kind and training report, read without loading its tensors."""
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata() or {}
+    return metadata.get("kind"), json.loads(metadata.get("meta", "{}"))
+
+
+class _HeadScorer:
+    """Scores hidden states over the draft vocabulary and turns the scores into a draft token (and, when sampling,
+    its draft distribution over the target's whole vocabulary, 0 outside the draft vocabulary)."""
+
+    def __init__(self, heads: DraftHeads, model: CausalLM):
+        self.heads = heads
+        self.vocab_size = model.config.vocab_size
+        self.scorer = heads.scorer(model)
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> fp32 [rows, draft vocab]."""
+        return self.scorer(hidden.to(self.heads.dtype)).float()
+
+    def ranked(self, scores: torch.Tensor, width: int) -> list[list[int]]:
+        """Each row's `width` best token ids (target ids), best first: a tree's candidates at one position."""
+        return self.heads.vocab_ids[scores.topk(width, dim=-1).indices].tolist()
+
+    def draft(self, scores: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
+        """One draft token from one row of `scores`."""
+        if params.greedy:
+            return int(self.heads.vocab_ids[int(scores.argmax())]), None
+        logits = torch.full((self.vocab_size,), float("-inf"), device=scores.device)
+        logits[self.heads.vocab_ids] = scores
+        return sample_with_probabilities(logits, params, generator)
+
+
+class MedusaDrafter(_HeadScorer):
+    """Medusa drafts: all from the hidden state at the position that predicted the sequence's last token."""
+
+    wants_hidden = True
+
+    def __init__(self, heads: DraftHeads, model: CausalLM):
+        super().__init__(heads, model)
+        self.feature: torch.Tensor | None = None
+        self.position = -1
+
+    def observe(self, first_position: int, hidden: torch.Tensor) -> None:
+        """The target's hidden states at positions first_position.. (a forward's tokens, accepted ones only)."""
+        self.feature, self.position = hidden[-1].to(self.heads.dtype), first_position + len(hidden) - 1
+
+    def _head_scores(self, seq: Sequence, max_drafts: int) -> torch.Tensor | None:
+        """[heads, draft vocab]: every head's scores (one pass over the scoring rows), or None while there is no
+        hidden state for this position yet (the caller takes a plain step)."""
+        if self.feature is None or self.position != len(seq) - 2:
+            return None
+        with torch.inference_mode():
+            return self.scores(self.heads.network(self.feature)[:max_drafts])
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        head_scores = self._head_scores(seq, max_drafts)
+        if head_scores is None:
+            return [], None
+        drafts, probs = [], []
+        for scores in head_scores:
+            token, q = self.draft(scores, params, generator)
+            drafts.append(token)
+            probs.append(q)
+        return drafts, None if params.greedy else torch.stack(probs)
+
+    def propose_tree(self, seq: Sequence, depth: int, width: int) -> list[list[int]]:
+        """Greedy tree candidates: per position, the `width` best tokens of its head, best first ([] as propose)."""
+        head_scores = self._head_scores(seq, depth)
+        return [] if head_scores is None else self.ranked(head_scores, width)
+
+    def close(self) -> None:
+        self.feature = None
+
+
+class EagleDrafter(_HeadScorer):
+    """EAGLE drafts: the draft layer steps forward from the target's hidden states, k times. It keeps the target's
+    hidden state at every position this request computed (`observe`) and its own keys and values for the positions
+    it has read with true hidden states; each proposal first catches up on the positions verified since, then drafts
+    (its keys and values at draft positions are overwritten by the next catch-up). Positions the target never
+    forwarded for this request (a prompt prefix served from the prefix cache) have no hidden state: the layer then
+    attends only from the first position it saw."""
+
+    wants_hidden = True
+
+    def __init__(self, heads: DraftHeads, model: CausalLM, max_positions: int):
+        super().__init__(heads, model)
+        self.model = model
+        config, device, dtype = model.config, heads.vocab_ids.device, heads.dtype
+        attn = heads.network.self_attn
+        # The model's own rotary angles, in the dtype the draft layer runs in
+        self.rope = tuple(table.to(dtype) for table in model.rope_tables(model.embed_tokens.weight.dtype))
+        max_positions = min(max_positions, len(self.rope[0]))
+        self.features = torch.zeros(max_positions, config.hidden_size, device=device, dtype=dtype)
+        self.cache = (torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device, dtype=dtype),
+                      torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device, dtype=dtype))
+        self.first = self.known = self.cached = 0  # features for [first, known); draft KV for [first, cached)
+
+    def observe(self, first_position: int, hidden: torch.Tensor) -> None:
+        end = first_position + len(hidden)
+        if end > len(self.features):  # past the rotary table: no more drafts for this request
+            self.known = -1
+            return
+        if first_position > self.known or first_position < self.first:
+            # A gap (positions not forwarded here) or a restart (recomputed after preemption): begin again there.
+            self.first = self.cached = first_position
+        self.features[first_position:end] = hidden
+        self.known = end
+        self.cached = min(self.cached, first_position)
+
+    def _step(self, features: torch.Tensor, token_ids: list[int], start: int) -> torch.Tensor:
+        """The draft layer over positions start.. (features there, the next tokens' embeddings); returns its
+        outputs [tokens, hidden]."""
+        ids = torch.tensor(token_ids, device=features.device)
+        embeddings = self.model.embed_tokens.weight[ids].to(self.heads.dtype)
+        cos, sin = (table[start:start + len(token_ids)].unsqueeze(1) for table in self.rope)
+        return self.heads.network(features[None], embeddings[None], cos, sin, self.cache, start)[0]
+
+    def _drafts(self, seq: Sequence, max_drafts: int, choose):
+        """Step the layer `max_drafts` times from the sequence's last position; `choose(scores)` turns each step's
+        scores [draft vocab] into (the token the next step reads, what to collect). The collected values, or None
+        while the hidden states do not reach the last position."""
+        last = len(seq) - 1  # the last token's position; the target's hidden state before it predicted it
+        if self.known != last or last <= self.first or last + max_drafts > len(self.features):
+            return None
+        collected = []
+        with torch.inference_mode():
+            # Catch up: the pairs (f_j, x_{j+1}) for j in [cached, last), at least the last one (its output drafts).
+            start = min(self.cached, last - 1)
+            out = self._step(self.features[start:last], seq.token_ids[start + 1:last + 1], start)[-1]
+            self.cached = last
+            for index in range(max_drafts):
+                token, value = choose(self.scores(out[None])[0])
+                collected.append(value)
+                if index + 1 < max_drafts:
+                    out = self._step(out[None], [token], last + index)[-1]
+        return collected
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        def choose(scores):
+            token, q = self.draft(scores, params, generator)
+            return token, (token, q)
+
+        drafted = self._drafts(seq, max_drafts, choose)
+        if drafted is None:
+            return [], None
+        return [token for token, _ in drafted], None if params.greedy else torch.stack([q for _, q in drafted])
+
+    def propose_tree(self, seq: Sequence, depth: int, width: int) -> list[list[int]]:
+        """Greedy tree candidates: per position, the `width` best tokens, best first; the layer steps along the best
+        ones (the chain), so the others are alternatives at their position after the chain's tokens before it."""
+        def choose(scores):
+            candidates = self.ranked(scores[None], width)[0]
+            return candidates[0], candidates
+
+        return self._drafts(seq, depth, choose) or []
+
+    def close(self) -> None:
+        self.features = self.cache = None

@@ -1,0 +1,157 @@
+"""The engines behind the page and the API, over the one loaded model, and what every run on the device shares.
+
+`EnginePool` keeps one `Engine` per (slot, configuration) over the loaded model (and the optional draft model, which
+every engine gets for the 'draft' method): a race lane's KV cache survives between races (so the prefix cache has
+something to reuse) and two lanes never share one (so neither sees the other's cached prefixes); visitors with the
+same lane or chat settings share that engine, and their requests are batched in its steps (the API shares the
+chat's slot). The pool also holds what every run on the device shares: the engine loop that owns the device (every
+request goes through it), the measured step costs behind the estimate shown before a run, the deployment's caps and
+per-caller limits, the limit on a run's device time, and which lane takes a race's first step. `submit` is the one
+way in (`serving.admission`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+from inference_core.config import EngineConfig
+from inference_core.engine.engine import Engine
+from inference_core.engine.loop import EngineLoop
+from inference_core.engine.runner import wake_device
+from inference_core.model.loader import LoadedModel
+from inference_core.quant.awq_file import default_path
+from inference_core.quant.linear import GROUP_SIZES, SCHEMES, QuantConfig
+from inference_core.quant.quantize import quantize
+from inference_core.sampling import SamplingParams
+from inference_core.settings import SPEC_METHOD_LABELS, LaneSettings
+from inference_core.spec.decoding import SpecConfig
+from inference_core.spec.draft_heads import find_heads
+from serving.admission import Job, Run, admit
+from serving.cost import StepCosts
+from serving.policy import CallerLimits, ServePolicy
+
+MAX_WEIGHT_VARIANTS = 3  # quantized copies of the model kept at once (each lane may pick its own)
+DEFAULT_MAX_RUN_S = 180.0  # device time one race (both lanes) or one chat turn may take
+SETTLE_S = 0.3  # see EnginePool.settle_before_timed_work
+
+
+class EnginePool:
+    """Engines over one loaded model, by (slot, EngineConfig), least recently used dropped past `max_engines`.
+    Every engine gets the optional `draft` model (its tokenizer is checked by the engine on construction). An engine
+    dropped from the pool while it still serves requests finishes them (its requests and the loop hold it)."""
+
+    def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, max_engines: int = 10,
+                 draft: LoadedModel | None = None, max_run_s: float = DEFAULT_MAX_RUN_S,
+                 policy: ServePolicy | None = None):
+        self.loaded = loaded
+        self.draft = draft
+        self.max_seq_len = min(max_seq_len or 2048, loaded.config.max_position_embeddings)
+        self.max_engines = max_engines
+        self.engines: OrderedDict[tuple[str, EngineConfig, QuantConfig], Engine] = OrderedDict()
+        self.weight_variants: OrderedDict[QuantConfig, LoadedModel] = OrderedDict()  # quantized copies, LRU
+        self.perplexities: dict[tuple[QuantConfig, str], float] = {}  # the Stack tab's quality, by (weights, KV dtype)
+        self.costs = StepCosts(loaded, self.max_seq_len)
+        self.max_run_s = max_run_s
+        # What this deployment lets callers do (caps, public mode) and each caller's use so far: page and API alike.
+        self.policy = policy or ServePolicy()
+        self.limits = CallerLimits(self.policy)
+        self.races_started = 0
+        self._lock = threading.Lock()  # `get` is called from the page's worker threads and the API's at once
+        # The one thread that owns the device: every tab's requests go through it, batched per engine.
+        self.loop = EngineLoop()
+
+    def _engine(self, config: EngineConfig, quant: QuantConfig = QuantConfig()) -> Engine:
+        return Engine(self.weights(quant), config, draft_model=self.draft)
+
+    def weights(self, quant: QuantConfig) -> LoadedModel:
+        """The model with `quant`'s projections: the loaded model itself, or a quantized copy sharing its other
+        tensors, made on first use (seconds on a small model) and kept while lanes use it."""
+        if quant.scheme == "none":
+            return self.loaded
+        if quant not in self.weight_variants:
+            while len(self.weight_variants) >= MAX_WEIGHT_VARIANTS:
+                self.weight_variants.popitem(last=False)  # engines still using it keep it alive
+            self.weight_variants[quant] = quantize(self.loaded, quant)
+        self.weight_variants.move_to_end(quant)
+        return self.weight_variants[quant]
+
+    def weight_schemes(self) -> list[str]:
+        """The weight settings this model can use: quantization on the CPU only, AWQ where a calibrated file
+        exists."""
+        if self.loaded.device.type != "cpu":
+            return ["none"]
+        return [scheme for scheme in SCHEMES
+                if scheme != "awq" or any(default_path(self.loaded, group).exists() for group in GROUP_SIZES)]
+
+    def first_lane(self) -> str:
+        """The lane that takes the next race's first step: A and B take turns, so neither always meets whatever a
+        first step still costs (the browser drawing the race's first update on the same CPU, for one)."""
+        self.races_started += 1
+        return "AB"[(self.races_started - 1) % 2]
+
+    def settle_before_timed_work(self) -> None:
+        """Just before a race's or a chat turn's first step, untimed: wait SETTLE_S while the page and the server
+        finish reacting to the click on the same CPU, then wake the device with one forward (`wake_device`).
+        Measured in Chromium on a 2-core machine, 16 races per setting (default race, 32 tokens): without either,
+        the lane taking the first step had a TTFT 30-45 ms longer than when it took the second (lane A's TTFT is
+        about 130 ms, lane B's about 250); with both, 13-17 ms longer for lane A and no longer for lane B."""
+        time.sleep(SETTLE_S)
+        self.loop.call(wake_device, self.loaded)  # between the loop's steps: never on top of another visitor's
+
+    def spec_methods(self) -> list[str]:
+        """The draft sources this model can use: a draft model only where the app has one, trained heads only where
+        a heads file for this model exists (shipped for the bundled model, or written by train-draft)."""
+        return [method for method in SPEC_METHOD_LABELS
+                if (method != "draft" or self.draft is not None)
+                and (method not in ("medusa", "eagle") or find_heads(self.loaded.name, self.loaded.config, method))]
+
+    def check_draft_model(self) -> None:
+        """Run one short speculative request with the draft model, which refuses an unusable one at start-up."""
+        if self.draft is not None:
+            engine = self._engine(EngineConfig(kv_mode="paged", max_seq_len=64))
+            engine.complete("Hello", SamplingParams(max_new_tokens=4), spec=SpecConfig("draft", k=2))
+
+    def estimate_s(self, settings: list[LaneSettings], prompt_tokens: int, new_tokens: int) -> list[float]:
+        """Estimated device time of one request per lane (see `serving.cost`); an external lane uses none of
+        this device."""
+        return [0.0 if s.external else self.costs.request_seconds(s.kv_mode, prompt_tokens, new_tokens)
+                for s in settings]
+
+    def get(self, slot: str, settings: LaneSettings) -> Engine:
+        key = (slot, settings.engine_config(self.max_seq_len), settings.quant())
+        with self._lock:
+            return self._get(key)
+
+    def _get(self, key) -> Engine:
+        if key in self.engines:
+            self.engines.move_to_end(key)
+            return self.engines[key]
+        # Idle engines only: a slot's previous engine is never in use while a new request for that slot starts.
+        while len(self.engines) >= self.max_engines:
+            self.engines.popitem(last=False)
+        engine = self.engines[key] = self._engine(key[1], key[2])
+        return engine
+
+    def submit(self, job: Job) -> Run:
+        """Admit `job` (the engines, its requests made and checked, every cap and limit) and return the `Run` that
+        starts and tracks it; a ConfigError (a `LimitExceeded` when waiting helps) says why not."""
+        return admit(self, job)
+
+    def needs_compiling(self, engine: Engine) -> bool:
+        """Whether `engine` decodes compiled and has not compiled its batch-1 graph yet."""
+        return engine.decoder is not None and not engine.decoder.ready(1)
+
+    def compile(self, engine: Engine) -> float:
+        """Compile `engine`'s batch-1 decode graph now, in the loop thread (the device is busy meanwhile); returns the
+        seconds it took, which the race and the chat report apart from decode speed."""
+        return self.loop.call(engine.warm_up_compiled)
+
+    def active_requests(self) -> int:
+        """Requests queued or running right now, over every engine (0 whenever nothing is generating)."""
+        return sum(engine.num_requests() for engine in self.engines.values())
+
+    def blocks_in_use(self) -> int:
+        """KV blocks (paged) and slots (contiguous) held over every engine, the draft model's own caches included."""
+        return sum(engine.blocks_in_use() for engine in self.engines.values())

@@ -1,0 +1,143 @@
+"""The controls of one lane's settings (a race lane's or the chat's), built from the settings' table
+(`inference_core.settings`): one control per setting, in the table's order (the order `ui.race.LANE_SETTING_FIELDS`
+hands the values to the handlers), of the kind the table names, with its label, choices, bounds and the line under
+it. A setting that does not apply to the rest is disabled or hidden as its row says (block size and prefix cache
+without the paged cache, top-p and seed when greedy, draft length without a draft source, the early-exit depth for
+other sources), and set to its row's value for "off" where it has one.
+
+What the table cannot know comes from the loaded model and the deployment (`_model_facts`): the draft sources this
+model has (a draft model only when the app loaded one), the early-exit depths, the weight schemes that run here and
+what they save, each KV dtype's bytes per token, the checkpoint's own window, whether compiled decode runs here, and
+in public mode the external engines allowed at launch (none: that choice is hidden).
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from inference_core.config import KV_DTYPES
+from inference_core.engine.compiled import compile_unavailable
+from inference_core.quant.linear import compute_dtype, weight_bytes
+from inference_core.settings import DEFAULT_LAYERS, DEFAULTS, SETTINGS, UNSET, LaneSettings, applies
+from serving.pool import EnginePool
+
+QUICK = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}  # the page's own events
+# Each control's element id after the settings group's prefix (lane-a, lane-b, chat): what tests and scripts find.
+ELEMENT_IDS = {"kv_mode": "kv", "block_size": "block-size", "prefix_cache": "prefix-cache",
+               "temperature": "temperature", "top_p": "top-p", "seed": "seed", "spec_method": "spec", "spec_k": "spec-k",
+               "spec_adaptive": "spec-adaptive", "spec_tree_width": "spec-tree", "draft_layers": "spec-layers",
+               "compile": "compile", "weights": "weights", "quant_group": "quant-group", "kv_dtype": "kv-dtype",
+               "sliding_window": "window", "endpoint": "endpoint", "endpoint_model": "endpoint-model"}
+SIDE_BY_SIDE = ("spec_k", "spec_adaptive", "spec_tree_width", "draft_layers")  # drawn in one row
+
+
+def settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
+                     prefix: str) -> list[gr.components.Component]:
+    """One control per setting for `defaults`, in the table's order, wired so that settings that do not apply are
+    disabled or hidden."""
+    facts = _model_facts(pool, label)
+    widgets, row = {}, None
+    for name in SETTINGS:
+        if name in SIDE_BY_SIDE and row is None:
+            row = gr.Row()
+            row.__enter__()
+        widgets[name] = _widget(name, getattr(defaults, name), f"{prefix}-{ELEMENT_IDS[name]}", facts.get(name, {}),
+                                applies(defaults, name))
+        if row is not None and name == SIDE_BY_SIDE[-1]:
+            row.__exit__(None, None, None)
+            row = None
+    _wire(widgets, facts)
+    return list(widgets.values())
+
+
+def _widget(name: str, value, elem_id: str, facts: dict, applying: bool) -> gr.components.Component:
+    """The control the table's row names for setting `name`, `facts` overriding what the model decides."""
+    setting = SETTINGS[name]
+    labels = facts.get("labels", setting.labels or {})
+    offered = facts.get("choices", setting.choices)
+    choices = [(str(labels.get(choice, choice)), choice) if labels else choice for choice in offered]
+    if offered and value not in offered:  # not offered here (a weight scheme this device cannot run, say)
+        value = getattr(DEFAULTS, name)
+    kind = facts.get("widget", setting.widget)
+    common = {"label": facts.get("label", setting.label), "elem_id": elem_id,
+              **({"visible": applying} if setting.hidden else {"interactive": applying and facts.get("can", True)})}
+    info = facts.get("info", setting.info)
+    common.update({"info": info} if info else {}, **{key: facts[key] for key in ("visible",) if key in facts})
+    value = facts.get("value", value)
+    if kind == "radio":
+        return gr.Radio(choices, value=value, **common)
+    if kind == "dropdown":
+        return gr.Dropdown(choices, value=value, **common)
+    if kind == "checkbox":
+        return gr.Checkbox(value=value, **common)
+    if kind == "slider":
+        low, high, step = setting.bounds
+        return gr.Slider(low, high, value=value, step=step, **common)
+    if kind == "number":
+        return gr.Number(value=value or 0, precision=0, minimum=setting.bounds[0] if setting.bounds else None, **common)
+    return gr.Textbox(value, **common)
+
+
+def _wire(widgets: dict, facts: dict) -> None:
+    """Each control whose setting depends on another follows it: enabled (or shown) only where it applies, set to
+    its row's "off" value where it stops applying."""
+    followers: dict[str, list[str]] = {}
+    for name, setting in SETTINGS.items():
+        if setting.applies is not None:
+            followers.setdefault(setting.applies[0], []).append(name)
+    for leader, names in followers.items():
+        def follow(value, names=tuple(names)):
+            updates = []
+            for name in names:
+                setting = SETTINGS[name]
+                on = setting.applies[1](value)
+                can = facts.get(name, {}).get("can", True)
+                state = {"visible": on} if setting.hidden else {"interactive": on and can}
+                off = {} if on or setting.off_value is UNSET else {"value": setting.off_value}
+                updates.append(gr.update(**state, **off))
+            return tuple(updates) if len(updates) > 1 else updates[0]
+        widgets[leader].change(follow, widgets[leader], [widgets[name] for name in names], **QUICK)
+
+
+def _model_facts(pool: EnginePool, label: str) -> dict[str, dict]:
+    """What the loaded model and the deployment decide about each control, by setting."""
+    loaded, policy = pool.loaded, pool.policy
+    methods, schemes = pool.spec_methods(), pool.weight_schemes()
+    unavailable = compile_unavailable(loaded.device)
+    per_token = {kv_dtype: loaded.config.kv_bytes_per_token(loaded.dtype, kv_dtype) for kv_dtype in KV_DTYPES}
+    own = loaded.config.sliding_window
+    facts = {
+        "kv_mode": {"label": f"{label} KV cache"},
+        "spec_method": {"choices": methods,
+                        "labels": {**SETTINGS["spec_method"].labels,
+                                   "draft": f"draft model ({pool.draft.name})" if pool.draft else ""}},
+        # A dropdown, not a number box: an empty gr.Number arrives as 0, and "engine default" needs its own value.
+        "draft_layers": {"choices": [DEFAULT_LAYERS] + list(range(1, loaded.config.num_layers)),
+                         "labels": {DEFAULT_LAYERS: "engine default"}},
+        "compile": {"can": unavailable is None, **({"info": f"not available here: {unavailable}", "value": False}
+                                                   if unavailable else {})},
+        "weights": {"choices": schemes, "can": len(schemes) > 1, "info": _weights_info(pool)},
+        "kv_dtype": {"labels": {name: f"{SETTINGS['kv_dtype'].labels[name]} ({per_token[name] / 1024:.1f} KiB per "
+                                      "token)" for name in KV_DTYPES},
+                     "info": f"int8 holds {per_token['auto'] / per_token['int8']:.1f}x the tokens in the same memory; "
+                             "eager decode only"},
+        "sliding_window": {"label": "sliding window (tokens; 0 = "
+                                    f"{f'the checkpoint window, {own}' if own else 'off'})"},
+    }
+    if policy.public:  # only the external engines allowed at launch, in a list (none: the choice is hidden)
+        facts["endpoint"] = {"widget": "dropdown", "label": "engine", "visible": bool(policy.allowed_endpoints),
+                             "choices": [""] + list(policy.allowed_endpoints), "labels": {"": "this app's engine"}}
+        facts["endpoint_model"] = {"visible": bool(policy.allowed_endpoints)}
+    return facts
+
+
+def _weights_info(pool: EnginePool) -> str:
+    loaded = pool.loaded
+    base_mib = weight_bytes(loaded.model) / 2 ** 20
+    if loaded.device.type != "cpu":
+        return f"{base_mib:.0f} MiB in {loaded.dtype_name}; weight quantization runs on the CPU only so far"
+    if compute_dtype("cpu", loaded.dtype) != loaded.dtype:
+        return (f"{base_mib:.0f} MiB in {loaded.dtype_name}; the quantized kernels (bf16 activations) are faster on "
+                "this CPU as well as smaller; the race table shows each lane's weight memory")
+    return (f"{base_mib:.0f} MiB in {loaded.dtype_name}; quantized weights save memory, not time, on this CPU (its "
+            "quantized kernels measured no faster); the race table shows each lane's size")

@@ -36,6 +36,7 @@ COPY --from=runtime /opt/venv /opt/venv
 COPY --from=convert --chown=app:app /opt/cache/converted /home/app/.cache/inference-playground/converted
 WORKDIR /app
 COPY inference_core ./inference_core
+COPY serving ./serving
 COPY ui ./ui
 COPY server ./server
 COPY app.py ./

@@ -1,4 +1,6 @@
-"""inference_core: a small LLM inference engine for the Llama family, with every optimization behind a switch.
+"""inference_core: a small LLM inference engine for the Llama family, with every optimization behind a switch. It
+imports no front end and not the runtime above it (`serving`, `ui`, `server`): a script, the CLI and the tests use it
+alone.
 
 Typical use:
 

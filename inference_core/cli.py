@@ -1,6 +1,6 @@
 """The command line, a stable contract other tools rely on: `python -m inference_core COMMAND [flags]`.
 
-    generate       --prompt TEXT [--prompt TEXT ...] [--batching MODE] [--json] ...   (inference_core.engine.generate)
+    generate       --prompt TEXT [--prompt TEXT ...] [--batching MODE] [--json] ...   (inference_core.generate)
     bench          [--prompts FILE] [--max-new-tokens N] [--repeats R] [--peer llama-cpp] [--json PATH] ...
     batch-bench    [--requests N] [--arrival burst|poisson:RATE] [--modes ...] [--json PATH] ...
     spec-bench     [--source ngram,early-exit,draft,medusa,eagle] [--spec-k 3,5] [--kinds chat,code] ...
@@ -22,9 +22,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from inference_core.bench import batching, compile_options, quality, race, speculation, speed
+from inference_core import generate
+from inference_core.bench import (
+    batching,
+    compile_options,
+    quality,
+    race,
+    speculation,
+    speed,
+)
 from inference_core.config import ConfigError
-from inference_core.engine import generate
 from inference_core.model import bundled, random_weights
 from inference_core.quant import awq_file
 from inference_core.training import train_draft

@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -423,10 +424,12 @@ def _read_request(body: dict, kind: str, policy) -> _Asked:
 
 
 def _param_of(error: ConfigError) -> str | None:
-    for name, param in (("max_new_tokens", "max_tokens"), ("spec_k", "spec_k"),
-                        ("spec_tree_width", "spec_tree_width"), ("draft_layers", "draft_layers")):
-        if "{" + name + "}" in error.template:
-            return param
+    """The body field a refusal is about: the setting its message names (`{spec_k}`), else one its text mentions."""
+    for name in re.findall(r"\{(\w+)\}", error.template):
+        if name == "max_new_tokens":
+            return "max_tokens"
+        if name in PLAYGROUND_FIELDS:
+            return name
     text = str(error)
     return next((name for name in PLAYGROUND_FIELDS if name in text), "prompt" if "prompt" in text else None)
 

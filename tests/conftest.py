@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 
+from browser_setup import CHROMIUM_ARGS, ensure_chromium
 from inference_core import Engine, EngineConfig, load_model
+from inference_core.sequence import Sequence
 from inference_core.bench.prompts import load_prompts
 
 
@@ -44,6 +47,31 @@ def assert_nothing_held(engine) -> None:
     """No request queued or running and every KV block or slot back (prefix-cached blocks count as free)."""
     assert engine.num_requests() == 0
     assert engine.blocks_in_use() == 0
+
+
+def wait_until_free(pool, timeout_s: float = 10.0) -> None:
+    """Wait until the pool's engines hold no block and no request (a served request's end is seen a moment later)."""
+    deadline = time.monotonic() + timeout_s
+    while pool.loop.call(pool.blocks_in_use) or pool.loop.call(pool.active_requests):
+        assert time.monotonic() < deadline, "blocks still held after the request ended"
+        time.sleep(0.05)
+
+
+NEAR_TIE = 0.01
+
+
+def assert_same_or_near_tie(loaded, prompt_ids: list[int], eager: list[int], compiled: list[int]) -> None:
+    """Equal ids, or a first divergence where the eager run's top two logits were within NEAR_TIE."""
+    assert len(eager) == len(compiled)
+    diverged = next((i for i, (a, b) in enumerate(zip(eager, compiled)) if a != b), None)
+    if diverged is None:
+        return
+    recompute = Engine(loaded, EngineConfig(kv_mode="none"))
+    logits = recompute.runner.run([Sequence(prompt_ids + eager[:diverged])])[0]
+    top = logits.topk(2).values
+    gap = float(top[0] - top[1])
+    assert gap < NEAR_TIE, (f"compiled decode chose {compiled[diverged]} instead of {eager[diverged]} at token "
+                            f"{diverged}, where eager's top two logits were {gap:.4f} apart (not a near-tie)")
 
 
 def lane(kv_mode: str, **overrides) -> list:
@@ -84,12 +112,10 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def browser():
-    """Debian's Chromium driven by Playwright, for the browser tests (set-up in tests/test_browser.py)."""
+    """Debian's Chromium driven by Playwright, for the browser tests (set-up in tests/browser_setup.py)."""
     from playwright.sync_api import sync_playwright
 
-    from test_browser import CHROMIUM_ARGS, _ensure_chromium
-
-    executable = _ensure_chromium()
+    executable = ensure_chromium()
     with sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         yield chromium

@@ -35,7 +35,7 @@ def test_draft_model_flag_and_environment(monkeypatch):
 def test_draft_model_with_another_tokenizer_exits_with_a_message(tmp_path, capsys, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from test_model_families import TINY, write_word_level_tokenizer
+    from tiny_models import TINY, write_word_level_tokenizer
 
     monkeypatch.delenv("PLAYGROUND_DRAFT_MODEL", raising=False)
     LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(str(tmp_path))  # 256 word-level tokens

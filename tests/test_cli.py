@@ -67,7 +67,7 @@ def test_generate_with_model_drafts_matches_plain(bundled, capsys, spec_args):
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, capsys):
-    from test_speculative import build_tiny
+    from tiny_models import build_tiny
 
     build_tiny(tmp_path, seed=0, initializer_range=0.3)
     assert main(["generate", "--prompt", "hi", *CPU, "--spec", "draft", "--draft-model",

@@ -1,6 +1,6 @@
-"""The Gradio playground over `inference_core`: layout builders (`layout`), streaming handlers (`race`, `chat`),
-the API for programs (`api`), plotly figures (`figures`) and the KV pool picture (`kv_view`). UI code sees only plain
-values from the engine."""
+"""The Gradio page: layout builders (`layout`, `lane_widgets`), streaming handlers (`race`, `chat`, `batching`,
+`stack`), the API for programs (`api`), plotly figures and the KV pool picture. It stands on `serving` and
+`inference_core`, sees only plain values from the engine, and never imports `server`."""
 
 from ui.layout import build_demo, warm_up
 

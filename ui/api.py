@@ -142,10 +142,9 @@ def add_api(pool: EnginePool, gpu_task=lambda function: function, **listener) ->
     def race_endpoint(prompt: str, system: str = "", max_new_tokens: int = 128, lane_a: dict | None = None,
                       lane_b: dict | None = None, request: gr.Request = None) -> dict:
         """Race two lanes on one prompt, both greedy unless told otherwise. lane_a, lane_b: overrides of the lane
-        settings (kv_mode, block_size, prefix_cache, temperature, top_p, seed, spec_method, spec_k, spec_adaptive,
-        spec_tree_width, draft_layers, compile, weights, quant_group, kv_dtype, sliding_window); lane A starts paged,
-        lane B with no KV cache. Returns per lane the text and the measured numbers, and whether greedy lanes produced
-        identical token ids."""
+        settings by name (the page's settings: kv_mode, spec_method, weights, ...; an unknown name is refused with the
+        list); lane A starts paged, lane B with no KV cache. Returns per lane the text and the measured numbers, and
+        whether greedy lanes produced identical token ids."""
         return run["race"](prompt, system, max_new_tokens, lane_a, lane_b, visitor=_visitor(request),
                            caller=caller_of(request))
 

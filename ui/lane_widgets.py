@@ -22,12 +22,10 @@ from inference_core.settings import DEFAULT_LAYERS, DEFAULTS, SETTINGS, UNSET, L
 from serving.pool import EnginePool
 
 QUICK = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}  # the page's own events
-# Each control's element id after the settings group's prefix (lane-a, lane-b, chat): what tests and scripts find.
-ELEMENT_IDS = {"kv_mode": "kv", "block_size": "block-size", "prefix_cache": "prefix-cache",
-               "temperature": "temperature", "top_p": "top-p", "seed": "seed", "spec_method": "spec", "spec_k": "spec-k",
-               "spec_adaptive": "spec-adaptive", "spec_tree_width": "spec-tree", "draft_layers": "spec-layers",
-               "compile": "compile", "weights": "weights", "quant_group": "quant-group", "kv_dtype": "kv-dtype",
-               "sliding_window": "window", "endpoint": "endpoint", "endpoint_model": "endpoint-model"}
+# Each control's element id after the settings group's prefix (lane-a, lane-b, chat), what tests and scripts find:
+# the setting's name with dashes, but for these.
+ELEMENT_IDS = {"kv_mode": "kv", "spec_method": "spec", "spec_tree_width": "spec-tree", "draft_layers": "spec-layers",
+               "sliding_window": "window"}
 SIDE_BY_SIDE = ("spec_k", "spec_adaptive", "spec_tree_width", "draft_layers")  # drawn in one row
 
 
@@ -41,8 +39,8 @@ def settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
         if name in SIDE_BY_SIDE and row is None:
             row = gr.Row()
             row.__enter__()
-        widgets[name] = _widget(name, getattr(defaults, name), f"{prefix}-{ELEMENT_IDS[name]}", facts.get(name, {}),
-                                applies(defaults, name))
+        elem_id = f"{prefix}-{ELEMENT_IDS.get(name, name.replace('_', '-'))}"
+        widgets[name] = _widget(name, getattr(defaults, name), elem_id, facts.get(name, {}), applies(defaults, name))
         if row is not None and name == SIDE_BY_SIDE[-1]:
             row.__exit__(None, None, None)
             row = None

@@ -19,7 +19,7 @@ import pytest
 from inference_core.engine.loop import EngineLoop, merge
 from inference_core.engine.request import FinishEvent, TokenEvent
 
-from test_scheduler import build_tiny_model, greedy, paged, prompt, solo
+from tiny_models import build_tiny_model, greedy, paged, prompt, solo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: stable run times on a busy CPU
 

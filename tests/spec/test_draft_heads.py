@@ -21,7 +21,8 @@ from inference_core.sequence import Sequence
 from inference_core.spec.decoding import DraftTree, SpecConfig
 from inference_core.training.train_draft import model_targets, train_heads, validation_split
 from conftest import assert_nothing_held
-from test_speculative import TINY_VOCAB, build_tiny, sampled_speculation_distances
+from test_speculative import sampled_speculation_distances
+from tiny_models import build_tiny, TINY_VOCAB
 
 KINDS = ("medusa", "eagle")
 

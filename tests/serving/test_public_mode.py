@@ -1,4 +1,4 @@
-"""Public mode on the page (the API's side is in tests/test_openai_api.py): a model outside the allowlist or from a
+"""Public mode on the page (the API's side is in tests/server/test_openai_api.py): a model outside the allowlist or from a
 local path refused at launch, an external engine not allowed at launch refused, and a visitor over its caps refused
 with a message saying when to try again, while another visitor still runs. Plus the external-engine lane through the
 page's handlers against this app's own API."""

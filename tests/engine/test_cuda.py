@@ -38,7 +38,7 @@ def test_fp32_greedy_matches_cpu(bundled):
 @pytest.fixture(scope="module")
 def tiny_cuda(tmp_path_factory):
     """test_scheduler's tiny random Llama, on the GPU in fp32 (no bundled model needed)."""
-    from test_scheduler import build_tiny_model
+    from tiny_models import build_tiny_model
 
     directory = tmp_path_factory.mktemp("tiny-llama-cuda")
     build_tiny_model(directory)
@@ -51,7 +51,7 @@ def test_batch_matches_solo_on_cuda(tiny_cuda, kv_mode, batching):
     """The batched decode path on the GPU (one gather and one masked SDPA for every decode, chunked prefill, a paged
     pool small enough to force preemption, a static batch's padding): every request's greedy ids equal its run
     alone, and nothing is left held."""
-    from test_scheduler import BLOCK_SIZE, assert_pool_free, assert_solo_ids, greedy, prompt, run_to_end
+    from tiny_models import assert_pool_free, assert_solo_ids, BLOCK_SIZE, greedy, prompt, run_to_end
 
     pool = dict(kv_cache_tokens=24 * BLOCK_SIZE) if kv_mode == "paged" else {}
     engine = Engine(tiny_cuda, EngineConfig(kv_mode=kv_mode, batching=batching, block_size=BLOCK_SIZE,

@@ -16,7 +16,7 @@ from inference_core.quant.linear import QuantConfig, QuantLinear, weight_bytes
 from inference_core.quant.quantize import quantize
 from inference_core.spec.decoding import SpecConfig
 
-from test_scheduler import build_tiny_model, prompt, run_to_end
+from tiny_models import build_tiny_model, prompt, run_to_end
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """End-to-end: the Batching tab driven by Playwright in Debian's Chromium, served in this process over the session's
 bundled model. The page is the tab alone under the playground's header (its place in `ui.build_demo` is one line in
-`ui/layout.py`); Chromium is launched, and installed when missing, as `tests/test_browser.py` does."""
+`ui/layout.py`); Chromium is launched, and installed when missing, as `tests/ui/test_browser.py` does."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 import gradio as gr
 import pytest
 
-from test_browser import _free_port
+from browser_setup import free_port
 from ui.batching import build_batching_tab
 from serving.pool import EnginePool
 
@@ -26,7 +26,7 @@ def served(bundled, one_torch_thread):
         with gr.Tab("Batching"):
             build_batching_tab(pool)
     demo.queue(max_size=8, default_concurrency_limit=1)
-    port = _free_port()
+    port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     yield pool, f"http://127.0.0.1:{port}/"
     demo.close()

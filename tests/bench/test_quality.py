@@ -21,7 +21,7 @@ from inference_core.bench.quality import (COLUMNS, EVAL_TEXT, eval_token_ids, gr
 from inference_core.quant.linear import QuantConfig, compute_dtype
 from inference_core.quant.quantize import quantize
 
-from test_model_families import TINY, write_word_level_tokenizer
+from tiny_models import TINY, write_word_level_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from inference_core.quant.quantize import quantize
 from inference_core.engine.runner import ModelRunner
 from inference_core.sequence import Sequence
 
-from test_model_families import TinyFamily
-from test_scheduler import build_tiny_model, greedy, prompt
+from tiny_models import TinyFamily
+from tiny_models import build_tiny_model, greedy, prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many small ops: see conftest
 GROUP = 32

@@ -10,7 +10,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 import ui
-from test_browser import _free_port
+from browser_setup import free_port
 from serving.pool import EnginePool
 
 TOKENS = 8
@@ -20,7 +20,7 @@ TOKENS = 8
 def served(bundled, one_torch_thread):
     pool = EnginePool(bundled, max_seq_len=512)
     demo = ui.build_demo(pool).queue(max_size=8, default_concurrency_limit=1)
-    port = _free_port()
+    port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     yield pool, Client(f"http://127.0.0.1:{port}/", verbose=False)
     demo.close()

@@ -53,7 +53,7 @@ def test_stop_ends_with_a_final_event_and_frees_the_remote_request(remote):
     while not handle.done:
         event = handle.next_event(timeout=30)
     assert event.stats.finish_reason == "stopped" and event.stats.generated_tokens < 64
-    from test_openai_api import wait_until_free
+    from conftest import wait_until_free
 
     wait_until_free(pool)  # the closed stream cancelled the request on the serving side
 

@@ -14,83 +14,18 @@ import math
 import random
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-import inference_core
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core.engine.request import FinishEvent, TokenEvent
 
-from test_model_families import TINY, write_word_level_tokenizer
+from tiny_models import assert_pool_free, assert_solo_ids, BLOCK_SIZE, build_tiny_model, final, greedy, paged, prompt, run_to_end, solo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: stable run times on a busy CPU
-
-BLOCK_SIZE = 4
-
-
-def build_tiny_model(directory):
-    """A saved random 2-layer Llama (test_model_families.TINY) loaded by our loader, fp32 on the CPU."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False)).eval()
-    model.save_pretrained(str(directory))
-    write_word_level_tokenizer(directory)
-    return inference_core.load_model(str(directory), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    """Random token ids (3..255: no BOS or EOS), different for every seed."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, 256) for _ in range(length)]
-
-
-def greedy(max_new_tokens: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-
-
-def paged(tiny, num_blocks: int = 256, **settings) -> Engine:
-    return Engine(tiny, EngineConfig(kv_mode="paged", block_size=BLOCK_SIZE, kv_cache_tokens=num_blocks * BLOCK_SIZE,
-                                     **settings))
-
-
-_solo: dict[tuple, list[int]] = {}
-
-
-def solo(tiny, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-    """The request alone on a fresh engine with a big pool (memoized per model directory, prompt and settings)."""
-    key = (tiny.name, tuple(prompt_ids), params)
-    if key not in _solo:
-        _solo[key] = paged(tiny).complete(list(prompt_ids), params).token_ids
-    return _solo[key]
-
-
-def run_to_end(engine: Engine, max_steps: int = 20_000) -> list:
-    """Step until nothing is queued or running; returns the StepReports."""
-    reports = []
-    while engine.has_work():
-        if engine.seconds_until_ready() == math.inf:
-            engine.drain()  # a static batch that is not full: no more requests are coming
-        reports.append(engine.step())
-        assert len(reports) < max_steps, "the engine stopped making progress"
-    return reports
-
-
-def final(request) -> FinishEvent:
-    """The request's one FinishEvent, which must be its last event, after a TokenEvent per generated token."""
-    events = list(request.events)
-    assert [type(e) for e in events] == [TokenEvent] * (len(events) - 1) + [FinishEvent]
-    assert [e.token_id for e in events[:-1]] == events[-1].token_ids
-    return events[-1]
-
-
-def assert_solo_ids(tiny, requests) -> None:
-    for request in requests:
-        assert final(request).token_ids == solo(tiny, request.seq.token_ids[:request.seq.num_prompt_tokens],
-                                                request.params), f"request {request.request_id} differs from solo"
 
 
 def first_steps(reports) -> dict[int, int]:
@@ -104,11 +39,6 @@ def first_steps(reports) -> dict[int, int]:
 
 def finish_steps(reports) -> dict[int, int]:
     return {request_id: index for index, report in enumerate(reports) for request_id in report.finished}
-
-
-def assert_pool_free(engine) -> None:
-    assert engine.num_requests() == 0
-    assert engine.blocks_in_use() == 0
 
 
 # --- preemption -------------------------------------------------------------------------------------------------------

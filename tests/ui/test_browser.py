@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -26,33 +25,13 @@ import ui
 from ui.race_table import SUMMARY_COLUMNS
 from serving.pool import EnginePool
 from ui.setups import RACE_SETUPS
+from browser_setup import free_port
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 DOCS_SCREENSHOT = DOCS / "race-tab.png"
 RACE_TIMEOUT_MS = 400_000  # the default race decodes 128 tokens with no KV cache in lane B: about 90 s on 2 cores
 RACE_TOKENS = 48  # the default-settings race runs a short answer: what it checks does not need 128 tokens
-
-
-def _ensure_chromium() -> str:
-    if not os.path.exists(CHROMIUM) and shutil.which("apt-get") and os.geteuid() == 0:
-        subprocess.run(["apt-get", "update", "-qq"], check=False, capture_output=True)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=False, capture_output=True)
-    if not os.path.exists(CHROMIUM):
-        message = f"{CHROMIUM} is missing: install Debian's chromium package (apt-get install chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return CHROMIUM
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +39,7 @@ def served(bundled):
     pool = EnginePool(bundled, max_seq_len=2048)
     ui.warm_up(pool)
     demo = ui.build_demo(pool).queue(max_size=8, default_concurrency_limit=1)
-    port = _free_port()
+    port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     yield pool, f"http://127.0.0.1:{port}/"
     demo.close()
@@ -70,7 +49,7 @@ def served(bundled):
 def fresh_app(bundled):
     """`python app.py` started afresh in its own process, as a visitor meets it (the bundled model's cache is already
     converted by the `bundled` fixture)."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "app.py", "--device", "cpu", "--port", str(port)], cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180

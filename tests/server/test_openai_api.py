@@ -17,6 +17,7 @@ from conftest import make_engine
 from server.app import create_app, serve_in_thread
 from serving.policy import ServePolicy
 from serving.pool import EnginePool
+from conftest import wait_until_free
 
 
 def _serve(bundled, policy: ServePolicy):
@@ -43,13 +44,6 @@ def metrics(url: str) -> dict[tuple, float]:
     text = httpx.get(url + "/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def wait_until_free(pool, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while pool.loop.call(pool.blocks_in_use) or pool.loop.call(pool.active_requests):
-        assert time.monotonic() < deadline, "blocks still held after the request ended"
-        time.sleep(0.05)
 
 
 def test_models_completions_and_chat_match_the_engine(served, client):

@@ -20,11 +20,10 @@ from inference_core.cli import main
 from inference_core.engine import compiled as compiled_module
 from inference_core.engine.compiled import batch_buckets, compile_unavailable
 from inference_core.model.llama import model_fingerprint
-from inference_core.sequence import Sequence
 
-from test_scheduler import build_tiny_model, prompt, run_to_end
+from tiny_models import build_tiny_model, prompt, run_to_end
+from conftest import assert_same_or_near_tie
 
-NEAR_TIE = 0.01
 
 pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None,
                                 reason=f"{compile_unavailable(torch.device('cpu'))}")
@@ -37,20 +36,6 @@ def tiny(tmp_path_factory):
 
 def greedy(max_new_tokens: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-
-
-def assert_same_or_near_tie(loaded, prompt_ids: list[int], eager: list[int], compiled: list[int]) -> None:
-    """Equal ids, or a first divergence where the eager run's top two logits were within NEAR_TIE."""
-    assert len(eager) == len(compiled)
-    diverged = next((i for i, (a, b) in enumerate(zip(eager, compiled)) if a != b), None)
-    if diverged is None:
-        return
-    recompute = Engine(loaded, EngineConfig(kv_mode="none"))
-    logits = recompute.runner.run([Sequence(prompt_ids + eager[:diverged])])[0]
-    top = logits.topk(2).values
-    gap = float(top[0] - top[1])
-    assert gap < NEAR_TIE, (f"compiled decode chose {compiled[diverged]} instead of {eager[diverged]} at token "
-                            f"{diverged}, where eager's top two logits were {gap:.4f} apart (not a near-tie)")
 
 
 def run_batched(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -12,9 +12,7 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
-import inference_core
 from inference_core import ConfigError, Engine, EngineConfig, FinishEvent, LoadedModel, SamplingParams, TokenEvent
 from inference_core.model.llama import CausalLM
 from inference_core.sampling import probabilities
@@ -22,7 +20,7 @@ from inference_core.sequence import Sequence
 from inference_core.spec.decoding import (SpecConfig, SpecStats, accept_greedy, accept_sampled, next_k,
                                         propose_ngram)
 from conftest import assert_nothing_held, make_engine
-from test_model_families import write_word_level_tokenizer
+from tiny_models import build_tiny, TINY_VOCAB
 
 
 def first_layers_copy(loaded: LoadedModel, num_layers: int) -> LoadedModel:
@@ -268,19 +266,6 @@ def test_spec_bench_writes_rows_per_kind(bundled, tmp_path, capsys):
         assert row["ratio"] == pytest.approx(row["spec_tokens_per_s"] / row["plain_tokens_per_s"], abs=0.01)
         assert 0 <= row["acceptance_rate"] <= 1 and 1 <= row["mean_accepted_length"] <= 5
     assert "| grounded | ngram k=2 |" in capsys.readouterr().out
-
-
-TINY_VOCAB = 16
-TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-            intermediate_size=64, vocab_size=TINY_VOCAB, max_position_embeddings=64, rms_norm_eps=1e-6,
-            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-
-
-def build_tiny(directory, seed: int, initializer_range: float) -> LoadedModel:
-    torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**TINY, initializer_range=initializer_range)).save_pretrained(str(directory))
-    write_word_level_tokenizer(directory, TINY_VOCAB)
-    return inference_core.load_model(str(directory), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

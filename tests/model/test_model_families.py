@@ -10,41 +10,18 @@ q/k norm (Qwen3), tied embeddings and Llama-3 RoPE scaling.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer as FastTokenizer
-from tokenizers import models, pre_tokenizers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 import inference_core
 from inference_core import Engine, EngineConfig, SamplingParams
 from inference_core.model.llama import packed_bf16_available
 from inference_core.sequence import Sequence
+from tiny_models import BLOCK_SIZE, FAMILIES, NEW_TOKENS, TinyFamily, VOCAB_SIZE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: stable run times on a busy CPU
 
-VOCAB_SIZE = 256
-NEW_TOKENS = 64
-BLOCK_SIZE = 4
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            intermediate_size=128, vocab_size=VOCAB_SIZE, max_position_embeddings=512, rms_norm_eps=1e-6,
-            # Wider than the default 0.02 so logits are spread out and greedy choices are not near-ties.
-            initializer_range=0.1, bos_token_id=1, eos_token_id=2)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-# Family name -> (transformers config class, model class, extra config fields, our ModelConfig.architecture).
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}, "llama"),
-    "llama-tied": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": True}, "llama"),
-    "llama-rope-llama3": (LlamaConfig, LlamaForCausalLM,
-                          {"tie_word_embeddings": False, "rope_parameters": LLAMA3_ROPE}, "llama"),
-    "mistral": (MistralConfig, MistralForCausalLM, {"tie_word_embeddings": False, "sliding_window": None}, "mistral"),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}, "qwen2"),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": False}, "qwen3"),
-}
 PROMPTS = {
     "one-token": [1],
     "short": [5, 17, 200, 3, 99, 42, 7],
@@ -57,48 +34,6 @@ KV_CONFIGS = {
     "paged-prefix-cache": dict(kv_mode="paged", block_size=BLOCK_SIZE, prefix_cache=True),
     "paged-no-prefix-cache": dict(kv_mode="paged", block_size=BLOCK_SIZE, prefix_cache=False),
 }
-
-
-def write_word_level_tokenizer(directory, vocab_size: int = VOCAB_SIZE) -> None:
-    """tokenizer.json mapping token 'tN' <-> id N for the whole vocabulary, plus a tokenizer_config naming the EOS."""
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tokenizer = FastTokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1"}))
-
-
-class TinyFamily:
-    """A saved tiny checkpoint of one family, its transformers model, and our fp32 load of it."""
-
-    def __init__(self, name: str, directory):
-        config_class, model_class, extra, self.architecture = FAMILIES[name]
-        self.name, self.directory = name, directory
-        torch.manual_seed(0)
-        self.hf_model = model_class(config_class(**TINY, **extra)).eval()
-        self.hf_model.generation_config.eos_token_id = None
-        self.hf_model.save_pretrained(str(directory))
-        write_word_level_tokenizer(directory)
-        self.loaded = inference_core.load_model(str(directory), device="cpu", dtype="float32")
-        self._greedy: dict[tuple[int, ...], list[int]] = {}
-
-    @torch.no_grad()
-    def hf_last_logits(self, prompt_ids: list[int]) -> torch.Tensor:
-        return self.hf_model(torch.tensor([prompt_ids])).logits[0, -1].float()
-
-    @torch.no_grad()
-    def hf_greedy(self, prompt_ids: list[int]) -> list[int]:
-        """transformers' greedy continuation (memoized per prompt)."""
-        key = tuple(prompt_ids)
-        if key not in self._greedy:
-            input_ids = torch.tensor([prompt_ids])
-            # An explicit all-ones mask: otherwise transformers masks every token equal to pad_token_id.
-            output = self.hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                            pad_token_id=0)
-            self._greedy[key] = output[0, len(prompt_ids):].tolist()
-            assert len(self._greedy[key]) == NEW_TOKENS, "transformers stopped early; the comparison would be short"
-        return self._greedy[key]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

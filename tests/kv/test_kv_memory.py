@@ -17,7 +17,7 @@ from inference_core.kv.block_manager import FREED, BlockManager
 from inference_core.config import ConfigError
 from inference_core.kv.cache import dequantize_int8, quantize_int8
 from inference_core.sequence import Sequence
-from test_model_families import TINY, write_word_level_tokenizer
+from tiny_models import TINY, write_word_level_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -169,7 +169,7 @@ def test_unsupported_combinations_say_what_to_change():
 def test_compiled_decode_keeps_the_window(windowed):
     """The compiled step's key mask hides what lies before the window, and its paged reads skip released blocks."""
     from inference_core.engine.compiled import compile_unavailable
-    from test_compiled import assert_same_or_near_tie
+    from conftest import assert_same_or_near_tie
 
     if (reason := compile_unavailable(torch.device("cpu"))) is not None:
         pytest.skip(reason)

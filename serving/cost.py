@@ -102,7 +102,8 @@ def duration(seconds: float) -> str:
 def check_run_cost(pool, lanes: dict[str, LaneSettings], prompt_tokens: int, new_tokens: int,
                    what: str) -> list[float]:
     """Estimated device seconds of each lane's request (one request per lane, run one after another on the device);
-    raises ConfigError, in the page's words, when together they exceed the pool's `max_run_s`."""
+    raises ConfigError (naming `{max_new_tokens}` for each surface to word) when together they exceed the pool's
+    `max_run_s`."""
     estimates = pool.estimate_s(list(lanes.values()), prompt_tokens, new_tokens)
     if sum(estimates) <= pool.max_run_s:
         return estimates

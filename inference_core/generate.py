@@ -58,8 +58,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON list instead of streaming text")
 
 
-def generate_config(args: argparse.Namespace) -> EngineConfig:
-    """`generate`'s engine settings, refusing flags that would do nothing together."""
+def generate_config(args: argparse.Namespace, settings: LaneSettings) -> EngineConfig:
+    """`generate`'s engine settings (the lane's, from `settings`, and the batching flags), refusing flags that would
+    do nothing together."""
     batched = args.batching != "none"
     if args.kv_cache_tokens is not None and args.kv_mode != "paged":
         raise ConfigError("--kv-cache-tokens sizes the paged KV pool; use it with --kv paged (not --kv "
@@ -74,7 +75,7 @@ def generate_config(args: argparse.Namespace) -> EngineConfig:
         if len(args.priority) != len(args.prompt):
             raise ConfigError(f"{len(args.priority)} --priority values for {len(args.prompt)} --prompt flags; give "
                               "one --priority per --prompt, in the same order (or none: 0 each).")
-    return LaneSettings.from_args(args).engine_config(
+    return settings.engine_config(
         args.max_seq_len, kv_cache_tokens=args.kv_cache_tokens, batching=args.batching,
         max_num_seqs=args.max_num_seqs or (8 if batched else 1), max_num_batched_tokens=args.max_batched_tokens,
         chunked_prefill=not args.no_chunked_prefill)
@@ -84,7 +85,7 @@ def run_generate(args: argparse.Namespace) -> int:
     settings = LaneSettings.from_args(args)
     params = settings.sampling(args.max_new_tokens, top_k=args.top_k, stop=tuple(args.stop),
                                ignore_eos=args.ignore_eos)
-    config = generate_config(args)
+    config = generate_config(args, settings)
     spec = settings.spec()
     if args.draft_model and args.spec_method != "draft":
         raise ConfigError("--draft-model is used only with --spec draft.")

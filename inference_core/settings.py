@@ -238,6 +238,12 @@ SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(La
 DEFAULTS = LaneSettings()
 
 
+def cli_default(name: str):
+    """Setting `name`'s default on the command line (where it differs from the page's, the row says so)."""
+    setting = SETTINGS[name]
+    return getattr(DEFAULTS, name) if setting.flag_default is UNSET else setting.flag_default
+
+
 def kinds(name: str) -> tuple[type, ...]:
     """The JSON types the API accepts for setting `name`."""
     return SETTINGS[name].kinds or (type(getattr(DEFAULTS, name)),)
@@ -264,7 +270,7 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
     for name, setting in SETTINGS.items():
         if not setting.flag:
             continue
-        default = getattr(DEFAULTS, name) if setting.flag_default is UNSET else setting.flag_default
+        default = cli_default(name)
         if isinstance(default, bool):
             flag = f"--no-{setting.flag}" if default else f"--{setting.flag}"
             parser.add_argument(flag, dest=name, action="store_false" if default else "store_true",
@@ -284,15 +290,15 @@ def command_flags(settings: LaneSettings, always: tuple[str, ...] = ()) -> list[
         value = getattr(settings, name)
         if not setting.flag or value in (None, "", DEFAULT_LAYERS):
             continue
-        cli_default = getattr(DEFAULTS, name) if setting.flag_default is UNSET else setting.flag_default
-        changed = value != getattr(DEFAULTS, name) and value != cli_default
+        default = cli_default(name)
+        changed = value != getattr(DEFAULTS, name) and value != default
         switched_on = setting.applies is not None and \
             getattr(settings, setting.applies[0]) != getattr(DEFAULTS, setting.applies[0])
         if name not in always and not (applies(settings, name) and (changed or switched_on)):
             continue
-        if isinstance(cli_default, bool):
-            if value != cli_default:
-                words.append(f"--no-{setting.flag}" if cli_default else f"--{setting.flag}")
+        if isinstance(default, bool):
+            if value != default:
+                words.append(f"--no-{setting.flag}" if default else f"--{setting.flag}")
         else:
             words += [f"--{setting.flag}", str(_whole(value))]
     return words

@@ -67,6 +67,7 @@ class Run:
     engines: dict[str, Engine]  # local lanes only
     requests: dict[str, list[Request]]  # by local lane, in prompt then copy order
     prompt_ids: list[list[int]]  # by prompt
+    new_tokens: list[int]  # by prompt: the new tokens each of its requests may generate
     estimates: list[float]  # estimated device seconds per lane, for the first prompt
     endpoints: dict[str, tuple[str, str]]  # external lanes: (URL, model id)
     budget: int  # tokens charged to the caller
@@ -92,7 +93,7 @@ class Run:
             else:
                 settings = self.job.lanes[name][1]
                 self.handles.append(submit_remote(
-                    *self.endpoints[name], self.messages(), max_tokens=self.new_tokens(0),
+                    *self.endpoints[name], self.messages(), max_tokens=self.new_tokens[0],
                     temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed, tag=tag or name,
                     sink=sink))
         return self.handles
@@ -104,12 +105,6 @@ class Run:
             return list(prompt)
         system = [{"role": "system", "content": self.job.system}] if self.job.system else []
         return system + [{"role": "user", "content": prompt}]
-
-    def new_tokens(self, prompt: int) -> int:
-        requests = next(iter(self.requests.values()), None)
-        if requests:
-            return requests[prompt * self.job.copies].params.max_new_tokens
-        return self.job.max_new_tokens
 
     def note(self, handle: EventHandle, event) -> None:
         """Count an event in: a local request's device time, a finished request's tokens."""
@@ -176,10 +171,10 @@ def admit(pool, job: Job) -> Run:
                   for prompt in job.prompts]
     requests: dict[str, list[Request]] = {name: [] for name in engines}
     estimates: list[float] = []
-    for ids in prompt_ids:
-        room = pool.max_seq_len - len(ids)
-        new = job.max_new_tokens if job.max_new_tokens is not None else \
-            max(1, min(job.default_new_tokens or room, pool.policy.max_new_tokens, room))
+    new_tokens = [int(job.max_new_tokens) if job.max_new_tokens is not None else
+                  max(1, min(job.default_new_tokens or room, pool.policy.max_new_tokens, room))
+                  for room in (pool.max_seq_len - len(ids) for ids in prompt_ids)]
+    for ids, new in zip(prompt_ids, new_tokens):
         for name, engine in engines.items():
             settings = job.lanes[name][1]
             for copy in range(job.copies):
@@ -189,27 +184,20 @@ def admit(pool, job: Job) -> Run:
                 request = engine.make_request(ids, params, spec=settings.spec(), cache_salt=job.cache_salt)
                 request.keep_final_kv_snapshot = job.keep_final_kv_snapshot
                 requests[name].append(request)
-        pool.policy.check_sizes(len(ids), int(new))
-        lane_estimates = check_run_cost(pool, {name: s for name, (_, s) in job.lanes.items()}, len(ids), int(new),
+        pool.policy.check_sizes(len(ids), new)
+        lane_estimates = check_run_cost(pool, {name: s for name, (_, s) in job.lanes.items()}, len(ids), new,
                                         job.what)
         estimates = estimates or lane_estimates
     _check_queue(pool)
     endpoints = {name: resolve_endpoint(pool.policy, settings) for name, (_, settings) in job.lanes.items()
                  if settings.external}
-    per_lane = sum(len(ids) + _new(requests, job, index) for index, ids in enumerate(prompt_ids)) * job.copies
-    budget = per_lane * len(job.lanes)
+    budget = sum(len(ids) + new for ids, new in zip(prompt_ids, new_tokens)) * job.copies * len(job.lanes)
     pool.limits.admit(job.caller or "local", budget)
-    return Run(pool, job, engines, requests, prompt_ids, estimates, endpoints, budget)
+    return Run(pool, job, engines, requests, prompt_ids, new_tokens, estimates, endpoints, budget)
 
 
 def _token_ids(prompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
-
-
-def _new(requests: dict[str, list[Request]], job: Job, prompt: int) -> int:
-    """The new tokens prompt number `prompt` may generate (every lane asks for the same)."""
-    made = next(iter(requests.values()), None)
-    return made[prompt * job.copies].params.max_new_tokens if made else int(job.max_new_tokens)
 
 
 def _check_queue(pool) -> None:

@@ -34,16 +34,19 @@ def settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
     """One control per setting for `defaults`, in the table's order, wired so that settings that do not apply are
     disabled or hidden."""
     facts = _model_facts(pool, label)
-    widgets, row = {}, None
-    for name in SETTINGS:
-        if name in SIDE_BY_SIDE and row is None:
-            row = gr.Row()
-            row.__enter__()
+    widgets = {}
+
+    def add(name: str) -> None:
         elem_id = f"{prefix}-{ELEMENT_IDS.get(name, name.replace('_', '-'))}"
         widgets[name] = _widget(name, getattr(defaults, name), elem_id, facts.get(name, {}), applies(defaults, name))
-        if row is not None and name == SIDE_BY_SIDE[-1]:
-            row.__exit__(None, None, None)
-            row = None
+
+    for name in SETTINGS:
+        if name == SIDE_BY_SIDE[0]:
+            with gr.Row():
+                for side in SIDE_BY_SIDE:
+                    add(side)
+        elif name not in SIDE_BY_SIDE:
+            add(name)
     _wire(widgets, facts)
     return list(widgets.values())
 
@@ -57,8 +60,7 @@ def _widget(name: str, value, elem_id: str, facts: dict, applying: bool) -> gr.c
     if offered and value not in offered:  # not offered here (a weight scheme this device cannot run, say)
         value = getattr(DEFAULTS, name)
     kind = facts.get("widget", setting.widget)
-    common = {"label": facts.get("label", setting.label), "elem_id": elem_id,
-              **({"visible": applying} if setting.hidden else {"interactive": applying and facts.get("can", True)})}
+    common = {"label": facts.get("label", setting.label), "elem_id": elem_id, **_state(setting, applying, facts)}
     info = facts.get("info", setting.info)
     common.update({"info": info} if info else {}, **{key: facts[key] for key in ("visible",) if key in facts})
     value = facts.get("value", value)
@@ -76,6 +78,12 @@ def _widget(name: str, value, elem_id: str, facts: dict, applying: bool) -> gr.c
     return gr.Textbox(value, **common)
 
 
+def _state(setting, applying: bool, facts: dict) -> dict:
+    """Where a setting does not apply its control is hidden (its row says so) or disabled; one the model rules out
+    (`facts["can"]`, compiled decode where it cannot run) stays disabled."""
+    return {"visible": applying} if setting.hidden else {"interactive": applying and facts.get("can", True)}
+
+
 def _wire(widgets: dict, facts: dict) -> None:
     """Each control whose setting depends on another follows it: enabled (or shown) only where it applies, set to
     its row's "off" value where it stops applying."""
@@ -89,10 +97,8 @@ def _wire(widgets: dict, facts: dict) -> None:
             for name in names:
                 setting = SETTINGS[name]
                 on = setting.applies[1](value)
-                can = facts.get(name, {}).get("can", True)
-                state = {"visible": on} if setting.hidden else {"interactive": on and can}
                 off = {} if on or setting.off_value is UNSET else {"value": setting.off_value}
-                updates.append(gr.update(**state, **off))
+                updates.append(gr.update(**_state(setting, on, facts.get(name, {})), **off))
             return tuple(updates) if len(updates) > 1 else updates[0]
         widgets[leader].change(follow, widgets[leader], [widgets[name] for name in names], **QUICK)
 

@@ -137,7 +137,7 @@ def _race(pool: EnginePool, control: RunControl, prompt: str, system: str, max_n
 
 def _start_status(pool: EnginePool, run: Run, first: str) -> str:
     estimates = run.estimates
-    return (f"Racing on {pool.loaded.device}: prompt of {len(run.prompt_ids[0])} tokens, up to {run.new_tokens(0)} "
+    return (f"Racing on {pool.loaded.device}: prompt of {len(run.prompt_ids[0])} tokens, up to {run.new_tokens[0]} "
             f"new tokens per lane. Estimated device time (from steps measured on this device): lane A "
             f"{duration(estimates[0])}, lane B {duration(estimates[1])}. The lane that has used less device time "
             f"steps next; lane {first} takes the first step this time (it alternates between races).")

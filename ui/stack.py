@@ -6,8 +6,8 @@ the paged cache (compiled decode, int8 weights, int4 weights, speculative decodi
 together. Every rung generates the same number of tokens for the same prompt (greedy, end of text ignored) and
 reports what its request measured: decode tokens/s, TTFT, the weights' stored size, the KV memory it reserved, and
 the quality delta, the perplexity of the first QUALITY_TOKENS tokens of the shipped evaluation text with the rung's
-weights and KV dtype against the model as loaded (`inference_core.bench.quality`, measured once per weight setting). Rungs
-the device cannot run (compiled decode or quantized weights where unavailable) are left out and the tab says so.
+weights and KV dtype against the model as loaded (`inference_core.bench.quality`, measured once per weight setting).
+Rungs the device cannot run (compiled decode or quantized weights where unavailable) are left out and the tab says so.
 `climb` is a plain generator: the page streams its bars and table after each rung; tests drive it without a browser.
 """
 

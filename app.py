@@ -16,8 +16,9 @@ own GRADIO_SERVER_NAME and GRADIO_SERVER_PORT are honoured too. `--draft-model` 
 'none') loads a second, smaller model on the same device and dtype as the draft source for speculative decoding: the
 lanes and the chat then offer "draft model" as a draft source. It must share the target's tokenizer; the engine
 checks that at start-up and a mismatch exits with status 2 and a message, like any other bad setting.
-dtype 'auto' picks the fastest dtype for the device (`inference_core.model.loader.choose_dtype`: bfloat16 on CUDA, and on a
-CPU bfloat16 only where it has native bf16 math and measures faster; the page header says which and why). On a
+dtype 'auto' picks the fastest dtype for the device (`inference_core.model.dtype_choice`: bfloat16 on CUDA, and on a
+CPU bfloat16 only where it has native bf16 math and measures faster, measured once per host and model shape and
+cached, so every start picks the same; the page header says which and why). On a
 Hugging Face Space (SPACE_ID is set), where the bundled model's package is not installed, the default model is the
 same SmolLM2-135M-Instruct from the Hub.
 """

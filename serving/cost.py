@@ -1,25 +1,37 @@
 """What a request will cost on this device, estimated from forward passes measured here: the guard that keeps one
-request from holding a shared device for minutes.
+request from holding a shared device for minutes, and the token count the page starts with.
 
-`StepCosts` times real forward passes of the loaded model, each the first time an estimate needs it: a full forward
-over n tokens with no KV cache (once per length bucket: 64, 128, 256, ... tokens) and a cached decode step (a short
-request on a small contiguous cache). A request's device time is then the sum of its steps: with a KV cache, a
-prefill over the prompt plus one cached step per further token; with no KV cache, a forward over the whole text so
-far for every token. A length between buckets is costed at the per-token time of the bucket above it, which
-over-estimates short forwards (their fixed cost is spread over fewer tokens) and never under-estimates a long one.
-Speculative decoding is costed as plain decoding. These are estimates, shown as such; the measured numbers are the
-request's own stats. `check_run_cost` refuses a run estimated over the deployment's device-time limit, saying what
-to change.
+`StepCosts` knows two figures of the loaded model: the time of a full forward over n tokens with no KV cache (per
+length bucket: 64, 128, 256, ... tokens) and of a cached decode step at a short context. Each comes first from a
+probe, run on the device between the engine loop's steps the first time an estimate needs it: one untimed warm-up,
+then the best of `PROBE_REPEATS` timings, so that a cold first call or one slow moment does not become the figure.
+Then the engine's own steps take over: the loop reports every step (`EngineLoop.add_step_observer`), and a step of
+one request on the loaded weights, eager, is a measurement of the same thing (a prefill, or with no KV cache any
+step, is a forward over its tokens; a cached one-token step is a decode). Once `MIN_MEASURED` such steps of a
+figure have run, the median of its latest `MEASURED_STEPS` replaces the probe: the estimate follows what requests
+actually take here, and recovers by itself after a busy spell.
+
+A request's device time is the sum of its steps: with a KV cache, a prefill over the prompt plus one cached step per
+further token; with no KV cache, a forward over the whole text so far for every token. A length between buckets is
+costed at the per-token time of the bucket above it, which over-estimates short forwards (their fixed cost is
+spread over fewer tokens) and never under-estimates a long one. Speculative decoding is costed as plain decoding.
+These are estimates, shown as such; the measured numbers are the request's own stats. `check_run_cost` refuses a
+run estimated over the deployment's device-time limit, saying what to change; `new_tokens_that_fit` is how many
+new tokens a page can start with.
 """
 
 from __future__ import annotations
 
+import statistics
+import threading
 import time
+from collections import deque
+from typing import Callable
 
 import torch
 
 from inference_core.config import ConfigError, EngineConfig
-from inference_core.engine.engine import Engine
+from inference_core.engine.engine import Engine, StepReport
 from inference_core.engine.runner import ModelRunner
 from inference_core.kv.cache import RecomputeKVCache
 from inference_core.sampling import SamplingParams
@@ -28,6 +40,10 @@ from inference_core.settings import LaneSettings
 
 SMALLEST_BUCKET = 64
 DECODE_PROBE_TOKENS = 16
+PROBE_REPEATS = 3  # timed probes after the warm-up; the best counts
+MIN_MEASURED = 4  # engine steps of a figure before their median replaces its probe
+MEASURED_STEPS = 32  # the latest engine steps of each figure kept
+START_SHARE = 0.75  # a page's starting token count is estimated to use at most this share of the run limit
 
 
 def length_bucket(num_tokens: int) -> int:
@@ -39,37 +55,92 @@ def length_bucket(num_tokens: int) -> int:
 
 
 class StepCosts:
-    """Measured forward times of one loaded model on its device (see the module docstring)."""
+    """Measured forward times of one loaded model on its device (see the module docstring). `on_device(function)`
+    runs a probe where it has the device to itself (the pool passes its engine loop's `call`); `clock` times
+    probes."""
 
-    def __init__(self, loaded, max_seq_len: int):
+    def __init__(self, loaded, max_seq_len: int, on_device: Callable[[Callable], float] = lambda probe: probe(),
+                 clock: Callable[[], float] = time.perf_counter):
         self.loaded = loaded
         self.max_seq_len = max_seq_len
-        self.forward_ms: dict[int, float] = {}  # length bucket -> ms of one uncached forward over that many tokens
-        self._decode_ms: float | None = None
+        self.on_device = on_device
+        self.clock = clock
+        self.probed_forward_ms: dict[int, float] = {}  # length bucket -> ms of one uncached forward over it
+        self.probed_decode_ms: float | None = None
+        # The engine's own steps, as the same figures: per bucket, a forward's ms scaled to the bucket's length.
+        self.measured_forward_ms: dict[int, deque[float]] = {}
+        self.measured_decode_ms: deque[float] = deque(maxlen=MEASURED_STEPS)
+        self._lock = threading.Lock()  # steps are observed in the loop thread, estimates read in callers' threads
 
     @property
     def decode_ms(self) -> float:
-        """ms of one cached decode step at a short context: the decode speed of a short request, best of two."""
-        if self._decode_ms is None:
-            engine = Engine(self.loaded, EngineConfig(kv_mode="contiguous", max_seq_len=SMALLEST_BUCKET))
-            params = SamplingParams(max_new_tokens=DECODE_PROBE_TOKENS, ignore_eos=True)
-            speeds = [engine.complete([1] * 8, params).stats.decode_tokens_per_s for _ in range(2)]
-            self._decode_ms = 1e3 / max(speeds)
-        return self._decode_ms
+        """ms of one cached decode step at a short context: the median of measured steps, else the probe."""
+        measured = self._median(self.measured_decode_ms)
+        if measured is not None:
+            return measured
+        if self.probed_decode_ms is None:
+            self.probed_decode_ms = self.on_device(self._probe_decode_ms)
+        return self.probed_decode_ms
+
+    def forward_ms_at(self, num_tokens: int) -> float:
+        """ms of one uncached forward over `num_tokens` tokens, at its bucket's per-token time."""
+        bucket = min(length_bucket(num_tokens), length_bucket(self.max_seq_len))
+        measured = self._median(self.measured_forward_ms.get(bucket, ()))
+        if measured is None:
+            if bucket not in self.probed_forward_ms:
+                self.probed_forward_ms[bucket] = self.on_device(lambda: self._probe_forward_ms(bucket))
+            measured = self.probed_forward_ms[bucket]
+        return measured * num_tokens / bucket
+
+    def observe(self, engine: Engine, report: StepReport) -> None:
+        """Count one engine step in (called in the loop thread after every step): a step of one request, not
+        speculative, on the loaded weights, eager and compiling nothing, is a measured forward or decode."""
+        if engine.loaded is not self.loaded or len(report.work) != 1 or report.compile_ms \
+                or report.padding_rows or report.prompt_padding_tokens:
+            return
+        _, kind, tokens = report.work[0]
+        with self._lock:
+            if kind == "decode" and tokens == 1:
+                if engine.decoder is None:
+                    self.measured_decode_ms.append(report.duration_ms)
+            elif kind != "speculative":
+                bucket = length_bucket(tokens)
+                if bucket <= length_bucket(self.max_seq_len):
+                    self.measured_forward_ms.setdefault(bucket, deque(maxlen=MEASURED_STEPS)).append(
+                        report.duration_ms * bucket / tokens)
+
+    def _median(self, steps) -> float | None:
+        with self._lock:
+            return statistics.median(steps) if len(steps) >= MIN_MEASURED else None
 
     @torch.inference_mode()
-    def forward_ms_at(self, num_tokens: int) -> float:
-        """ms of one uncached forward over `num_tokens` tokens, at its bucket's measured per-token time."""
-        bucket = min(length_bucket(num_tokens), length_bucket(self.max_seq_len))
-        if bucket not in self.forward_ms:
-            runner = ModelRunner(self.loaded.model, RecomputeKVCache(), self.loaded.device)
-            token_ids = [index % self.loaded.config.vocab_size for index in range(bucket)]
-            started = time.perf_counter()
+    def _probe_forward_ms(self, bucket: int) -> float:
+        runner = ModelRunner(self.loaded.model, RecomputeKVCache(), self.loaded.device)
+        token_ids = [index % self.loaded.config.vocab_size for index in range(bucket)]
+        timings = []
+        for _ in range(1 + PROBE_REPEATS):  # the first warms up
+            started = self.clock()
             runner.run([Sequence(token_ids)])
             if self.loaded.device.type == "cuda":
                 torch.cuda.synchronize(self.loaded.device)
-            self.forward_ms[bucket] = (time.perf_counter() - started) * 1e3
-        return self.forward_ms[bucket] * num_tokens / bucket
+            timings.append((self.clock() - started) * 1e3)
+        return min(timings[1:])
+
+    def _probe_decode_ms(self) -> float:
+        """A short request's decode steps on a small contiguous cache: per run the median step after the prefill,
+        the best of PROBE_REPEATS runs after one that warms up."""
+        engine = Engine(self.loaded, EngineConfig(kv_mode="contiguous", max_seq_len=SMALLEST_BUCKET))
+        params = SamplingParams(max_new_tokens=DECODE_PROBE_TOKENS, ignore_eos=True)
+        runs = []
+        for _ in range(1 + PROBE_REPEATS):
+            engine.enqueue(engine.make_request([1] * 8, params))
+            steps = []
+            while engine.has_work():
+                started = self.clock()
+                engine.step()
+                steps.append((self.clock() - started) * 1e3)
+            runs.append(statistics.median(steps[1:]))  # the first step is the prefill
+        return min(runs[1:])
 
     def request_seconds(self, kv_mode: str, prompt_tokens: int, new_tokens: int) -> float:
         """Estimated device time of one request with no prefix-cache hit."""
@@ -90,6 +161,14 @@ class StepCosts:
             else:
                 high = middle - 1
         return low
+
+
+def new_tokens_that_fit(pool, lanes: list[LaneSettings], prompt_tokens: int, wanted: int, step: int = 8) -> int:
+    """The new tokens per lane a page starts with: `wanted`, or where the estimate of one request per lane is over
+    START_SHARE of the pool's run limit, the most that fits, in multiples of `step` (at least `step`)."""
+    here = [settings.kv_mode for settings in lanes if not settings.external]
+    fits = pool.costs.most_new_tokens(here, prompt_tokens, START_SHARE * pool.max_run_s, wanted)
+    return wanted if fits >= wanted else max(step, fits // step * step)
 
 
 def duration(seconds: float) -> str:

@@ -52,7 +52,6 @@ class EnginePool:
         self.engines: OrderedDict[tuple[str, EngineConfig, QuantConfig], Engine] = OrderedDict()
         self.weight_variants: OrderedDict[QuantConfig, LoadedModel] = OrderedDict()  # quantized copies, LRU
         self.perplexities: dict[tuple[QuantConfig, str], float] = {}  # the Stack tab's quality, by (weights, KV dtype)
-        self.costs = StepCosts(loaded, self.max_seq_len)
         self.max_run_s = max_run_s
         # What this deployment lets callers do (caps, public mode) and each caller's use so far: page and API alike.
         self.policy = policy or ServePolicy()
@@ -61,6 +60,9 @@ class EnginePool:
         self._lock = threading.Lock()  # `get` is called from the page's worker threads and the API's at once
         # The one thread that owns the device: every tab's requests go through it, batched per engine.
         self.loop = EngineLoop()
+        # Cost estimates: probed on the device between the loop's steps, then learned from the steps themselves.
+        self.costs = StepCosts(loaded, self.max_seq_len, on_device=self.loop.call)
+        self.loop.add_step_observer(self.costs.observe)
 
     def _engine(self, config: EngineConfig, quant: QuantConfig = QuantConfig()) -> Engine:
         return Engine(self.weights(quant), config, draft_model=self.draft)

@@ -27,7 +27,7 @@ import pandas as pd
 from inference_core import SamplingParams
 from inference_core.engine.compiled import compile_unavailable
 from inference_core.settings import LaneSettings
-from serving.cost import duration
+from serving.cost import duration, new_tokens_that_fit
 from serving.pool import EnginePool
 from ui.api import add_api
 from ui.batching import build_batching_tab
@@ -41,6 +41,7 @@ from ui.setups import DEFAULT_LANES, RACE_SETUPS, presets, setup_values
 from ui.stack import build_stack_tab
 
 MAX_PROMPT_CHARS = 20_000
+DEFAULT_NEW_TOKENS = 128  # the race's and the chat's starting 'max new tokens'
 # Races, chat turns and lab runs only hand requests to the one engine loop and stream what it sends back, so many may
 # be in flight at once: requests on one configuration share its steps (batched), configurations take turns.
 GENERATION = {"concurrency_limit": 8, "concurrency_id": "engine"}
@@ -119,15 +120,16 @@ def _build_race_tab(pool: EnginePool) -> None:
                                            elem_id=f"lane-{name.lower()}-settings") as fold:
                 lane_widgets[name] = settings_widgets(pool, defaults, f"Lane {name}", f"lane-{name.lower()}")
             lane_folds[name] = fold
-        with gr.Column(), gr.Accordion("System message and length: up to 128 new tokens per lane", open=False,
-                                       elem_id="race-options") as options:
+        start_tokens, start_note = _start_tokens(pool, first)
+        with gr.Column(), gr.Accordion(f"System message and length: up to {start_tokens} new tokens per lane",
+                                       open=False, elem_id="race-options") as options:
             system = gr.Textbox(first.get("system", ""), lines=1, label="System message (optional)")
-            max_new_tokens = gr.Slider(8, 512, value=128, step=8, label="max new tokens (per lane)",
+            max_new_tokens = gr.Slider(8, 512, value=start_tokens, step=8, label="max new tokens (per lane)",
                                        elem_id="race-max-new-tokens")
     lanes = lane_widgets["A"] + lane_widgets["B"]
     status = gr.Markdown("Both lanes run the same prompt on one device, taking turns step by step so that each gets "
                          "an equal share of device time; each lane is timed by its own steps only. A race may use "
-                         f"up to {duration(pool.max_run_s)} of device time.", elem_id="race-status")
+                         f"up to {duration(pool.max_run_s)} of device time.{start_note}", elem_id="race-status")
     with gr.Row(equal_height=False):
         lane_a = gr.HTML("<b>Lane A</b>", elem_id="lane-a-output")
         lane_b = gr.HTML("<b>Lane B</b>", elem_id="lane-b-output")
@@ -161,6 +163,19 @@ def _build_race_tab(pool: EnginePool) -> None:
     stop.click(stop_race, control, None, **QUICK, **_stop_cancels([race]))
 
 
+def _start_tokens(pool: EnginePool, prompt: dict) -> tuple[int, str]:
+    """The default race's new tokens per lane: DEFAULT_NEW_TOKENS, or fewer where the default race (its lanes, the
+    first preset prompt) is estimated over most of the run limit on this device; and the sentence that says so."""
+    prompt_tokens = len(pool.loaded.tokenizer.prompt_ids(prompt["prompt"], prompt.get("system")))
+    tokens = new_tokens_that_fit(pool, list(DEFAULT_LANES.values()), prompt_tokens, DEFAULT_NEW_TOKENS)
+    if tokens == DEFAULT_NEW_TOKENS:
+        return tokens, ""
+    estimate = sum(pool.estimate_s(list(DEFAULT_LANES.values()), prompt_tokens, DEFAULT_NEW_TOKENS))
+    return tokens, (f" On this device the default race with {DEFAULT_NEW_TOKENS} new tokens per lane is estimated at "
+                    f"{duration(estimate)}, so the page starts at {tokens} new tokens per lane (under "
+                    f"'System message and length').")
+
+
 def _lane_summary(name: str, settings: LaneSettings) -> str:
     return f"Lane {name}: {settings.describe()}"
 
@@ -178,7 +193,7 @@ def _build_chat_tab(pool: EnginePool) -> None:
     control = gr.State(RunControl())
     with gr.Accordion("Chat settings", open=False):
         system = gr.Textbox("", label="System message (optional)")
-        max_new_tokens = gr.Slider(8, 512, value=128, step=8, label="max new tokens")
+        max_new_tokens = gr.Slider(8, 512, value=DEFAULT_NEW_TOKENS, step=8, label="max new tokens")
         with gr.Row():
             settings = settings_widgets(pool, LaneSettings(kv_mode="paged"), "Chat", "chat")
     # No label and no toolbar buttons: they were drawn over the messages. The one icon Gradio always shows, the

@@ -27,9 +27,7 @@ import gradio as gr
 import pandas as pd
 
 from inference_core.config import ConfigError
-from inference_core.engine.interleave import interleave
 from inference_core.engine.request import FinishEvent
-from inference_core.sampling import SamplingParams
 from inference_core.settings import SETTINGS, LaneSettings
 from serving.admission import Job, Run
 from serving.cost import duration
@@ -63,17 +61,18 @@ def _frame(**values) -> tuple:
 
 def warm_up_race(pool: EnginePool, lanes: dict[str, LaneSettings], prompt: str, system: str | None) -> None:
     """Run a race once, untimed, before the app serves: the engines the page's first race will use, the same prompt,
-    interleaved as a race interleaves them. The first race a visitor runs then finds every engine, kernel and cache
-    as any later race finds it (the prompt's full blocks in the paged lane's prefix cache included) instead of
-    paying one-time costs in its first steps. Also measures the step costs behind the pre-race estimate."""
-    engines = {name: pool.get(f"lane-{name}", settings) for name, settings in lanes.items()}
-    prompt_ids = next(iter(engines.values())).prompt_ids(prompt, system)
-    params = SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
-    requests = {name: engine.generate(prompt_ids, params) for name, engine in engines.items()}
-    for _ in interleave(requests, first=pool.first_lane()):
-        pass
-    pool.costs.request_seconds("none", len(prompt_ids), 128)  # measures the steps behind the default race's estimate
-    pool.costs.request_seconds("paged", len(prompt_ids), 128)
+    through the engine loop as a race runs. The first race a visitor runs then finds every engine, kernel and cache
+    as any later race finds it instead of paying one-time costs in its first steps, and the pool's cost estimates
+    have probed the figures behind it and seen its steps."""
+    job = Job("race", {name: (f"lane-{name}", settings) for name, settings in lanes.items()}, (prompt,),
+              system=system or None, max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
+    run = pool.submit(job)
+    try:
+        run.start(first=pool.first_lane())
+        for _ in run.events():
+            pass
+    finally:
+        run.close()
 
 
 def run_race(pool: EnginePool, control: RunControl | None, prompt: str, system: str, max_new_tokens, *lane_values):

@@ -28,6 +28,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from concurrent.futures import Future
+from functools import partial
 from typing import Callable, Iterator
 
 from inference_core.engine.engine import Engine, StepReport
@@ -116,6 +117,7 @@ class EngineLoop:
         self._recent_ms: dict[Engine, deque[float]] = {}
         self._step_listeners: dict[Engine, list[Callable[[StepReport], None]]] = {}
         self._observers: list[Callable[[LoopHandle, object], None]] = []
+        self._step_observers: list[Callable[[Engine, StepReport], None]] = []
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._closed = False
@@ -163,6 +165,12 @@ class EngineLoop:
         FinishEvent, the error of a failed step, or CANCELLED): how the metrics see the page's and the API's requests
         alike. An observer that raises is logged and does not affect the request."""
         self.call(self._observers.append, observer)
+
+    def add_step_observer(self, observer: Callable[[Engine, StepReport], None]) -> None:
+        """Call `observer(engine, report)` in the loop thread after every step of every engine: how the pool's cost
+        estimates learn from the steps requests actually take. One that raises is logged. (Appended here, not in
+        the loop thread, so that adding one does not start the loop; the loop reads the list as it stands.)"""
+        self._step_observers.append(observer)
 
     def observe(self, handle: "LoopHandle", event) -> None:
         for observer in self._observers:
@@ -299,7 +307,8 @@ class EngineLoop:
         if report is not None:
             self._busy_s[engine] += report.duration_ms / 1e3
             self._recent_ms.setdefault(engine, deque(maxlen=RECENT_STEPS)).append(report.duration_ms)
-            for listener in list(self._step_listeners.get(engine, ())):
+            listeners = [partial(observer, engine) for observer in self._step_observers]
+            for listener in listeners + list(self._step_listeners.get(engine, ())):
                 try:
                     listener(report)
                 except Exception:

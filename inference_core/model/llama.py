@@ -111,7 +111,7 @@ def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 def native_bf16_math() -> list[str]:
     """This CPU's features that do bf16 dot products natively (without them bf16 matmuls are emulated, slower than
-    fp32): the ones `loader.choose_dtype` and `decode_attention_kernel` look for."""
+    fp32): the ones `dtype_choice.choose_dtype` and `decode_attention_kernel` look for."""
     return [name for name, check in (("AVX-512 BF16", torch.cpu._is_avx512_bf16_supported),
                                      ("AMX", torch.cpu._is_amx_tile_supported)) if check()]
 

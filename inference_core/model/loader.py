@@ -6,7 +6,6 @@ first.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +13,8 @@ import torch
 from inference_core.config import ConfigError, ModelConfig, parse_device, parse_dtype
 from inference_core.model.bundled import BUNDLED_FILE
 from inference_core.model.checkpoint import read_config, read_weights, resolve_model_dir
-from inference_core.model.llama import WEIGHT_LAYOUTS, CausalLM, native_bf16_math, weight_layout
+from inference_core.model.dtype_choice import choose_dtype
+from inference_core.model.llama import WEIGHT_LAYOUTS, CausalLM, weight_layout
 from inference_core.model.tokenizer import Tokenizer
 
 
@@ -82,54 +82,6 @@ def load_model(model: str = "bundled", device: str | None = "auto", dtype: str =
     return LoadedModel(model, config, network.eval(), tokenizer, torch_device, torch_dtype, reason)
 
 
-def choose_dtype(device: torch.device, config: ModelConfig) -> tuple[torch.dtype, str]:
-    """`--dtype auto`: the dtype that decodes fastest here, with the reason in words.
-
-    CUDA: bfloat16 (float16 where the GPU has no bf16). A CPU: bf16 only where it has native bf16 math (AVX-512 BF16
-    or AMX; elsewhere bf16 matmuls are emulated and slower than fp32) and where a decode-sized projection of this
-    model (one row through hidden x 2*intermediate, each dtype in the weight layout it would use) measures at least
-    10% faster in bf16 than in fp32; float32 otherwise. Decode on a CPU is bound by reading the weights, which bf16
-    halves. The oracle tests ask for float32 explicitly."""
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "the GPU's native fast dtype"
-        return torch.float16, "this GPU has no bf16 support"
-    if device.type != "cpu":
-        return torch.float32, f"no measured choice for {device.type}"
-    native = native_bf16_math()
-    if not native:
-        capability = torch.backends.cpu.get_cpu_capability()
-        return torch.float32, (f"this CPU ({capability}) has no native bf16 math, so bf16 would run "
-                               "emulated and slower")
-    fp32_ms, bf16_ms = _projection_ms(config, torch.float32, "in_out"), _projection_ms(config, torch.bfloat16, "out_in")
-    speedup = fp32_ms / bf16_ms
-    if speedup >= 1.1:
-        return torch.bfloat16, (f"this CPU has native bf16 math ({', '.join(native)}) and a decode-sized "
-                                f"matmul of this model ran {speedup:.1f}x faster in bf16 than in float32 "
-                                f"({bf16_ms:.3f} vs {fp32_ms:.3f} ms)")
-    return torch.float32, (f"a decode-sized matmul of this model ran no faster in bf16 here "
-                           f"({bf16_ms:.3f} vs {fp32_ms:.3f} ms) despite native bf16 math ({', '.join(native)})")
-
-
-def _projection_ms(config: ModelConfig, dtype: torch.dtype, layout: str, repeats: int = 30) -> float:
-    """Best-of-`repeats` milliseconds of one row through a [hidden, 2 * intermediate] projection (the gate/up matmul,
-    a decode step's largest) in `dtype` and `layout` (see model.Linear)."""
-    weight = torch.randn(2 * config.intermediate_size, config.hidden_size).to(dtype)
-    x = torch.randn(1, config.hidden_size).to(dtype)
-    if layout == "in_out":
-        weight = weight.t().contiguous()
-        run = lambda: x @ weight  # noqa: E731
-    else:
-        run = lambda: torch.nn.functional.linear(x, weight)  # noqa: E731
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
 def check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
     """Refuse a draft model that cannot draft for `target`: its token ids must mean the same text (the same
     tokenizer vocabulary), and it must live on the same device."""
@@ -149,4 +101,5 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype: str = "auto") ->
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default=dtype,
                         help="auto (the fastest here: bfloat16 on CUDA, and on a CPU with native bf16 math where it "
-                             f"measures faster; float32 otherwise), float32, bfloat16 or float16 (default: {dtype})")
+                             "measures faster, measured once per host and model shape; float32 otherwise), float32, "
+                             f"bfloat16 or float16 (default: {dtype})")

@@ -43,7 +43,8 @@ from tqdm import tqdm
 from inference_core.config import ConfigError, EngineConfig, parse_dtype
 from inference_core.engine.engine import make_kv_cache
 from inference_core.engine.runner import ModelRunner
-from inference_core.model.loader import add_model_arguments, choose_dtype, load_model
+from inference_core.model.dtype_choice import choose_dtype
+from inference_core.model.loader import add_model_arguments, load_model
 from inference_core.model.paths import cache_root
 from inference_core.sequence import Sequence
 from inference_core.spec.draft_heads import (DRAFT_KINDS, DraftHeads, build_network, fingerprint, heads_file_name,

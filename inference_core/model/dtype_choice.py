@@ -1,0 +1,162 @@
+"""`--dtype auto`: the dtype a model decodes fastest in on this device, chosen the same way at every start.
+
+CUDA: bfloat16 (float16 on a GPU without bf16). A CPU: its capability decides first. Without native bf16 math
+(AVX-512 BF16 or AMX) bf16 matmuls are emulated and slower than fp32, so float32, with nothing measured. With it, a
+measurement confirms the win before bf16 is chosen: one decode step's projections of this model (enough layers to
+stream `PROBE_BYTES` of fp32 weights from memory, as a decode step does), each dtype in the weight layout the model
+would use (`llama.weight_layout`), warmed up, then timed in `ROUNDS` rounds that alternate which dtype goes first,
+each timing the best of `REPEATS` passes. The speed-up is the median of the rounds' fp32/bf16 ratios: a moment of
+load slows both dtypes of a round alike, and a spike in a few rounds moves no median. bf16 is chosen at `MARGIN` or
+more. The result is kept per host and model shape in the local cache (`cache_file()`), so the measurement runs once
+and every later start on this host reads the same answer, whatever the host's load then.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from inference_core.config import ModelConfig
+from inference_core.model.llama import Linear, native_bf16_math, weight_layout
+from inference_core.model.paths import cache_root
+
+PROBE_BYTES = 64 << 20  # fp32 weight bytes a probe pass streams: past the CPU's caches, as decode streams them
+ROUNDS = 9
+REPEATS = 3
+MARGIN = 1.1  # bf16 must decode at least this much faster than fp32 to be chosen
+
+
+def choose_dtype(device: torch.device, config: ModelConfig,
+                 clock: Callable[[], float] = time.perf_counter) -> tuple[torch.dtype, str]:
+    """`--dtype auto` for `config` on `device`, with the reason in words (see the module docstring); `clock` times
+    the probe (a test injects a noisy one)."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "the GPU's native fast dtype"
+        return torch.float16, "this GPU has no bf16 support"
+    if device.type != "cpu":
+        return torch.float32, f"no measured choice for {device.type}"
+    native = native_bf16_math()
+    if not native:
+        capability = torch.backends.cpu.get_cpu_capability()
+        return torch.float32, (f"this CPU ({capability}) has no native bf16 math, so bf16 would run emulated and "
+                               "slower")
+    speedup = cached_speedup(config, clock)
+    features = ", ".join(native)
+    if speedup >= MARGIN:
+        return torch.bfloat16, (f"this CPU has native bf16 math ({features}) and this model's decode step ran "
+                                f"{speedup:.1f}x faster in bf16 than in float32 here")
+    return torch.float32, (f"this CPU has native bf16 math ({features}), but this model's decode step ran only "
+                           f"{speedup:.2f}x as fast in bf16 as in float32 here (bf16 is chosen from {MARGIN}x)")
+
+
+def cache_file() -> Path:
+    return cache_root() / "dtype-choice.json"
+
+
+def cached_speedup(config: ModelConfig, clock: Callable[[], float] = time.perf_counter) -> float:
+    """This host's measured bf16 speed-up for `config`'s shape: from the cache, or measured now and cached."""
+    path, key = cache_file(), _key(config)
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return float(known[key]["speedup"])
+    speedup = decode_speedup(config, clock)
+    known[key] = {"speedup": round(speedup, 4), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1, sort_keys=True))
+    except OSError:  # a read-only home: measured again at the next start
+        pass
+    return speedup
+
+
+def decode_speedup(config: ModelConfig, clock: Callable[[], float] = time.perf_counter) -> float:
+    """fp32 time over bf16 time of one decode step's projections of `config` (module docstring)."""
+    fp32_pass, bf16_pass = (_decode_pass(config, dtype) for dtype in (torch.float32, torch.bfloat16))
+    return measured_speedup(fp32_pass, bf16_pass, clock)
+
+
+def measured_speedup(fp32_pass: Callable[[], None], bf16_pass: Callable[[], None],
+                     clock: Callable[[], float] = time.perf_counter, rounds: int = ROUNDS,
+                     repeats: int = REPEATS) -> float:
+    """The median over `rounds` of fp32/bf16, each side the best of `repeats` timed passes, after one untimed pass
+    of each; the dtype that goes first alternates between rounds."""
+    fp32_pass(), bf16_pass()  # warm-up: first-call allocations, oneDNN's kernel selection
+
+    def best_ms(run: Callable[[], None]) -> float:
+        best = math.inf
+        for _ in range(repeats):
+            started = clock()
+            run()
+            best = min(best, clock() - started)
+        return max(best, 1e-9)
+
+    ratios = []
+    for index in range(rounds):
+        if index % 2:
+            bf16_s = best_ms(bf16_pass)
+            fp32_s = best_ms(fp32_pass)
+        else:
+            fp32_s = best_ms(fp32_pass)
+            bf16_s = best_ms(bf16_pass)
+        ratios.append(fp32_s / bf16_s)
+    return statistics.median(ratios)
+
+
+def _decode_pass(config: ModelConfig, dtype: torch.dtype) -> Callable[[], None]:
+    """One row through a decode step's projections (q, k, v, o, gate, up, down) of as many layers as stream
+    PROBE_BYTES of fp32 weights, in `dtype` and the layout the model would use for it here."""
+    cpu = torch.device("cpu")
+    head_dim = config.head_dim
+    shapes = [(config.hidden_size, config.num_heads * head_dim),
+              (config.hidden_size, config.num_kv_heads * head_dim),
+              (config.hidden_size, config.num_kv_heads * head_dim),
+              (config.num_heads * head_dim, config.hidden_size),
+              (config.hidden_size, config.intermediate_size), (config.hidden_size, config.intermediate_size),
+              (config.intermediate_size, config.hidden_size)]
+    layer_bytes = 4 * sum(rows * columns for rows, columns in shapes)
+    layers = max(1, min(config.num_layers, math.ceil(PROBE_BYTES / layer_bytes)))
+    generator = torch.Generator().manual_seed(0)
+    projections = []
+    for in_features, out_features in shapes * layers:
+        layer = Linear(in_features, out_features, bias=False)
+        layer.weight.data = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        layer.use_layout(weight_layout(cpu, dtype))
+        projections.append((layer, torch.randn(1, in_features, generator=generator).to(dtype)))
+
+    @torch.inference_mode()
+    def run() -> None:
+        for layer, x in projections:
+            layer(x)
+    return run
+
+
+def _key(config: ModelConfig) -> str:
+    """The host (CPU, its kernels, torch, threads) and the model's shape: what the speed-up depends on."""
+    host = (cpu_name(), torch.backends.cpu.get_cpu_capability(), ",".join(native_bf16_math()), torch.__version__,
+            f"{torch.get_num_threads()} threads")
+    shape = (f"hidden {config.hidden_size}", f"intermediate {config.intermediate_size}",
+             f"heads {config.num_heads}/{config.num_kv_heads}x{config.head_dim}",
+             f"layers {config.num_layers}")
+    return " | ".join(host + shape)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

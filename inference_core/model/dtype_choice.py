@@ -4,11 +4,13 @@ CUDA: bfloat16 (float16 on a GPU without bf16). A CPU: its capability decides fi
 (AVX-512 BF16 or AMX) bf16 matmuls are emulated and slower than fp32, so float32, with nothing measured. With it, a
 measurement confirms the win before bf16 is chosen: one decode step's projections of this model (enough layers to
 stream `PROBE_BYTES` of fp32 weights from memory, as a decode step does), each dtype in the weight layout the model
-would use (`llama.weight_layout`), warmed up, then timed in `ROUNDS` rounds that alternate which dtype goes first,
-each timing the best of `REPEATS` passes. The speed-up is the median of the rounds' fp32/bf16 ratios: a moment of
-load slows both dtypes of a round alike, and a spike in a few rounds moves no median. bf16 is chosen at `MARGIN` or
-more. The result is kept per host and model shape in the local cache (`cache_file()`), so the measurement runs once
-and every later start on this host reads the same answer, whatever the host's load then.
+would use (`llama.weight_layout`), warmed up, then timed in `ROUNDS` rounds of `REPEATS` passes each that alternate
+which dtype goes first. The speed-up is the best fp32 timing over the best bf16 timing: load only adds time, so the
+best of many interleaved timings is each dtype's own speed, whatever else the host runs meanwhile. The probe runs on
+one thread: a pass on two threads needs both cores at once, which a busy host rarely gives (measured on a 2-core
+host at a load average of 10: on one thread 1.70-2.02x over eight trials; on two, 0.3-2.6x). bf16 is chosen at
+`MARGIN` or more. The result is kept per host and model shape in the local cache (`cache_file()`), so the
+measurement runs once and every later start on this host reads the same answer, whatever the host's load then.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -28,7 +29,7 @@ from inference_core.model.llama import Linear, native_bf16_math, weight_layout
 from inference_core.model.paths import cache_root
 
 PROBE_BYTES = 64 << 20  # fp32 weight bytes a probe pass streams: past the CPU's caches, as decode streams them
-ROUNDS = 9
+ROUNDS = 15
 REPEATS = 3
 MARGIN = 1.1  # bf16 must decode at least this much faster than fp32 to be chosen
 
@@ -81,36 +82,32 @@ def cached_speedup(config: ModelConfig, clock: Callable[[], float] = time.perf_c
 
 
 def decode_speedup(config: ModelConfig, clock: Callable[[], float] = time.perf_counter) -> float:
-    """fp32 time over bf16 time of one decode step's projections of `config` (module docstring)."""
+    """fp32 time over bf16 time of one decode step's projections of `config` (module docstring), on one thread."""
     fp32_pass, bf16_pass = (_decode_pass(config, dtype) for dtype in (torch.float32, torch.bfloat16))
-    return measured_speedup(fp32_pass, bf16_pass, clock)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measured_speedup(fp32_pass, bf16_pass, clock)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measured_speedup(fp32_pass: Callable[[], None], bf16_pass: Callable[[], None],
                      clock: Callable[[], float] = time.perf_counter, rounds: int = ROUNDS,
                      repeats: int = REPEATS) -> float:
-    """The median over `rounds` of fp32/bf16, each side the best of `repeats` timed passes, after one untimed pass
-    of each; the dtype that goes first alternates between rounds."""
+    """The best fp32 timing over the best bf16 timing, each over `rounds` rounds of `repeats` passes, after one
+    untimed pass of each; the dtype that goes first alternates between rounds. Load only ever adds time, so the best
+    of many timings is the closest to the host's own speed, and interleaving gives both dtypes the same quiet
+    moments (a median does not do: on a busy 2-core host most two-thread passes wait for a core)."""
     fp32_pass(), bf16_pass()  # warm-up: first-call allocations, oneDNN's kernel selection
-
-    def best_ms(run: Callable[[], None]) -> float:
-        best = math.inf
-        for _ in range(repeats):
-            started = clock()
-            run()
-            best = min(best, clock() - started)
-        return max(best, 1e-9)
-
-    ratios = []
+    best = {fp32_pass: math.inf, bf16_pass: math.inf}
     for index in range(rounds):
-        if index % 2:
-            bf16_s = best_ms(bf16_pass)
-            fp32_s = best_ms(fp32_pass)
-        else:
-            fp32_s = best_ms(fp32_pass)
-            bf16_s = best_ms(bf16_pass)
-        ratios.append(fp32_s / bf16_s)
-    return statistics.median(ratios)
+        for run in (fp32_pass, bf16_pass) if index % 2 == 0 else (bf16_pass, fp32_pass):
+            for _ in range(repeats):
+                started = clock()
+                run()
+                best[run] = min(best[run], clock() - started)
+    return best[fp32_pass] / max(best[bf16_pass], 1e-12)
 
 
 def _decode_pass(config: ModelConfig, dtype: torch.dtype) -> Callable[[], None]:
@@ -142,9 +139,8 @@ def _decode_pass(config: ModelConfig, dtype: torch.dtype) -> Callable[[], None]:
 
 
 def _key(config: ModelConfig) -> str:
-    """The host (CPU, its kernels, torch, threads) and the model's shape: what the speed-up depends on."""
-    host = (cpu_name(), torch.backends.cpu.get_cpu_capability(), ",".join(native_bf16_math()), torch.__version__,
-            f"{torch.get_num_threads()} threads")
+    """The host (CPU, its kernels, torch) and the model's shape: what the speed-up depends on."""
+    host = (cpu_name(), torch.backends.cpu.get_cpu_capability(), ",".join(native_bf16_math()), torch.__version__)
     shape = (f"hidden {config.hidden_size}", f"intermediate {config.intermediate_size}",
              f"heads {config.num_heads}/{config.num_kv_heads}x{config.head_dim}",
              f"layers {config.num_layers}")

@@ -1,6 +1,6 @@
 """`--dtype auto` (`inference_core.model.dtype_choice`): bf16 on a CPU only with native bf16 math and a measured win,
 float32 otherwise, always with the reason in words; the page header shows it. The measurement is robust to a noisy
-host (warmed up, interleaved, best of several, median of rounds, a margin) and cached per host and model shape, so
+host (warmed up, interleaved, the best of many timings, a margin) and cached per host and model shape, so
 the same command picks the same dtype every time. In bf16 on such a CPU, a step's batched decodes attend through
 bf16 matmuls (`model.decode_attention_kernel`)."""
 

@@ -121,12 +121,12 @@ def test_compile_needs_a_kv_cache_and_a_compiler(tiny, monkeypatch):
     Engine(tiny, EngineConfig(kv_mode="paged"))  # eager still runs
 
 
-@pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
-def test_bundled_greedy_compiled_equals_eager(bundled, bench_prompts, kv_mode):
-    """The bundled model, fp32: five benchmark prompts, 128 new tokens, one at a time (batch 1), and paged also four at
-    once (each bucket is a compile of one to two minutes here; the tiny model's test covers every bucket of both)."""
+def test_bundled_greedy_compiled_equals_eager(bundled, bench_prompts):
+    """The bundled model, fp32, paged (the app's mode): five benchmark prompts, 128 new tokens, one at a time (batch
+    1), and four at once (each bucket is a compile of one to two minutes here; the tiny model's test covers every
+    bucket of both cache kinds, contiguous included)."""
     ids = ["chat-short-1", "code-2", "grounded-1", "long-2", "plain-1"]
-    settings = dict(kv_mode=kv_mode, max_seq_len=1024, max_num_seqs=4)
+    settings = dict(kv_mode="paged", max_seq_len=1024, max_num_seqs=4)
     eager = Engine(bundled, EngineConfig(**settings))
     compiled = Engine(bundled, EngineConfig(**settings, compile=True))
     prompts = [eager.prompt_ids(bench_prompts[i]["prompt"], bench_prompts[i].get("system"),
@@ -134,11 +134,10 @@ def test_bundled_greedy_compiled_equals_eager(bundled, bench_prompts, kv_mode):
     want = [eager.complete(p, greedy(128)).token_ids for p in prompts]
     for p, w in zip(prompts, want):
         assert_same_or_near_tie(bundled, p, w, compiled.complete(p, greedy(128)).token_ids)
-    if kv_mode == "paged":
-        for p, w, got in zip(prompts, want, run_batched(compiled, prompts[:4], 128)):
-            assert_same_or_near_tie(bundled, p, w, got)
+    for p, w, got in zip(prompts, want, run_batched(compiled, prompts[:4], 128)):
+        assert_same_or_near_tie(bundled, p, w, got)
     stats = compiled.compile_stats()
-    assert (stats["graphs"], stats["recompiles"]) == (2 if kv_mode == "paged" else 1, 0)  # each bucket once
+    assert (stats["graphs"], stats["recompiles"]) == (2, 0)  # each bucket once
 
 
 def test_a_second_start_loads_the_compiled_step_from_disk(tiny):

@@ -91,6 +91,12 @@ def race_outputs(values: tuple) -> dict:
     return dict(zip(RACE_OUTPUTS, values))
 
 
+def by_lane(summary):
+    """The race summary (a row per figure, a column per lane) turned to a row per lane, to read one figure across the
+    lanes: `by_lane(summary)["TTFT (ms)"]` lists lane A's then lane B's."""
+    return summary.set_index("figure").T
+
+
 @pytest.fixture(scope="module")
 def pool(bundled):
     """The playground's engines over the bundled model, with a 512-token context (small caches), one per module."""

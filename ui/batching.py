@@ -32,8 +32,8 @@ from inference_core import ConfigError, Engine, EngineConfig, SamplingParams, To
 from inference_core.bench.prompts import load_prompts
 from serving.cost import duration
 from serving.pool import EnginePool
-from ui.batching_view import (RESULT_NOTES, Arrival, RunRecord, StepRecord, activity_figure, mode_name, results_frame,
-                              timeline_figure, verdict)
+from ui.batching_view import (RESULT_COLUMNS, RESULT_NOTES, Arrival, RunRecord, StepRecord, activity_figure, mode_name,
+                              results_frame, timeline_figure, verdict)
 from ui.control import RunControl
 from ui.kv_view import render_pool
 from ui.race import PANEL_REFRESH_S
@@ -58,6 +58,11 @@ MODE_ABOUT = {"continuous": "requests join the running batch at any step and lea
 ARRIVALS = {"all at once (burst)": "burst", "Poisson arrivals": "poisson"}
 LENGTHS = {"varied (1/8 to all of max new tokens, seeded)": "varied", "max new tokens for every request": "same"}
 TYPED = "your prompts (one per line, in the settings)"
+# The results table's column widths in pixels, one per RESULT_COLUMNS: at 1440 px the 13 columns fit (1204 px) with no
+# header broken inside a word (the two long words get more); on a phone the table scrolls sideways with the mode
+# pinned. (Widths in % of the table squeezed each column to 25 px on a phone, headers letter by letter.)
+WIDE_RESULT_COLUMNS = {"mode": 100, "throughput (tok/s)": 112, "preemptions": 112}  # px; the others 88 px
+RESULT_WIDTHS = [f"{WIDE_RESULT_COLUMNS.get(column, 88)}px" for column in RESULT_COLUMNS]
 log = logging.getLogger(__name__)
 
 
@@ -494,12 +499,11 @@ def build_batching_tab(pool: EnginePool) -> None:
     timeline = gr.Plot(timeline_figure([], 0.0), show_label=False, elem_id="batching-timeline")
     results = gr.DataFrame(results_frame([], 0.0), interactive=False, wrap=True, label="Results per mode",
                            buttons=["copy", "fullscreen"],
-                           column_widths=["10%", "8%", "8%", "8%", "9%", "8%", "8%", "8%", "8%", "10%", "7%", "8%"],
-                           elem_id="batching-results")
+                           column_widths=RESULT_WIDTHS, pinned_columns=1, elem_id="batching-results")
     gr.Markdown(f"<small>{RESULT_NOTES}</small>", elem_id="batching-results-notes")
-    with gr.Row(equal_height=False):
-        chart = gr.Plot(activity_figure([]), show_label=False, elem_id="batching-chart")
-        pool_view = gr.HTML(elem_id="batching-pool")
+    with gr.Row(equal_height=False):  # side by side on a laptop, one above the other on a phone
+        chart = gr.Plot(activity_figure([]), show_label=False, elem_id="batching-chart", min_width=340)
+        pool_view = gr.HTML(elem_id="batching-pool", min_width=340)
 
     quick = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}  # the page's own events
     # The one-line summary follows the person's edits (`input`, not `change`: a preset sets several widgets at once,

@@ -179,9 +179,11 @@ def timeline_figure(records: list[RunRecord], now: float) -> go.Figure:
             shown.add("finished")
         figure.update_yaxes(autorange="reversed", type="category", tickfont={"size": 9}, row=row, col=1)
     rows = sum(len(r.arrivals) for r in records)
-    figure.update_layout(height=min(360, max(230, 90 + 14 * rows + 40 * len(records))), template="plotly_white",
-                         barmode="overlay", bargap=0.25, margin={"l": 40, "r": 20, "t": 30, "b": 40},
-                         legend={"orientation": "v", "y": 1.0, "x": 1.01, "yanchor": "top", "font": {"size": 11}})
+    # The legend in a row under the chart: at its right it took half a phone's width from the bars.
+    figure.update_layout(height=min(390, max(260, 120 + 14 * rows + 40 * len(records))), template="plotly_white",
+                         barmode="overlay", bargap=0.25, margin={"l": 40, "r": 20, "t": 30, "b": 70},
+                         legend={"orientation": "h", "yref": "container", "y": 0, "yanchor": "bottom", "x": 0,
+                                 "font": {"size": 11}})
     figure.update_xaxes(title_text="wall time since the run started (s)", rangemode="tozero", row=len(records), col=1)
     return figure
 

@@ -2,12 +2,12 @@
 
 `chat_turn` is the streaming handler behind Send: it sends the whole conversation through the model's chat template
 to the chat slot's engine, so a later turn's prompt starts with the earlier turns and (paged KV with the prefix
-cache) reuses their KV blocks; the per-turn table (a DataFrame) shows how many prompt tokens came from the cache. It
-yields, in `CHAT_OUTPUTS` order: the chat log, the conversation state, the per-turn table, the KV view, the input box
-and a status line. A turn can speculate (the settings' draft source); the table then gives its acceptance numbers. Stop
-(`ui.control`) ends the turn after the step in flight: the partial answer stays, with its row in the table
-(finish reason "stopped"), and the request returns its blocks. A turn estimated to take longer than the app's limit
-is refused before it starts, and one that runs over is stopped the same way.
+cache) reuses their KV blocks; the per-turn table (a DataFrame, sent with its column widths) shows how many prompt
+tokens came from the cache. It yields, in `CHAT_OUTPUTS` order: the chat log, the conversation state, the per-turn
+table, the KV view, the input box and a status line. A turn can speculate (the settings' draft source); the table then
+gives its acceptance numbers. Stop (`ui.control`) ends the turn after the step in flight: the partial answer stays,
+with its row in the table (finish reason "stopped"), and the request returns its blocks. A turn estimated to take
+longer than the app's limit is refused before it starts, and one that runs over is stopped the same way.
 """
 
 from __future__ import annotations
@@ -30,8 +30,14 @@ from ui.race import PANEL_REFRESH_S, TEXT_REFRESH_S, WAIT_NOTE_S, settings_from_
 from ui.words import PAGE_WORDS, refusal, waiting_note
 
 CHAT_OUTPUTS = ("chat_log", "history", "turn_stats", "stats_table", "kv_view", "input", "status")
-STATS_COLUMNS = ("turn", "configuration", "prompt tokens", "from prefix cache", "TTFT (ms)", "decode tokens/s",
-                 "tokens generated", "finish reason")
+# The configuration last: it is long text, and a phone then shows a turn's first numbers before it.
+STATS_COLUMNS = ("turn", "prompt tokens", "from prefix cache", "TTFT (ms)", "decode tokens/s", "tokens generated",
+                 "finish reason", "configuration")
+# Column widths in pixels: without them the table sizes its columns by their text, and the configuration's took so
+# much that "turn" broke letter by letter at 1440 px. These fit 1440 px (920 px, or 1176 px with "drafts accepted");
+# on a phone the table scrolls sideways with the turn column pinned.
+STATS_WIDTHS = {"turn": 60, "configuration": 240, "drafts accepted": 300}
+NUMBER_WIDTH = 96  # each number column: its header on two lines at most
 # The table's label, also what the empty table says.
 STATS_LABEL = "Each turn's numbers appear here: TTFT, decode tokens/s and prompt tokens reused from the prefix cache"
 CHAT_WORDS = {**PAGE_WORDS, "longer_context": " (or press 'New chat')"}
@@ -50,14 +56,21 @@ def _acceptance_cell(spec: dict | None) -> str:
 
 
 def stats_frame(turn_stats: list[dict]) -> pd.DataFrame:
-    """The per-turn table: a row per turn, rounded as the status line rounds; with a "drafts accepted" column when a
-    turn speculated. No turns: the headers alone."""
+    """The per-turn table: a row per turn, rounded as the status line rounds; with a "drafts accepted" column (before
+    the configuration) when a turn speculated. No turns: the headers alone."""
     speculated = any(row.get("spec") for row in turn_stats)
-    columns = STATS_COLUMNS + (("drafts accepted",) if speculated else ())
-    rows = [[row["turn"], row["config"], row["prompt_tokens"], row["cached_prompt_tokens"], round(row["ttft_ms"]),
+    columns = STATS_COLUMNS[:-1] + (("drafts accepted",) if speculated else ()) + STATS_COLUMNS[-1:]
+    rows = [[row["turn"], row["prompt_tokens"], row["cached_prompt_tokens"], round(row["ttft_ms"]),
              round(row["decode_tokens_per_s"], 1), row["generated_tokens"], row["finish_reason"]]
-            + ([_acceptance_cell(row.get("spec"))] if speculated else []) for row in turn_stats]
+            + ([_acceptance_cell(row.get("spec"))] if speculated else []) + [row["config"]] for row in turn_stats]
     return pd.DataFrame(rows, columns=list(columns), dtype=object)
+
+
+def stats_table(turn_stats: list[dict]) -> dict:
+    """The per-turn table as the page's update: `stats_frame` with a width per column, the turn column pinned."""
+    frame = stats_frame(turn_stats)
+    widths = [f"{STATS_WIDTHS.get(column, NUMBER_WIDTH)}px" for column in frame.columns]
+    return gr.update(value=frame, column_widths=widths, pinned_columns=1)
 
 
 def _kv_html(pool: EnginePool, engine, seq_id: int) -> str:
@@ -151,7 +164,7 @@ def _stream(pool: EnginePool, run: Run, control: RunControl, history: list[dict]
             turn_stats = turn_stats + [_turn_row(len(turn_stats) + 1, run.job.lanes["chat"][1], event.stats)]
             if not isinstance(kv_html, str):  # a turn too short for a live view: the pool as the turn left it
                 kv_html = _kv_html(pool, engine, seq_id)
-            yield (history, history, turn_stats, stats_frame(turn_stats), kv_html, gr.skip(),
+            yield (history, history, turn_stats, stats_table(turn_stats), kv_html, gr.skip(),
                    _turn_status(pool, run, turn_stats, event.stats))
             continue
         answer += event.text
@@ -196,4 +209,4 @@ def stop_chat(control: RunControl) -> None:
 
 
 def clear_chat():
-    return [], [], [], stats_frame([]), "", "New conversation."
+    return [], [], [], stats_table([]), "", "New conversation."

@@ -3,8 +3,9 @@ speculative decoding's acceptance by draft position and over the verification st
 
 The speed chart's x axis is each lane's own busy time (the clock the engine runs only while working on that lane's
 request), so a lane's curve shows its own speed even though the two lanes take turns on one device. Each lane's TTFT
-is a dotted vertical line labelled at the top, lane A's label above lane B's, so close TTFTs never draw their labels
-on top of each other.
+is a dotted vertical line labelled in the margin above the plot, a line of its own per lane in order of arrival (the
+first token's label on top, each later one a line lower, starting at its own TTFT): whichever lane comes first, the
+labels never draw on top of each other, and never over the curves.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from plotly.subplots import make_subplots
 
 LANE_COLOURS = {"A": "#2563eb", "B": "#ea580c"}
 ROLLING_TOKENS = 8  # tokens/s at a point is measured over the last this-many tokens
+TTFT_FONT_PX = 12
+TTFT_LINE_PX = 20  # one TTFT label's line: its 12 px text is about 17 px tall with the box's padding, plus a gap
+PAGE_LABEL_PX = 30  # the page draws the chart's label over its top-left corner: the TTFT lines start below it
 
 
 def rolling_tokens_per_s(times_s: list[float]) -> tuple[list[float], list[float]]:
@@ -33,7 +37,11 @@ def speed_figure(lanes: dict[str, dict]) -> go.Figure:
     """`lanes`: name -> {"label": str, "times_s": [own-clock time of each token]}. TTFT (the first token's time) is
     marked on each curve and by a labelled vertical line; with no lanes, the empty chart says what will appear."""
     figure = go.Figure()
-    for row, (name, lane) in enumerate(lanes.items()):
+    # Lines from the top, in order of arrival: the earliest first token on the top line; a tie keeps the lanes' order.
+    arrivals = sorted((lane["times_s"][0], index) for index, lane in enumerate(lanes.values()) if lane["times_s"])
+    line_of = {index: line for line, (_, index) in enumerate(arrivals)}
+    lines = max(2, len(lanes))  # the race's two lanes: the margin keeps its height as the labels arrive
+    for index, (name, lane) in enumerate(lanes.items()):
         colour = LANE_COLOURS.get(name, "#475569")
         times = lane["times_s"]
         xs, ys = rolling_tokens_per_s(times)
@@ -46,14 +54,16 @@ def speed_figure(lanes: dict[str, dict]) -> go.Figure:
                 marker={"color": colour, "size": 11, "symbol": "diamond"}, cliponaxis=False, showlegend=False,
                 hovertemplate=f"lane {name} first token at %{{x:.3f}} s<extra></extra>"))
             figure.add_vline(x=times[0], line={"color": colour, "width": 1, "dash": "dot"})
-            figure.add_annotation(x=times[0], y=1.0 - 0.09 * row, xref="x", yref="paper", xanchor="left",
-                                  yanchor="bottom", showarrow=False, text=f"{name}: TTFT {times[0] * 1e3:.0f} ms",
-                                  font={"color": colour, "size": 12}, bgcolor="rgba(255,255,255,0.85)")
+            figure.add_annotation(x=times[0], y=1.0, xref="x", yref="paper", xanchor="left", yanchor="bottom",
+                                  yshift=TTFT_LINE_PX * (lines - 1 - line_of[index]), showarrow=False,
+                                  text=f"{name}: TTFT {times[0] * 1e3:.0f} ms",
+                                  font={"color": colour, "size": TTFT_FONT_PX}, bgcolor="rgba(255,255,255,0.85)")
     if not lanes:
         figure.add_annotation(text="Each lane's tokens/s appears here as the race runs.", xref="paper",
                               yref="paper", x=0.5, y=0.5, showarrow=False, font={"color": "#64748b"})
     figure.update_layout(
-        height=270, margin={"l": 50, "r": 20, "t": 30, "b": 70}, template="plotly_white",
+        height=290, margin={"l": 50, "r": 20, "t": PAGE_LABEL_PX + TTFT_LINE_PX * lines, "b": 70},
+        template="plotly_white",
         legend={"orientation": "h", "y": -0.35, "x": 0},
         xaxis_title="lane's own device time (s)", yaxis_title=f"tokens/s (last {ROLLING_TOKENS} tokens)",
         yaxis={"rangemode": "tozero"}, xaxis={"rangemode": "tozero"})

@@ -2,7 +2,7 @@
 `warm_up` readies the engines the page's first race will use before the app serves.
 
 Element ids that tests and scripts rely on: race-setup, race-setup-about, race-prompt, race-run, race-stop,
-lane-a-output, lane-b-output, race-chart, race-acceptance, race-summary (a table, a row per lane), race-summary-notes
+lane-a-output, lane-b-output, race-chart, race-acceptance, race-summary (a table, a row per figure), race-summary-notes
 (the speed-up line and notes under it), race-identical, kv-view, chat-input, chat-send, chat-stop, chat-log (plus
 race-status, chat-status, chat-stats (a table, a row per turn), chat-kv-view). Each settings group has ids
 with its prefix (lane-a, lane-b, chat): -kv, -block-size, -prefix-cache, -temperature, -top-p, -seed, -spec (the draft
@@ -131,12 +131,14 @@ def _build_race_tab(pool: EnginePool) -> None:
                          "an equal share of device time; each lane is timed by its own steps only. A race may use "
                          f"up to {duration(pool.max_run_s)} of device time.{start_note}", elem_id="race-status")
     with gr.Row(equal_height=False):
-        lane_a = gr.HTML("<b>Lane A</b>", elem_id="lane-a-output")
-        lane_b = gr.HTML("<b>Lane B</b>", elem_id="lane-b-output")
+        # Side by side on a laptop; on a phone each takes the width (a row wraps children past their min_width).
+        lane_a = gr.HTML("<b>Lane A</b>", elem_id="lane-a-output", min_width=320)
+        lane_b = gr.HTML("<b>Lane B</b>", elem_id="lane-b-output", min_width=320)
         # Drawn at page load, so the browser has its plotting code ready before the first race starts.
-        chart = gr.Plot(speed_figure({}), label="tokens/s over each lane's own device time", elem_id="race-chart")
+        chart = gr.Plot(speed_figure({}), label="tokens/s over each lane's own device time", elem_id="race-chart",
+                        min_width=320)
     summary = gr.DataFrame(pd.DataFrame(columns=SUMMARY_COLUMNS), label="Each lane's measured numbers",
-                           elem_id="race-summary", **TABLE)
+                           elem_id="race-summary", column_widths=["36%", "32%", "32%"], max_height=1200, **TABLE)
     with gr.Row(equal_height=False):
         summary_notes = gr.HTML(elem_id="race-summary-notes")
         with gr.Column():

@@ -1,6 +1,7 @@
 """The race's numbers as data: one row of plain values per lane (`lane_numbers`, what the `race` API endpoint
-returns), the summary table the page shows (`summary_frame`, a DataFrame with a row per lane and units in the
-headers), and the HTML under it: the speed-up line, the notes and what each column measures (`summary_notes_html`).
+returns), the summary table the page shows (`summary_frame`, a DataFrame with a row per figure, its unit in its name,
+and a column per lane), and the HTML under it: the speed-up line, the notes and what each figure measures
+(`summary_notes_html`).
 
 Every value comes from the lane's shown `LaneFigures` (see `ui.race_view`), rounded as the lane header rounds it, so
 the header, the table and the API agree; a value not measured yet is None (an empty cell).
@@ -15,8 +16,8 @@ from inference_core.quant.linear import weight_bytes
 from ui.race_view import LaneFigures, LaneTrace, race_notes, speedup_html
 from ui.speculation import speculation_summary_rows
 
-# lane_numbers' keys and the summary table's column headers.
-NUMBER_COLUMNS = {
+# lane_numbers' keys and the summary table's row names (the figure with its unit).
+NUMBER_LABELS = {
     "ttft_ms": "TTFT (ms)",
     "prompt_tokens": "prompt tokens",
     "cached_prompt_tokens": "from prefix cache",
@@ -33,8 +34,14 @@ NUMBER_COLUMNS = {
     "kv_per_token_kib": "KV per token (KiB)",
     "compiled_decode": "compiled decode",
 }
-SUMMARY_COLUMNS = ("lane", "configuration", *NUMBER_COLUMNS.values())
-# What each column measures: the note under the table.
+# The summary's headers: the figure, then a column per lane. Figures are rows, not columns: seventeen columns of
+# numbers broke their headers letter by letter at 1440 px, while two lane columns keep every name and value readable
+# down to a phone's width. The lane's settings are the table's first row ("settings", a name that fits a phone's
+# first column unbroken), not the lane's header: a header stays "Lane A" as on the lane's own panel, short and the
+# same in every race, and the long description wraps inside its lane's cell like any other value (a header holding
+# it would be several lines tall and change with each setup).
+SUMMARY_COLUMNS = ("figure", "Lane A", "Lane B")
+# What each figure measures: the note under the table.
 FIGURES = {
     "TTFT (ms)": "time to first token: the lane's own device time from the start of its request to its first token "
                  "(prompt processing and the first sampling); lower is better",
@@ -86,7 +93,7 @@ def _weights(engine: Engine) -> tuple[int, str]:
 
 
 def lane_numbers(trace: LaneTrace) -> dict:
-    """The lane's numbers as the page shows them now, by NUMBER_COLUMNS key: ints, floats, short strings, None where
+    """The lane's numbers as the page shows them now, by NUMBER_LABELS key: ints, floats, short strings, None where
     not measured yet."""
     f = trace.shown or trace.refresh()
     cached = f.cached_prompt_tokens
@@ -106,16 +113,19 @@ def lane_numbers(trace: LaneTrace) -> dict:
 
 
 def summary_frame(traces: list[LaneTrace]) -> pd.DataFrame:
-    """The summary table: a row per lane (its configuration and lane_numbers), plus the speculation columns when a
-    lane speculates. Object columns keep whole numbers whole and missing ones None."""
+    """The summary table: a row per figure (the lane's settings, then lane_numbers' figures, then the speculation rows
+    when a lane speculates) and a column per lane ("Lane A", "Lane B"). Object columns keep whole numbers whole and
+    missing ones None."""
     speculation = speculation_summary_rows() if any(t.acceptance is not None for t in traces) else []
-    rows = [[f"Lane {t.name}", t.settings.describe(), *lane_numbers(t).values(), *(cell(t) for _, cell in speculation)]
-            for t in traces]
-    return pd.DataFrame(rows, columns=[*SUMMARY_COLUMNS, *(label for label, _ in speculation)], dtype=object)
+    names = ["settings", *NUMBER_LABELS.values(), *(label for label, _ in speculation)]
+    lanes = [[t.settings.describe(), *lane_numbers(t).values(), *(cell(t) for _, cell in speculation)]
+             for t in traces]  # a column per lane, in `names` order
+    return pd.DataFrame([[name, *cells] for name, *cells in zip(names, *lanes)],
+                        columns=["figure", *(f"Lane {t.name}" for t in traces)], dtype=object)
 
 
 def summary_notes_html(traces: list[LaneTrace]) -> str:
-    """Under the table: the speed-up line, the notes on why a lane wins or loses, and what each column measures."""
+    """Under the table: the speed-up line, the notes on why a lane wins or loses, and what each figure measures."""
     figures = [trace.shown or trace.refresh() for trace in traces]
     notes = "".join(f'<li data-note="{kind}">{text}</li>' for kind, text in race_notes(traces, figures))
     meaning = "; ".join(f"<b>{label}</b>: {note}" for label, note in FIGURES.items())

@@ -161,7 +161,7 @@ class AcceptanceCount:
 
 
 def speculation_summary_rows() -> list[tuple]:
-    """The race summary's rows for speculation, as (label, function of a lane's trace -> cell HTML): acceptance (live,
+    """The race summary's rows for speculation, as (row name, function of a lane's trace -> its cell): acceptance (live,
     then checked against the engine's count), tokens per verification step, and where the step time went. A trace
     has `acceptance` (an AcceptanceCount, None when the lane does not speculate) and `stats` (None until the end)."""
     def acceptance(t) -> str:

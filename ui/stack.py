@@ -39,8 +39,15 @@ from ui.words import PAGE_WORDS, refusal
 QUALITY_TOKENS = 1024  # tokens of the evaluation text each weight setting's perplexity is measured on
 SPEC_K = 5
 STACK_OUTPUTS = ("figure", "table", "status", "run_button")
+BAR_HEADROOM = 1.18  # a chart's height over its tallest bar: room for the value written above that bar
+EMPTY_STACK_TEXT = "Each rung's bar<br>appears here as<br>the ladder is climbed."  # either chart before the climb
 TABLE_COLUMNS = ("rung", "adds", "decode tokens/s", "vs no KV cache (x)", "TTFT (ms)", "weights (MiB)",
                  "KV reserved (MiB)", "perplexity", "quality delta (%)", "tokens", "command")
+# Column widths in pixels, one per TABLE_COLUMNS: sized by their text, the columns squeezed the numbers' headers letter
+# by letter and pushed the command past the table's edge. The numbers fit 1440 px beside the rung and what it adds;
+# the command (a long line) is reached by scrolling sideways, the rung column pinned, as on a phone.
+TABLE_WIDTHS = ["150px", "200px", *["92px"] * 5, "112px", "92px", "92px", "560px"]
+MAX_CELL_CHARS = 200  # a longer cell (a command with its prompt) shows its start; a click on it, or Copy, gives all
 
 
 @dataclass(frozen=True)
@@ -80,11 +87,12 @@ def ladder(pool: EnginePool, with_compiled: bool = True) -> tuple[list[Rung], li
 def command(settings: LaneSettings, prompt: str, system: str, new_tokens: int) -> str:
     """The CLI line that runs the same configuration on the same prompt (`generate`'s flags from the settings'
     table)."""
-    words = ["python -m inference_core generate", "--prompt", shlex.quote(prompt)]
+    # The settings first and the (long) prompt last: the table shows a command's first MAX_CELL_CHARS.
+    words = ["python -m inference_core generate", *command_flags(settings, always=("kv_mode",)), "--max-new-tokens",
+             str(new_tokens), "--ignore-eos"]
     if (system or "").strip():
         words += ["--system", shlex.quote(system.strip())]
-    words += command_flags(settings, always=("kv_mode",)) + ["--max-new-tokens", str(new_tokens), "--ignore-eos"]
-    return " ".join(words)
+    return " ".join(words + ["--prompt", shlex.quote(prompt)])
 
 
 def quality_delta(pool: EnginePool, settings: LaneSettings) -> tuple[float, float]:
@@ -109,21 +117,31 @@ def quality_delta(pool: EnginePool, settings: LaneSettings) -> tuple[float, floa
 
 def stack_figure(rows: list[dict]) -> go.Figure:
     """Decode tokens/s and TTFT per rung, as bars, from the table's rows."""
-    figure = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s (higher is better)",
-                                                           "TTFT ms (lower is better)"))
+    # Titles on two lines: on one they ran into each other at a phone's width.
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s<br>(higher is better)",
+                                                           "TTFT ms<br>(lower is better)"))
     names = [row["rung"] for row in rows]
     figure.add_trace(go.Bar(x=names, y=[row["decode tokens/s"] for row in rows], marker_color="#2563eb",
                             text=[f"{row['decode tokens/s']:.1f}" for row in rows], textposition="outside",
                             name="decode tok/s"), row=1, col=1)
     figure.add_trace(go.Bar(x=names, y=[row["TTFT (ms)"] for row in rows], marker_color="#ea580c",
-                            text=[f"{row['TTFT (ms)']:.0f}" for row in rows], textposition="outside", name="TTFT ms"),
-                     row=1, col=2)
-    if not rows:
-        figure.add_annotation(text="Each rung's bars appear here as the ladder is climbed.", xref="paper",
-                              yref="paper", x=0.5, y=0.5, showarrow=False, font={"color": "#64748b"})
+                            text=[f"{row['TTFT (ms)']:.0f}" for row in rows], textposition="outside",
+                            name="TTFT ms"), row=1, col=2)
     figure.update_layout(height=340, template="plotly_white", showlegend=False,
-                         margin={"l": 50, "r": 20, "t": 40, "b": 110})
+                         margin={"l": 50, "r": 20, "t": 60, "b": 110})
     figure.update_yaxes(rangemode="tozero")
+    for col, key in ((1, "decode tokens/s"), (2, "TTFT (ms)")):  # headroom for the values over the tallest bar
+        top = max((row[key] for row in rows), default=0)
+        if top > 0:
+            figure.update_yaxes(range=[0, top * BAR_HEADROOM], row=1, col=col)
+    if not rows:
+        # Nothing measured yet: no axes (empty ones have made-up ranges), and the empty state's text inside each
+        # subplot's own area, in short lines that fit half a phone's width, so it never runs across the other's.
+        figure.update_xaxes(visible=False)
+        figure.update_yaxes(visible=False)
+        for axis in ("", "2"):
+            figure.add_annotation(text=EMPTY_STACK_TEXT, xref=f"x{axis} domain", yref=f"y{axis} domain", x=0.5,
+                                  y=0.5, showarrow=False, font={"color": "#64748b", "size": 13})
     return figure
 
 
@@ -218,7 +236,8 @@ def build_stack_tab(pool: EnginePool) -> None:
     status = gr.Markdown(elem_id="stack-status")
     figure = gr.Plot(stack_figure([]), elem_id="stack-chart", show_label=False)
     table = gr.DataFrame(pd.DataFrame(columns=TABLE_COLUMNS), elem_id="stack-table", wrap=True, interactive=False,
-                         buttons=["copy", "fullscreen"])
+                         buttons=["copy", "fullscreen"], column_widths=TABLE_WIDTHS, pinned_columns=1,
+                         max_chars=MAX_CELL_CHARS)
     prompt = gr.State(prompts[grounded]["prompt"])
     system = gr.State(prompts[grounded].get("system", ""))
     quick = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}  # the page's own events

@@ -181,7 +181,11 @@ def compute_dtype(device_type: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def shared_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model`'s modules that shares every parameter and buffer with it (swap modules in the copy freely;
-    never change a tensor in place)."""
-    memo = {id(tensor): tensor for tensor in [*model.parameters(), *model.buffers()]}
+    """A copy of `model`'s modules that shares every tensor with it (swap modules in the copy freely; never change a
+    tensor in place): parameters, buffers, and tensors a module keeps as plain attributes (`Linear`'s other layouts,
+    among them oneDNN's packed bf16 weight, which cannot be copied at all)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [value for module in model.modules() for value in vars(module).values()
+                if isinstance(value, torch.Tensor)]
+    memo = {id(tensor): tensor for tensor in tensors}
     return copy.deepcopy(model, memo)

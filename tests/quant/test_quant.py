@@ -11,7 +11,8 @@ import torch
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core.cli import main
-from inference_core.model.llama import Linear
+from inference_core.model.llama import Linear, packed_bf16_available
+from inference_core.model.loader import load_model
 from inference_core.quant.linear import QuantConfig, QuantLinear, weight_bytes
 from inference_core.quant.quantize import quantize
 from inference_core.spec.decoding import SpecConfig
@@ -70,6 +71,24 @@ def test_quantize_keeps_the_original_and_shrinks_the_weights(tiny):
     assert weight_bytes(int8.model) < 0.5 * weight_bytes(tiny.model)
     assert int8.quant.name == "int8" and int4.quant.name == "int4 g32 (LM head in the model dtype)"
     assert quantize(tiny, QuantConfig()) is tiny
+
+
+def test_quantize_shares_the_layout_tensors_a_linear_keeps_as_attributes(tmp_path):
+    """A bf16 model in the packed layout (oneDNN's reordered weight, which cannot be copied) quantizes, and the lane
+    that keeps those weights still has them; fp32's in_out layout shares its kept [out, in] rows."""
+    fp32 = build_tiny_model(tmp_path / "fp32")
+    fp32.model.lm_head.out_in_rows = fp32.model.lm_head.weight.detach().t()  # as a tied LM head keeps its rows
+    copy = quantize(fp32, QuantConfig("int8", lm_head=False))
+    assert copy.model.lm_head.out_in_rows is fp32.model.lm_head.out_in_rows
+    if packed_bf16_available():
+        bf16 = load_model(str(tmp_path / "fp32"), device="cpu", dtype="bfloat16")
+        assert bf16.model.lm_head.layout == "packed"
+        ids = prompt(12, 0)
+        before = Engine(bf16, EngineConfig(kv_mode="paged")).complete(ids, greedy(8)).token_ids
+        int8 = quantize(bf16, QuantConfig("int8", lm_head=False))
+        assert int8.model.lm_head.packed is bf16.model.lm_head.packed
+        assert len(Engine(int8, EngineConfig(kv_mode="paged")).complete(ids, greedy(8)).token_ids) == 8
+        assert Engine(bf16, EngineConfig(kv_mode="paged")).complete(ids, greedy(8)).token_ids == before
 
 
 def test_bad_settings_say_what_to_change(tiny):

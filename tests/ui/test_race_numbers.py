@@ -18,13 +18,13 @@ from ui.chat import CHAT_OUTPUTS, chat_turn
 from ui.control import RunControl
 from ui.kv_view import render_pool
 from ui.race import LANE_SETTING_FIELDS, run_race
-from ui.race_table import FIGURES, summary_frame, summary_notes_html
-from ui.race_view import LaneTrace, not_comparable
+from ui.race_table import FIGURES, NUMBER_LABELS, SUMMARY_COLUMNS, lane_numbers, summary_frame, summary_notes_html
+from ui.race_view import LaneTrace, lane_html, not_comparable
 from serving.pool import EnginePool
 from inference_core.settings import LaneSettings
 from ui.setups import RACE_SETUPS, presets, setup_values
 
-from conftest import lane, race_outputs
+from conftest import by_lane, lane, race_outputs
 
 
 def _text(html_text: str) -> str:
@@ -59,7 +59,8 @@ def test_speed_up_line_names_the_winner_and_prompt_tokens_are_split(pool):
     # sooner; its compute-only prefill rate (9 tokens / 87 ms) was lower than lane B's, and made A look slower.
     a = _finished(pool, "A", LaneSettings("paged"), cached=32, ttft_ms=87, decode=25.5)
     b = _finished(pool, "B", LaneSettings("none"), cached=0, ttft_ms=177, decode=4.1)
-    table = summary_frame([a, b])
+    summary = summary_frame([a, b])
+    table = by_lane(summary)
     assert list(table["prompt tokens"]) == [41, 41]
     assert list(table["from prefix cache"]) == [32, 0] and list(table["computed in prefill"]) == [9, 41]
     assert list(table["prompt tokens/s"]) == [471, 232]  # all prompt tokens over TTFT: the faster lane's is higher
@@ -70,9 +71,39 @@ def test_speed_up_line_names_the_winner_and_prompt_tokens_are_split(pool):
     assert "first token 2.03x later (177 vs 87 ms)" in reverse and "decode 6.22x slower (4.1 vs 25.5 tok/s)" in reverse
     same = _finished(pool, "B", LaneSettings("contiguous"), ttft_ms=87.2, decode=25.5)
     assert "first token the same (87 vs 87 ms)" in _text(summary_notes_html([a, same]))
-    # Every figure is a column of the table and says what it measures in the note under it.
-    assert set(FIGURES) <= set(table.columns) and "What each figure measures" in notes
+    # Every figure is a row of the table and says what it measures in the note under it.
+    assert set(FIGURES) <= set(summary["figure"]) and "What each figure measures" in notes
     assert all(f"<b>{label}</b>: " in summary_notes_html([a, b]) for label in FIGURES)
+
+
+def test_summary_has_a_row_per_figure_and_a_column_per_lane(pool):
+    """The figures down the side with their units, a column per lane; each value rounded as the lane's header rounds
+    it and equal to what the `race` API returns for the lane (lane_numbers); the speculation rows last, when a lane
+    speculates."""
+    a = _finished(pool, "A", LaneSettings("paged"), cached=32, ttft_ms=87.4, decode=25.46)
+    b = _finished(pool, "B", LaneSettings("none"), ttft_ms=176.6, decode=4.1)
+    summary = summary_frame([a, b])
+    assert list(summary.columns) == list(SUMMARY_COLUMNS) == ["figure", "Lane A", "Lane B"]
+    assert list(summary["figure"]) == ["settings", *NUMBER_LABELS.values()]
+    rows = {row[0]: list(row[1:]) for row in summary.itertuples(index=False)}
+    assert rows["settings"] == ["paged KV cache, block 16, prefix cache, greedy",
+                                     "no KV cache (recompute), greedy"]
+    assert rows["TTFT (ms)"] == [87, 177] and rows["decode tokens/s"] == [25.5, 4.1]
+    assert rows["prompt tokens"] == [41, 41] and rows["from prefix cache"] == [32, 0]
+    assert rows["computed in prefill"] == [9, 41] and rows["prompt tokens/s"] == [469, 232]
+    assert rows["tokens generated"] == [10, 10] and rows["finish reason"] == ["length", "length"]
+    assert rows["device time (s)"] == [0.44, 2.37] and rows["KV per token (KiB)"] == [45.0, None]
+    assert rows["weights dtype"] == ["float32", "float32"] and rows["compiled decode"] == ["no (eager)"] * 2
+    assert _header_numbers(lane_html(a, "A")).startswith("10 tokens, TTFT 87 ms, 25.5 tok/s")
+    for column, trace in (("Lane A", a), ("Lane B", b)):
+        assert list(summary[column][1:]) == list(lane_numbers(trace).values())
+    # A speculating lane adds its rows at the bottom; the plain lane's cells say it does not speculate.
+    ngram = _finished(pool, "A", LaneSettings("paged", spec_method="ngram", spec_k=5), tokens=14,
+                      spec_steps=[(3, 2), (5, 5)])
+    rows = {row[0]: list(row[1:]) for row in summary_frame([ngram, b]).tail(3).itertuples(index=False)}
+    assert rows == {"drafts accepted": ["88% (7 of 8 drafts) = engine's count", "no speculation"],
+                    "tokens per verification step": ["4.50 (2 steps)", "-"],
+                    "draft / verify time": ["0 ms / 0 ms", "-"]}
 
 
 def test_notes_explain_a_losing_configuration(pool):
@@ -124,9 +155,10 @@ def _header_numbers(lane_html: str) -> str:
     return re.search(r'class="lane-numbers"[^>]*>([^<]*)<', lane_html)[1]
 
 
-def _table_numbers(summary: pd.DataFrame, row: int) -> tuple[int, int | None]:
-    """A lane's (tokens generated, TTFT ms) in the summary table."""
-    return summary["tokens generated"][row], summary["TTFT (ms)"][row]
+def _table_numbers(summary: pd.DataFrame, lane_name: str) -> tuple[int, int | None]:
+    """A lane's (tokens generated, TTFT ms) in the summary table (a row per figure, a column per lane)."""
+    rows = summary.set_index("figure")
+    return rows.loc["tokens generated", f"Lane {lane_name}"], rows.loc["TTFT (ms)", f"Lane {lane_name}"]
 
 
 def test_stop_ends_the_race_with_every_panel_final_and_the_numbers_agreeing(pool):
@@ -139,9 +171,9 @@ def test_stop_ends_the_race_with_every_panel_final_and_the_numbers_agreeing(pool
         if isinstance(update["summary"], pd.DataFrame):
             shown_summary = update["summary"]
         # Whenever a lane's header is sent, it shows the numbers of the table on the page.
-        for row, name in enumerate(("lane_a", "lane_b")):
+        for lane_name, name in (("A", "lane_a"), ("B", "lane_b")):
             if isinstance(update[name], str) and shown_summary is not None and "TTFT" in _header_numbers(update[name]):
-                tokens, ttft = _table_numbers(shown_summary, row)
+                tokens, ttft = _table_numbers(shown_summary, lane_name)
                 assert _header_numbers(update[name]).startswith(f"{tokens} tokens, TTFT {ttft} ms")
                 compared += 1
         if len(updates) == 4:
@@ -152,13 +184,13 @@ def test_stop_ends_the_race_with_every_panel_final_and_the_numbers_agreeing(pool
     assert last["run_button"]["interactive"] is True and not control.armed
     for name in ("lane_a", "lane_b"):
         assert 'data-state="stopped"' in last[name]
-    summary = last["summary"]
+    summary = by_lane(last["summary"])
     assert list(summary["finish reason"]) == ["stopped", "stopped"]
     assert all(value is not None for value in summary["KV in use (MiB)"]) and summary["KV reserved (MiB)"].all()
     assert "(at its last token)" in last["kv_view"] and "(live)" not in last["kv_view"]
     assert "the pool now has 0 blocks held" in last["kv_view"]
     assert 'data-verdict="identical-so-far"' in last["identical"]
-    tokens_a = _table_numbers(last["summary"], 0)[0]
+    tokens_a = _table_numbers(last["summary"], "A")[0]
     assert 4 <= tokens_a < 200 and f"Lane A: {tokens_a} tokens" in last["status"]
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
 
@@ -203,7 +235,7 @@ def test_a_race_that_runs_over_the_limit_is_stopped_at_it(bundled, monkeypatch):
     last = race_outputs(list(run_race(limited, None, "Write a poem about the sea.", "", 200, *lane("paged"),
                                   *lane("contiguous")))[-1])
     assert last["status"].startswith("Stopped at this app's limit of 0.6 s of device time per race.")
-    device_s = list(last["summary"]["device time (s)"])
+    device_s = list(by_lane(last["summary"])["device time (s)"])
     assert 0.6 < sum(device_s) < 0.6 + 1.0  # stopped within a step or so of the limit
     assert limited.active_requests() == 0 and limited.blocks_in_use() == 0
 
@@ -229,7 +261,8 @@ def test_stopped_chat_turn_keeps_its_answer_and_its_row(pool):
     last = outputs[-1]
     row = last["turn_stats"][0]
     assert row["finish_reason"] == "stopped" and 0 < row["generated_tokens"] < 200
-    assert (last["stats_table"]["tokens generated"][0], last["stats_table"]["finish reason"][0]) == (
+    table = last["stats_table"]["value"]
+    assert (table["tokens generated"][0], table["finish reason"][0]) == (
         row["generated_tokens"], "stopped")
     assert last["history"][-1]["role"] == "assistant" and last["history"][-1]["content"]
     assert last["status"].startswith(f"Stopped after {row['generated_tokens']} tokens")

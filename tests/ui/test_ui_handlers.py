@@ -17,7 +17,7 @@ from inference_core.engine.interleave import interleave
 from inference_core.spec.decoding import SpecConfig, SpecStats
 from ui.chat import CHAT_OUTPUTS, chat_turn
 from ui.control import RunControl
-from ui.figures import acceptance_figure, rolling_tokens_per_s, speed_figure
+from ui.figures import PAGE_LABEL_PX, TTFT_LINE_PX, acceptance_figure, rolling_tokens_per_s, speed_figure
 from ui.kv_view import render_pool
 from ui.race import LANE_SETTING_FIELDS, run_race
 from serving.pool import EnginePool
@@ -25,7 +25,7 @@ from inference_core.settings import LaneSettings
 from ui.setups import RACE_SETUPS, presets, setup_values
 from ui.speculation import AcceptanceCount, HighlightedText
 
-from conftest import lane, race_outputs
+from conftest import by_lane, lane, race_outputs
 
 
 def _figure(output):
@@ -72,11 +72,10 @@ def test_race_streams_to_identical_greedy_lanes(pool):
     assert 'data-verdict="identical"' in last["identical"] and "same 24 token ids" in last["identical"]
     assert 'data-done="true"' in last["lane_a"] and 'data-done="true"' in last["lane_b"]
     assert re.search(r"decode <b>(\d+\.\d\dx (faster|slower)|the same)</b>", last["summary_notes"])
-    summary = last["summary"]  # a row per lane
-    assert list(summary["lane"]) == ["Lane A", "Lane B"] and list(summary["tokens generated"]) == [24, 24]
-    assert list(summary["finish reason"]) == ["length", "length"]
-    assert list(summary["prompt tokens"]) == [summary["from prefix cache"][i] + summary["computed in prefill"][i]
-                                              for i in range(2)]
+    assert list(last["summary"].columns) == ["figure", "Lane A", "Lane B"]  # a row per figure, a column per lane
+    summary = by_lane(last["summary"])
+    assert list(summary["tokens generated"]) == [24, 24] and list(summary["finish reason"]) == ["length", "length"]
+    assert list(summary["prompt tokens"]) == list(summary["from prefix cache"] + summary["computed in prefill"])
     assert len(last["chart"].data) == 4  # a curve and a TTFT marker per lane
     assert last["kv_view"].count('class="kv-cell"') == 512 // 16  # lane A is paged, lane B contiguous
     assert last["status"].startswith("Finished.")
@@ -129,7 +128,11 @@ def test_chat_second_turn_reuses_the_first_from_the_prefix_cache(pool):
     assert first["turn"] == 1 and second["turn"] == 2
     # Turn 2's prompt is turn 1's prompt + answer + the new message: every full block of turn 1's prompt is reused.
     assert second["cached_prompt_tokens"] >= first["prompt_tokens"] // 16 * 16 > 0
-    table = out["stats_table"]  # a row per turn
+    table = out["stats_table"]["value"]  # a row per turn, sent with a width per column and the turn column pinned
+    assert list(table.columns) == ["turn", "prompt tokens", "from prefix cache", "TTFT (ms)", "decode tokens/s",
+                                   "tokens generated", "finish reason", "configuration"]
+    assert out["stats_table"]["column_widths"] == ["60px"] + ["96px"] * 6 + ["240px"]
+    assert out["stats_table"]["pinned_columns"] == 1
     assert list(table["turn"]) == [1, 2] and list(table["from prefix cache"]) == [0, second["cached_prompt_tokens"]]
     assert list(table["TTFT (ms)"]) == [round(first["ttft_ms"]), round(second["ttft_ms"])]
     assert out["kv_view"].count('class="kv-cell"') == 32
@@ -184,11 +187,25 @@ def test_rolling_tokens_per_s_is_exact():
     xs, ys = rolling_tokens_per_s([0.5, 0.6, 0.8, 1.0])
     assert xs == [0.6, 0.8, 1.0]
     assert ys == pytest.approx([10.0, 2 / 0.3, 3 / 0.5])
-    figure = speed_figure({"A": {"label": "paged", "times_s": [0.5, 0.6, 0.8, 1.0]},
-                           "B": {"label": "none", "times_s": [0.52, 0.9]}})
-    # TTFT labels: lane A's above lane B's at the top of the chart, so close TTFTs never overlap.
-    labels = {note.text: note.y for note in figure.layout.annotations}
-    assert labels == {"A: TTFT 500 ms": 1.0, "B: TTFT 520 ms": pytest.approx(0.91)}
+
+
+@pytest.mark.parametrize("ttft_a, ttft_b", [(0.500, 0.520), (0.502, 0.494), (0.5, 0.5)])
+def test_ttft_labels_never_overlap_whichever_lane_comes_first(ttft_a, ttft_b):
+    """The TTFT labels sit above the plot, a line each in order of arrival (a tie keeps the lanes' order): the first
+    token's label on the top line, the other on the line under it, each starting at its own TTFT. A label's box is 17
+    px tall (12 px text and its padding, measured in Chromium), so lines TTFT_LINE_PX apart never overlap however close
+    the TTFTs, and the margin above the plot holds both lines under the label the page draws over the chart's corner."""
+    figure = speed_figure({"A": {"label": "paged", "times_s": [ttft_a, 0.6, 0.8, 1.0]},
+                           "B": {"label": "none", "times_s": [ttft_b, 0.9]}})
+    labels = {note.text: note for note in figure.layout.annotations}
+    first, second = ("A", "B") if ttft_a <= ttft_b else ("B", "A")
+    a_text, b_text = f"A: TTFT {ttft_a * 1e3:.0f} ms", f"B: TTFT {ttft_b * 1e3:.0f} ms"
+    assert set(labels) == {a_text, b_text}
+    assert [(note.x, note.xanchor, note.y, note.yanchor) for note in (labels[a_text], labels[b_text])] == [
+        (ttft_a, "left", 1.0, "bottom"), (ttft_b, "left", 1.0, "bottom")]
+    shifts = {text[0]: note.yshift for text, note in labels.items()}
+    assert (shifts[first], shifts[second]) == (TTFT_LINE_PX, 0) and TTFT_LINE_PX >= 17 + 2
+    assert figure.layout.margin.t == PAGE_LABEL_PX + 2 * TTFT_LINE_PX  # both lines below the page's label
 
 
 def test_kv_view_cells_tell_state_owner_and_tokens():
@@ -250,12 +267,12 @@ def test_speculative_race_highlights_tokens_and_counts_acceptance_like_the_engin
     assert [list(pair) for pair in bars.customdata] == [
         [spec["accepted_by_position"][p - 1], spec["drafted_by_position"][p - 1]] for p in positions]
     assert len(running.y) == spec["steps"] and running.y[-1] == pytest.approx(spec["acceptance_rate"])
-    lane_a_row = last["summary"].set_index("lane").loc["Lane A"]
+    lane_a_row = by_lane(last["summary"]).loc["Lane A"]
     assert lane_a_row["drafts accepted"] == \
         f"{spec['acceptance_rate']:.0%} ({spec['accepted']} of {spec['drafted']} drafts) = engine's count"
     assert lane_a_row["tokens per verification step"] == f"{spec['mean_accepted_length']:.2f} ({spec['steps']} steps)"
     assert re.fullmatch(r"\d+ ms / \d+ ms \(\d+% drafting\)", lane_a_row["draft / verify time"])
-    assert last["summary"].set_index("lane").loc["Lane B", "drafts accepted"] == "no speculation"
+    assert by_lane(last["summary"]).loc["Lane B", "drafts accepted"] == "no speculation"
     assert "of drafts accepted" in last["status"]
     # The chart is sent only when it changed: at the start, after a verification step was counted, when lane A's
     # count was checked against the engine's, and in the final frame; never once per token.
@@ -269,7 +286,7 @@ def test_race_without_speculation_hides_the_acceptance_chart(pool):
     # The first and the last update hide it; none draws it.
     assert updates[0]["acceptance"]["visible"] is False and updates[-1]["acceptance"]["visible"] is False
     assert all(_figure(update["acceptance"]) is None for update in updates)
-    assert "drafts accepted" not in updates[-1]["summary"].columns
+    assert "drafts accepted" not in list(updates[-1]["summary"]["figure"])
 
 
 def test_cancelling_a_speculative_race_frees_both_lanes(pool, bench_prompts):
@@ -290,7 +307,7 @@ def test_draft_model_lane_and_its_choice_in_the_page(bundled):
                                   *lane("paged", spec_method="draft", spec_k=3), *lane("paged")))[-1])
     assert 'data-verdict="identical"' in last["identical"]
     assert _kinds(last["lane_a"]) == {"plain", "accepted", "bonus"}
-    assert last["summary"]["drafts accepted"][0] == "100% (18 of 18 drafts) = engine's count"
+    assert by_lane(last["summary"])["drafts accepted"].iloc[0] == "100% (18 of 18 drafts) = engine's count"
     assert with_draft.active_requests() == 0 and with_draft.blocks_in_use() == 0
 
     def draft_sources(pool: EnginePool) -> list[str]:
@@ -308,7 +325,7 @@ def test_chat_turn_with_speculation_reports_acceptance(pool):
         out = dict(zip(CHAT_OUTPUTS, values))
     spec = out["turn_stats"][0]["spec"]
     assert spec is not None and spec["drafted"] > 0
-    assert out["stats_table"]["drafts accepted"][0].startswith(
+    assert out["stats_table"]["value"]["drafts accepted"][0].startswith(
         f"{spec['acceptance_rate']:.0%} ({spec['accepted']} of {spec['drafted']}), ")
     assert pool.active_requests() == 0
 
@@ -335,7 +352,7 @@ def test_tree_lane_is_lossless_and_its_live_count_equals_the_engines(pool, bench
                                       *lane("paged")))[-1])
     assert 'data-verdict="identical"' in last["identical"]
     assert {"accepted", "replaced"} <= _kinds(last["lane_a"])
-    assert last["summary"]["drafts accepted"][0].endswith("drafts) = engine's count")
+    assert by_lane(last["summary"])["drafts accepted"].iloc[0].endswith("drafts) = engine's count")
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
 
 
@@ -432,7 +449,7 @@ def test_memory_presets_race_int8_lanes_and_show_their_memory(pool):
         assert last["status"].startswith("Finished."), last["status"]
         assert 'data-verdict="agreement"' in last["identical"]
         assert re.search(r"agree on the first <b>\d+</b> of 12 tokens", last["identical"])
-        summary = last["summary"]
+        summary = by_lane(last["summary"])
         if "weights" in lane_a_overrides:
             assert list(summary["weights dtype"]) == ["int8", "float32"]
             a_mib, b_mib = summary["weights (MiB)"]
@@ -441,6 +458,21 @@ def test_memory_presets_race_int8_lanes_and_show_their_memory(pool):
             # 2 x 30 layers x 3 KV heads x (64 + 4) bytes, against x 64 x 4 bytes in fp32
             assert list(summary["KV per token (KiB)"]) == [12.0, 45.0]
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
+
+
+def test_stack_chart_empty_state_stays_inside_each_subplot():
+    """Before a climb: no axes, and the empty state's text centred in each subplot's own area (not across both)."""
+    from ui.stack import EMPTY_STACK_TEXT, stack_figure
+
+    figure = stack_figure([])
+    notes = [note for note in figure.layout.annotations if note.text == EMPTY_STACK_TEXT]
+    assert [(note.xref, note.yref, note.x, note.y) for note in notes] == [("x domain", "y domain", 0.5, 0.5),
+                                                                          ("x2 domain", "y2 domain", 0.5, 0.5)]
+    axes = [figure.layout.xaxis, figure.layout.xaxis2, figure.layout.yaxis, figure.layout.yaxis2]
+    assert [axis.visible for axis in axes] == [False] * 4
+    assert max(len(line) for line in EMPTY_STACK_TEXT.split("<br>")) <= 22  # fits half a phone's width at 13 px
+    drawn = stack_figure([{"rung": "KV cache", "decode tokens/s": 20.0, "TTFT (ms)": 90}])
+    assert not drawn.layout.annotations[2:] and drawn.layout.xaxis.visible is None  # the two subplot titles only
 
 
 def test_stack_climbs_every_rung_and_reports_measured_rows(pool):

@@ -46,12 +46,13 @@ def served(bundled):
 
 
 @pytest.fixture
-def fresh_app(bundled):
+def fresh_app(bundled, request):
     """`python app.py` started afresh in its own process, as a visitor meets it (the bundled model's cache is already
-    converted by the `bundled` fixture)."""
+    converted by the `bundled` fixture), with `--dtype auto` unless a test asks for a dtype (indirect parameter)."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "app.py", "--device", "cpu", "--port", str(port)], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    dtype = getattr(request, "param", "auto")
+    process = subprocess.Popen([sys.executable, "app.py", "--device", "cpu", "--port", str(port), "--dtype", dtype],
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     try:
         while time.monotonic() < deadline and process.poll() is None:
@@ -250,7 +251,7 @@ def test_first_race_after_a_fresh_start_measures_like_the_second(fresh_app, brow
 
     page = _open(browser, fresh_app)
     # `python app.py` takes `--dtype auto`: the header names the dtype it chose and why, from this host's measurement.
-    header = re.compile(r"in (float32|bfloat16) \((this CPU|a decode-sized matmul)")
+    header = re.compile(r"in (float32|bfloat16) \(this CPU (has|\(AVX)")
     expect(page.get_by_text(header).first).to_be_visible()
     _set_race_tokens(page, 32)  # TTFT is the point: keep the no-cache lane short
     status = page.locator("#race-status")
@@ -482,6 +483,7 @@ def test_speculative_race_highlights_every_kind_of_token(served, browser, tmp_pa
     _wait_idle(pool)
 
 
+@pytest.mark.parametrize("fresh_app", ["float32"], indirect=True)  # the served pool's dtype: same ids
 def test_external_lane_races_this_apps_own_api_in_a_second_process(served, browser, fresh_app):
     """Lane B targets `python app.py` started as a second process, through its OpenAI-compatible API (as it would a
     vLLM or llama.cpp server): both lanes stream, the table names the external engine with its own TTFT and tokens/s,

@@ -37,6 +37,7 @@ from ui.figures import speed_figure
 from ui.lane_widgets import settings_widgets
 from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_race, settings_from_values, stop_race, warm_up_race
 from ui.race_table import SUMMARY_COLUMNS
+from ui.session_state import keep_replacement_ids
 from ui.setups import DEFAULT_LANES, RACE_SETUPS, presets, setup_values
 from ui.stack import build_stack_tab
 
@@ -226,6 +227,7 @@ def _build_chat_tab(pool: EnginePool) -> None:
 
 
 def build_demo(pool: EnginePool) -> gr.Blocks:
+    keep_replacement_ids()  # or each session's state grows with every update (see ui.session_state)
     loaded = pool.loaded
     dtype = loaded.dtype_name
     with gr.Blocks(title="Inference Playground") as demo:

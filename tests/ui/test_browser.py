@@ -43,6 +43,10 @@ def served(bundled):
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     yield pool, f"http://127.0.0.1:{port}/"
     demo.close()
+    # After every race, turn and stop of this module's visitors, each session still holds one component per element
+    # of the page: Gradio's per-session state does not grow with updates (ui.session_state).
+    sessions = list(demo.state_holder.session_data.values())
+    assert sessions and all(len(session.blocks_config.blocks) == len(demo.blocks) for session in sessions)
 
 
 @pytest.fixture

@@ -3,8 +3,9 @@ request from holding a shared device for minutes, and the token count the page s
 
 `StepCosts` knows two figures of the loaded model: the time of a full forward over n tokens with no KV cache (per
 length bucket: 64, 128, 256, ... tokens) and of a cached decode step at a short context. Each comes first from a
-probe, run on the device between the engine loop's steps the first time an estimate needs it: one untimed warm-up,
-then the best of `PROBE_REPEATS` timings, so that a cold first call or one slow moment does not become the figure.
+probe, run on the device between the engine loop's steps the first time an estimate needs it: an untimed warm-up,
+then the best of `PROBE_REPEATS` timings (fewer for a long bucket, whose forwards every visitor waits for), so that
+a cold first call or one slow moment does not become the figure.
 Then the engine's own steps take over: the loop reports every step (`EngineLoop.add_step_observer`), and a step of
 one request on the loaded weights, eager, is a measurement of the same thing (a prefill, or with no KV cache any
 step, is a forward over its tokens; a cached one-token step is a decode). Once `MIN_MEASURED` such steps of a
@@ -41,6 +42,7 @@ from inference_core.settings import LaneSettings
 SMALLEST_BUCKET = 64
 DECODE_PROBE_TOKENS = 16
 PROBE_REPEATS = 3  # timed probes after the warm-up; the best counts
+LONG_BUCKET = 256  # forward probes over more tokens are timed twice, not PROBE_REPEATS times
 MIN_MEASURED = 4  # engine steps of a figure before their median replaces its probe
 MEASURED_STEPS = 32  # the latest engine steps of each figure kept
 START_SHARE = 0.75  # a page's starting token count is estimated to use at most this share of the run limit
@@ -115,16 +117,20 @@ class StepCosts:
 
     @torch.inference_mode()
     def _probe_forward_ms(self, bucket: int) -> float:
+        """The best of PROBE_REPEATS timed forwards over `bucket` tokens (two past LONG_BUCKET: the loop, and so every
+        visitor, waits for the probe), after an untimed one the first time anything is probed."""
         runner = ModelRunner(self.loaded.model, RecomputeKVCache(), self.loaded.device)
         token_ids = [index % self.loaded.config.vocab_size for index in range(bucket)]
+        if not self.probed_forward_ms:
+            runner.run([Sequence(token_ids)])  # the first forward warms up kernels and allocations
         timings = []
-        for _ in range(1 + PROBE_REPEATS):  # the first warms up
+        for _ in range(PROBE_REPEATS if bucket <= LONG_BUCKET else 2):
             started = self.clock()
             runner.run([Sequence(token_ids)])
             if self.loaded.device.type == "cuda":
                 torch.cuda.synchronize(self.loaded.device)
             timings.append((self.clock() - started) * 1e3)
-        return min(timings[1:])
+        return min(timings)
 
     def _probe_decode_ms(self) -> float:
         """A short request's decode steps on a small contiguous cache: per run the median step after the prefill,

@@ -12,7 +12,7 @@ import pytest
 from inference_core.engine.engine import StepReport
 from inference_core.engine.request import FinishEvent, TokenEvent
 from serving.admission import Job
-from serving.cost import MIN_MEASURED, PROBE_REPEATS, START_SHARE, StepCosts, length_bucket
+from serving.cost import MIN_MEASURED, START_SHARE, StepCosts, length_bucket
 from serving.pool import EnginePool
 from tiny_models import build_tiny_model
 from ui.layout import DEFAULT_NEW_TOKENS, _start_tokens, warm_up
@@ -41,11 +41,12 @@ def tiny(tmp_path_factory):
 
 
 def test_a_probe_warms_up_and_takes_the_best_timing(tiny):
-    readings = iter([0.0, 5.0] + [step for index in range(PROBE_REPEATS) for step in (10.0, 10.003 + index / 1e3)])
+    timings = [(10.0, 15.0), (20.0, 20.003), (30.0, 30.004)]  # a slow moment, then two quiet forwards
+    readings = iter([reading for timing in timings for reading in timing])
     costs = StepCosts(tiny, max_seq_len=256, clock=lambda: next(readings))
-    assert costs.forward_ms_at(64) == pytest.approx(3.0)  # the cold 5 s first forward is not the figure
+    assert costs.forward_ms_at(64) == pytest.approx(3.0)  # the 5 s timing is not the figure
     assert costs.forward_ms_at(32) == pytest.approx(1.5)  # within a bucket: its per-token time
-    assert list(costs.probed_forward_ms) == [64]
+    assert list(costs.probed_forward_ms) == [64] and next(readings, None) is None  # a warm-up, untimed, then three
 
 
 def test_the_engines_own_steps_replace_the_probe(tiny):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import gradio as gr
 import pytest
 
-from conftest import lane, race_outputs
+from conftest import by_lane, lane, race_outputs
 from inference_core import ConfigError
 from server.app import create_app, serve_in_thread
 from serving.policy import ServePolicy
@@ -69,9 +69,7 @@ def test_external_lane_races_this_apps_own_api(bundled):
                                               *lane("paged", endpoint=server.url))))
         assert outputs["status"].startswith("Finished"), outputs["status"]
         assert 'data-verdict="identical"' in outputs["identical"]  # same model, same arithmetic: the same text
-        summary = outputs["summary"]
-        lane_b = summary[summary.iloc[:, 0] == "Lane B"].iloc[0]
-        assert "external engine" in lane_b.iloc[1]
+        assert "external engine" in by_lane(outputs["summary"])["settings"]["Lane B"]
         assert served_pool.loop.call(served_pool.blocks_in_use) == 0
     finally:
         server.stop()

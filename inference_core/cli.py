@@ -5,6 +5,7 @@
     batch-bench    [--requests N] [--arrival burst|poisson:RATE] [--modes ...] [--json PATH] ...
     spec-bench     [--source ngram,early-exit,draft,medusa,eagle] [--spec-k 3,5] [--kinds chat,code] ...
     race           [--lanes paged,none] [--prompt-id ID] [--repeats R] [--json PATH] ...
+    sampling-bench [--max-new-tokens N] [--rounds R] [--json PATH]
     quality        [--quant none,int8,int4] [--kv-dtype auto,int8] [--window N] [--no-agreement] [--json PATH] ...
     compile-options [--dtype D] [--options a,b] [--steps N] [--json PATH]
     awq            [--model M] [--quant-group 32] [--out PATH]
@@ -28,6 +29,7 @@ from inference_core.bench import (
     compile_options,
     quality,
     race,
+    sampling_cost,
     speculation,
     speed,
 )
@@ -46,6 +48,8 @@ COMMANDS = {
                     batching.add_batch_bench_arguments, batching.run_batch_bench),
     "spec-bench": ("speculative vs plain decoding by prompt kind", speculation.add_spec_bench_arguments,
                    speculation.run_spec_bench),
+    "sampling-bench": ("what log-probabilities and a JSON schema constraint cost per decoded token",
+                       sampling_cost.add_sampling_bench_arguments, sampling_cost.run_sampling_bench),
     "train-draft": ("train Medusa heads or an EAGLE draft layer on the model's own answers",
                     train_draft.add_train_draft_arguments, train_draft.run_train_draft),
     "race": ("fairness of a race: each KV mode alone vs all of them interleaved", race.add_race_bench_arguments,

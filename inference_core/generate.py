@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from inference_core.config import BATCHING_MODES, ConfigError, EngineConfig
 from inference_core.engine.engine import Engine
-from inference_core.engine.request import FinishEvent, GenerationStats
+from inference_core.engine.request import FinishEvent, GenerationStats, TokenEvent
 from inference_core.model.loader import add_model_arguments, load_model
 from inference_core.quant.linear import weight_bytes
 from inference_core.quant.quantize import quantize
@@ -38,6 +39,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 is off")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="mask end-of-sequence and --stop-token-id until this many tokens are generated")
+    parser.add_argument("--stop-token-id", type=int, action="append", default=[],
+                        help="a token id that ends the output (repeatable)")
+    parser.add_argument("--logprobs", type=int, metavar="N",
+                        help="report each token's log-probability and its N likeliest alternatives (0-20; with "
+                             "--json, a 'logprobs' list per prompt)")
     parser.add_argument("--draft-model", help="--spec draft: a smaller model with the same tokenizer "
                                               "(same forms as --model)")
     parser.add_argument("--draft-heads", help="--spec medusa|eagle: a heads file from train-draft (default: the "
@@ -84,7 +92,8 @@ def generate_config(args: argparse.Namespace, settings: LaneSettings) -> EngineC
 def run_generate(args: argparse.Namespace) -> int:
     settings = LaneSettings.from_args(args)
     params = settings.sampling(args.max_new_tokens, top_k=args.top_k, stop=tuple(args.stop),
-                               ignore_eos=args.ignore_eos)
+                               ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
+                               stop_token_ids=tuple(args.stop_token_id), logprobs=args.logprobs)
     config = generate_config(args, settings)
     spec = settings.spec()
     if args.draft_model and args.spec_method != "draft":
@@ -117,12 +126,15 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _stream_one(engine: Engine, prompt: str, params: SamplingParams, options: dict, args) -> dict:
     """One prompt alone on the engine, its text streamed unless --json."""
+    tokens = []
     for event in engine.generate(prompt, params, **options):
         if isinstance(event, FinishEvent):
             if not args.json:
                 print(file=sys.stderr)  # end the streamed text's line before the stats
                 _print_stats(event.stats, args.spec_method)
-            return _result(prompt, event)
+                _print_logprobs(engine, tokens)
+            return _result(prompt, event, engine, tokens)
+        tokens.append(event)
         if not args.json:
             print(event.text, end="", flush=True)
     raise AssertionError("a generation ended without its final event")
@@ -140,15 +152,34 @@ def _run_batched(engine: Engine, params: SamplingParams, options: dict, args) ->
     for prompt, request in zip(args.prompt, requests):
         finish = request.events[-1]
         assert isinstance(finish, FinishEvent), f"request {request.request_id} ended without its final event"
-        results.append(_result(prompt, finish))
+        tokens = [event for event in request.events if isinstance(event, TokenEvent)]
+        results.append(_result(prompt, finish, engine, tokens))
         if not args.json:
             print(finish.text, flush=True)
             _print_stats(finish.stats, args.spec_method)
+            _print_logprobs(engine, tokens)
     return results
 
 
-def _result(prompt: str, finish: FinishEvent) -> dict:
-    return {"prompt": prompt, "token_ids": finish.token_ids, "text": finish.text, "stats": finish.stats.as_dict()}
+def _result(prompt: str, finish: FinishEvent, engine: Engine, tokens: list[TokenEvent]) -> dict:
+    out = {"prompt": prompt, "token_ids": finish.token_ids, "text": finish.text, "stats": finish.stats.as_dict()}
+    if tokens and tokens[0].logprob is not None:
+        decode = engine.tokenizer.decode
+        out["logprobs"] = [{"token_id": e.token_id, "token": decode([e.token_id]), "logprob": e.logprob,
+                            "entropy": e.entropy, "top": [[i, decode([i]), lp] for i, lp in e.top_logprobs]}
+                           for e in tokens]
+    return out
+
+
+def _print_logprobs(engine: Engine, tokens: list[TokenEvent]) -> None:
+    """--logprobs without --json: a line per token with its probability and the alternatives'."""
+    decode = engine.tokenizer.decode
+    for e in tokens:
+        if e.logprob is None:
+            return
+        alternatives = ", ".join(f"{decode([i])!r} {math.exp(lp):.3f}" for i, lp in e.top_logprobs)
+        print(f"[{e.index:4d} {decode([e.token_id])!r} p={math.exp(e.logprob):.3f}"
+              + (f"; {alternatives}" if alternatives else "") + "]", file=sys.stderr)
 
 
 def _print_stats(s: GenerationStats, spec_method: str) -> None:

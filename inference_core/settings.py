@@ -17,10 +17,12 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from inference_core.config import KV_DTYPES, KV_MODES, EngineConfig
+from inference_core.config import KV_DTYPES, KV_MODES, ConfigError, EngineConfig
 from inference_core.quant.linear import GROUP_SIZES, SCHEMES, QuantConfig
 from inference_core.sampling import SamplingParams
 from inference_core.spec.decoding import HIDDEN_READERS, MAX_K, MAX_TREE_WIDTH, SPEC_METHODS, SpecConfig
+from inference_core.structured import KINDS as CONSTRAINT_KINDS
+from inference_core.structured import Constraint
 
 BLOCK_SIZES = (4, 8, 16, 32)
 DEFAULT_LAYERS = "default"  # draft_layers' value for "the engine's default depth" (a widget needs a value for it)
@@ -30,6 +32,8 @@ SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "e
 WEIGHTS_LABELS = {"none": "model dtype", "int8": "int8 per channel", "int4": "int4 per group",
                   "awq": "AWQ int4 per group (calibrated)"}
 KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and head"}
+CONSTRAINT_LABELS = {"none": "no constraint", "json_object": "any JSON object", "json_schema": "a JSON schema",
+                     "regex": "a regular expression", "choice": "one of a list of choices"}
 UNSET = object()  # a Setting's flag_default or off_value that was not given
 
 
@@ -101,6 +105,34 @@ class LaneSettings:
     seed: int | None = _setting(  # None: a fresh seed per request; the page shows the 0 the engine gets
         0, label="seed (when sampling)", widget="number", api="openai", flag="seed", flag_default=None,
         applies=("temperature", _sampling))
+    min_p: float = _setting(
+        0.0, label="min-p (when sampling)", widget="slider", bounds=(0.0, 0.5, 0.01), api="openai", flag="min-p",
+        help="drop tokens less likely than min-p x the likeliest one (0 is off)", applies=("temperature", _sampling))
+    repetition_penalty: float = _setting(
+        1.0, label="repetition penalty", widget="slider", bounds=(0.5, 2.0, 0.05), api="openai",
+        info="divides a positive logit (multiplies a negative one) of every token already in the prompt or output",
+        flag="repetition-penalty", help="divide the positive logits (multiply the negative ones) of tokens already "
+                                        "in the prompt or output (1 is off)")
+    presence_penalty: float = _setting(
+        0.0, label="presence penalty", widget="slider", bounds=(-2.0, 2.0, 0.1), api="openai",
+        flag="presence-penalty", help="subtract from the logits of tokens already generated (0 is off)")
+    frequency_penalty: float = _setting(
+        0.0, label="frequency penalty", widget="slider", bounds=(-2.0, 2.0, 0.1), api="openai",
+        flag="frequency-penalty", help="subtract from a generated token's logit once per time it occurred (0 is off)")
+    logit_bias: str = _setting(
+        "", label="logit bias (token id: bias, ...)", widget="text", api=None,
+        info="e.g. 30:-100, 2:5 adds -100 to token 30's logit and 5 to token 2's", flag="logit-bias",
+        help="add a bias to token ids' logits: 'id:bias,id:bias' (bias -100 to 100)")
+    constraint: str = _setting(
+        "none", label="constrain the output", widget="dropdown", choices=("none", *CONSTRAINT_KINDS),
+        labels=CONSTRAINT_LABELS, api=None, flag="constraint",
+        help="constrain the output to any JSON object, a JSON schema, a regular expression or a list of choices "
+             "(--constraint-spec gives the schema, pattern or choices)")
+    constraint_spec: str = _setting(
+        "", label="constraint: the JSON schema, the pattern, or the choices separated by |", widget="text", api=None,
+        flag="constraint-spec", help="--constraint json_schema: the schema as JSON; regex: the pattern; choice: the "
+                                     "choices separated by |",
+        applies=("constraint", _one_of("json_schema", "regex", "choice")), hidden=True)
     spec_method: str = _setting(
         "none", label="speculative decoding: draft source", widget="radio", choices=SPEC_METHODS,
         labels=SPEC_METHOD_LABELS, flag="spec",
@@ -174,10 +206,29 @@ class LaneSettings:
         return QuantConfig(self.weights or "none", _whole(self.quant_group), lm_head)
 
     def sampling(self, max_new_tokens: int, **more) -> SamplingParams:
-        """The sampling settings for `max_new_tokens`; `more`: top-k, stop strings and the like."""
+        """The sampling settings for `max_new_tokens`; `more`: top-k, stop strings and the like, and any of the lane's
+        own sampling fields given another way (the API's body)."""
         seed = None if self.seed in (None, "") else int(self.seed)
+        lane = dict(min_p=float(self.min_p), repetition_penalty=float(self.repetition_penalty),
+                    presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty),
+                    logit_bias=parse_logit_bias(self.logit_bias), constraint=self.constraint_object())
         return SamplingParams(max_new_tokens=int(max_new_tokens), temperature=float(self.temperature),
-                              top_p=float(self.top_p), seed=seed, **more)
+                              top_p=float(self.top_p), seed=seed, **{**lane, **more})
+
+    def constraint_object(self) -> Constraint | None:
+        """The lane's constraint for the engine (None: unconstrained); a ConfigError says what to change."""
+        kind = self.constraint or "none"
+        if kind == "none":
+            return None
+        spec = (self.constraint_spec or "").strip()
+        if kind == "json_object":
+            return Constraint(kind)
+        if not spec:
+            raise ConfigError(f"{{constraint}} is {CONSTRAINT_LABELS.get(kind, kind)}: give it in "
+                              "{constraint_spec}.")
+        if kind == "choice":
+            return Constraint(kind, tuple(choice.strip() for choice in spec.split("|") if choice.strip()))
+        return Constraint(kind, spec)
 
     def spec(self) -> SpecConfig:
         """The speculative settings (raises ConfigError for a bad one). The early-exit depth is passed only with
@@ -191,7 +242,7 @@ class LaneSettings:
 
     def check(self) -> None:
         """Refuse a bad value or a combination the engine cannot run (ConfigError), without building an engine."""
-        self.engine_config(1 << 16), self.quant(), self.spec()
+        self.engine_config(1 << 16), self.quant(), self.spec(), self.sampling(1)
 
     @property
     def external(self) -> bool:
@@ -223,6 +274,17 @@ class LaneSettings:
             width = _whole(self.spec_tree_width)
             parts.append(f"{draft} k={_whole(self.spec_k)}" + (" adaptive" if self.spec_adaptive else "")
                          + (f" tree {width} wide" if width != 1 else ""))
+        if float(self.min_p or 0) and not self.greedy:
+            parts.append(f"min-p {float(self.min_p):g}")
+        for name, label, off in (("repetition_penalty", "repetition penalty", 1.0),
+                                 ("presence_penalty", "presence penalty", 0.0),
+                                 ("frequency_penalty", "frequency penalty", 0.0)):
+            if float(getattr(self, name)) != off:
+                parts.append(f"{label} {float(getattr(self, name)):g}")
+        if (self.logit_bias or "").strip():
+            parts.append("logit bias")
+        if (self.constraint or "none") != "none":
+            parts.append(f"constrained to {CONSTRAINT_LABELS.get(self.constraint, self.constraint)}")
         if self.compile:
             parts.append("compiled decode")
         if self.weights not in (None, "", "none"):
@@ -232,6 +294,21 @@ class LaneSettings:
         if _whole(self.sliding_window):
             parts.append(f"window {_whole(self.sliding_window)}")
         return ", ".join(parts)
+
+
+def parse_logit_bias(text: str) -> dict[int, float]:
+    """'30:-100, 2:5' -> {30: -100.0, 2: 5.0}; a ConfigError says the expected form."""
+    bias = {}
+    for pair in (text or "").replace(";", ",").split(","):
+        if not pair.strip():
+            continue
+        token, _, value = pair.partition(":")
+        try:
+            bias[int(token.strip())] = float(value.strip())
+        except ValueError:
+            raise ConfigError(f"{{logit_bias}} takes 'token id: bias' pairs separated by commas, like '30:-100, "
+                              f"2:5'; {pair.strip()!r} is not one.") from None
+    return bias
 
 
 SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(LaneSettings)}

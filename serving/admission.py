@@ -53,6 +53,7 @@ class Job:
     top_k: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    sampling: dict = field(default_factory=dict)  # more SamplingParams fields (penalties, logprobs, constraint, ...)
     caller: str | None = None  # who is charged (a client address); None: the local user
     cache_salt: str | None = None  # whose prefix cache the requests may hit
     keep_final_kv_snapshot: bool = False  # the requests keep a picture of their KV at the last token (the KV view)
@@ -177,11 +178,11 @@ def admit(pool, job: Job) -> Run:
     for ids, new in zip(prompt_ids, new_tokens):
         for name, engine in engines.items():
             settings = job.lanes[name][1]
-            for copy in range(job.copies):
-                params = settings.sampling(new, top_k=job.top_k, stop=job.stop, ignore_eos=job.ignore_eos)
-                if copy and params.seed is not None:
-                    params = replace(params, seed=params.seed + copy)
-                request = engine.make_request(ids, params, spec=settings.spec(), cache_salt=job.cache_salt)
+            params = settings.sampling(new, top_k=job.top_k, stop=job.stop, ignore_eos=job.ignore_eos,
+                                       **job.sampling)
+            copies = [params if copy == 0 or params.seed is None else replace(params, seed=params.seed + copy)
+                      for copy in range(job.copies)]
+            for request in engine.make_copies(ids, copies, spec=settings.spec(), cache_salt=job.cache_salt):
                 request.keep_final_kv_snapshot = job.keep_final_kv_snapshot
                 requests[name].append(request)
         pool.policy.check_sizes(len(ids), new)

@@ -19,7 +19,7 @@ from inference_core.engine.engine import Engine
 
 STATS_KEYS = {"kv_mode", "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "finish_reason", "ttft_ms",
               "prefill_tokens_per_s", "decode_tokens_per_s", "total_ms", "kv_bytes_in_use", "kv_bytes_reserved", "spec",
-              "preemptions", "queue_ms", "batch_size_mean", "compile"}
+              "preemptions", "queue_ms", "batch_size_mean", "compile", "grammar_ms"}
 # The CLI's default dtype is auto (bf16 on CPUs with native bf16 math); these tests compare runs id for id in fp32.
 CPU = ["--device", "cpu", "--dtype", "float32"]
 THREE_PROMPTS = ["What is the capital of France?", "Name three rivers.", "Say hello."]

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("inference_core", "serving", "ui", "server")
 # What a function may import: dependencies that are not installed everywhere (requirements-tools.txt, llama.cpp's
 # bindings, a ZeroGPU Space's package).
-OPTIONAL = {"transformers", "gguf", "llama_cpp", "spaces"}
+OPTIONAL = {"transformers", "gguf", "llama_cpp", "spaces", "llguidance", "xgrammar"}
 # package -> packages of the project it must never import
 NEVER = {"inference_core": {"serving", "ui", "server", "app"}, "serving": {"ui", "server", "app"},
          "ui": {"server", "app"}, "server": {"ui", "app"}}

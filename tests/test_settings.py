@@ -10,7 +10,7 @@ import pytest
 from inference_core.config import ConfigError
 from inference_core.settings import (DEFAULTS, SETTINGS, LaneSettings, add_setting_arguments, applies, command_flags,
                                      kinds, words)
-from server.openai_api import API_WORDS, PLAYGROUND_FIELDS
+from server.api_body import API_WORDS, PLAYGROUND_FIELDS
 from ui.words import PAGE_WORDS
 
 WIDGETS = {"radio", "dropdown", "checkbox", "slider", "number", "text"}

@@ -31,13 +31,16 @@ from inference_core.engine.request import FinishEvent, Request, StopGeneration, 
 from inference_core.engine.runner import ModelRunner
 from inference_core.engine.scheduler import ScheduledWork, Scheduler
 from inference_core.kv.block_manager import FREED
+from inference_core.engine.lens import prompt_logprobs
 from inference_core.kv.cache import ContiguousKVCache, PagedKVCache, RecomputeKVCache
+from inference_core.logits import shape_logits, token_logprobs
 from inference_core.model.loader import LoadedModel, check_draft_model
 from inference_core.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from inference_core.sampling import SamplingParams, sample_batch
 from inference_core.spec.decoding import (MAX_K, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, SpecConfig, next_k,
                                           speculative_step, tree_speculative_step)
 from inference_core.spec.draft_heads import DraftHeads, EagleDrafter, MedusaDrafter, find_heads, load_heads
+from inference_core.structured import Grammars
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache, config.batching, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.chunked_prefill, config.batch_window_ms)
         self.steps_taken = 0
+        self._grammars = None
         self.draft_model = draft_model
         self.draft_runner: ModelRunner | None = None  # the draft model's, built by its first request
         self.draft_heads: dict[str, DraftHeads] = {}  # trained heads by kind ("medusa", "eagle"), loaded when asked
@@ -121,8 +125,12 @@ class Engine:
                      priority: int = 0, cache_salt: str | None = None) -> Request:
         """Validate and tokenize a request without queueing it (`submit` queues it). Raises ConfigError, saying what
         to change, for a request that could never run on this engine."""
-        params = params or SamplingParams()
-        spec = self.resolve_spec(spec or SpecConfig())
+        params, spec = params or SamplingParams(), spec or SpecConfig()
+        if spec.tree_width > 1 and params.shapes_logits:
+            raise ConfigError("tree verification ({spec_tree_width} > 1) scores every branch with one set of logits; "
+                              "penalties, logit bias, min_tokens and a constraint need a chain: set the tree width to "
+                              "1.")
+        spec = self.resolve_spec(spec)
         if spec.tree_width > 1 and not params.greedy:
             raise ConfigError("tree verification ({spec_tree_width} > 1) keeps greedy decoding's tokens only; set the "
                               "temperature to 0 or the tree width to 1 (a chain, which keeps the sampled "
@@ -135,14 +143,30 @@ class Engine:
         else:
             prompt_ids = self.prompt_ids(prompt, system, chat)
         self._check_fits(prompt_ids, params)
-        return Request(prompt_ids, params, spec, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
-                       eos_ids=self.loaded.eos_token_ids, device=self.loaded.device, priority=priority,
-                       cache_salt=cache_salt, tokenize_s=time.perf_counter() - started)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        request = Request(prompt_ids, params, spec, detokenizer=detokenizer,
+                          eos_ids=self.loaded.eos_token_ids, device=self.loaded.device, priority=priority,
+                          cache_salt=cache_salt, tokenize_s=time.perf_counter() - started)
+        if params.constraint is not None:
+            request.grammar = self.grammars().matcher(params.constraint)
+        return request
+
+    def grammars(self):
+        """The compiled grammars for this model's tokenizer (`structured.Grammars`), built on first use (the grammar
+        library loads only when a request asks for a constraint)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.loaded.config.vocab_size, self.loaded.eos_token_ids)
+        return self._grammars
 
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise ConfigError("the prompt encodes to no tokens; type some text.")
         vocab_size = self.loaded.config.vocab_size
+        for name, ids in (("logit_bias", [token for token, _ in params.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):
+            if any(token >= vocab_size for token in ids):
+                raise ConfigError(f"{name}: token id {max(ids)} is outside the model's vocabulary "
+                                  f"(0..{vocab_size - 1}).")
         outside = [token for token in prompt_ids if not 0 <= token < vocab_size]
         if outside:
             raise ConfigError(f"prompt token id {outside[0]} is outside the model's vocabulary (0..{vocab_size - 1}).")
@@ -163,6 +187,22 @@ class Engine:
                                   f"{len(prompt_ids) + params.max_new_tokens - 1} ({len(prompt_ids)} prompt + "
                                   f"{params.max_new_tokens} new - 1); raise {{kv_cache_tokens}} or lower "
                                   "{max_new_tokens}.")
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether copies of one prompt (n > 1) can share its KV blocks: the paged cache with its prefix cache, and a
+        batching mode that admits a copy as soon as the first one's prompt is computed."""
+        config = self.config
+        return config.kv_mode == "paged" and config.prefix_cache and config.batching == "continuous"
+
+    def make_copies(self, prompt, params: list[SamplingParams], **kwargs) -> list[Request]:
+        """One request per `params` on the same prompt (the API's `n`); where the engine `shares_prompts`, every copy
+        after the first waits for the first one's prompt and then takes its full blocks from the prefix cache."""
+        requests = [self.make_request(prompt, one, **kwargs) for one in params]
+        if self.shares_prompts:
+            for copy in requests[1:]:
+                copy.prompt_source = requests[0]
+        return requests
 
     def submit(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
                **kwargs) -> Request:
@@ -293,23 +333,31 @@ class Engine:
             # Sequences whose whole text is now computed get a new token; a prefill chunk that is not the prompt's
             # last waits for the next step.
             done = [i for i, request in enumerate(requests) if self._completes(request)]
-            tokens = sample_batch(logits[done], [requests[i].params for i in done],
-                                  [requests[i].generator for i in done]) if done else []
+            tokens, logprobs = self._choose(logits[done], [requests[i] for i in done]) if done else ([], [])
         except BaseException as error:
             for request in requests:
                 self._fail(request, error)
             raise
         step_s = time.perf_counter() - step_start
         compile_s = self._compile_seconds() - compiled_before
-        sampled = dict(zip(done, tokens))
+        sampled = dict(zip(done, zip(tokens, logprobs)))
         for index, (request, item) in enumerate(zip(requests, work)):
             prompt_tokens = item.num_tokens if request.seq.num_generated_tokens == 0 else 0
             request.account_step(step_s, batch_size, prompt_tokens, compile_s)
             if prompt_padding[index] or index in sampled:
                 request.prompt_padding = 0  # computed (or, where the pool had no room for it, given up)
             if index in sampled:
-                self._emit_token(request, sampled[index], step_s, batch_size, finished)
+                token, token_logprobs_ = sampled[index]
+                self._emit_token(request, token, step_s, batch_size, finished, logprobs=token_logprobs_)
         return sum(prompt_padding)
+
+    def _choose(self, logits, requests: list[Request]) -> tuple[list[int], list]:
+        """logits: [len(requests), vocab] fp32, a row per request. Shape the rows that ask, choose each token with its
+        request's settings and generator, and compute the log-probabilities asked for."""
+        rows = [request.row_contexts()[1][0] if request.reads_logits else None for request in requests]
+        shaped = shape_logits(logits, rows)
+        tokens = sample_batch(shaped, [r.params for r in requests], [r.generator for r in requests])
+        return tokens, token_logprobs(logits, shaped, rows, tokens)
 
     def _reserve_prompt_padding(self, work: ScheduledWork) -> int:
         """Static batching: the padding (up to the batch's longest prompt) that rides with a prompt's last chunk, its
@@ -343,10 +391,11 @@ class Engine:
             tokens = []
             if k > 0 and width > 1:
                 tokens = tree_speculative_step(self.runner, seq, request.drafter, k, width, request.spec_stats,
-                                               request.eos_ids)
+                                               request.eos_ids, request.params.logprobs)
             elif k > 0:
                 tokens = speculative_step(self.runner, seq, request.drafter, k, request.spec_stats, request.params,
-                                          request.generator, request.eos_ids)
+                                          request.generator, request.eos_ids,
+                                          request.row_contexts if request.reads_logits else None)
             if tokens and request.spec.adaptive:
                 accepted = len(tokens) - 1
                 request.draft_k = next_k(request.draft_k, accepted + len(tokens[-1][2]), accepted,
@@ -357,14 +406,16 @@ class Engine:
                 if request.spec.reads_hidden:
                     logits, hidden = logits
                     request.drafter.observe(position, hidden[0])
-                tokens = [(sample_batch(logits, [request.params], [request.generator])[0], None, ())]
+                chosen, logprobs = self._choose(logits, [request])
+                tokens = [(chosen[0], None, (), logprobs[0], ())]
         except BaseException as error:
             self._fail(request, error)
             raise
         step_s = time.perf_counter() - step_start
         request.account_step(step_s, batch_size, 0)
-        for index, (token, kind, rejected) in enumerate(tokens):
-            self._emit_token(request, token, step_s if index == 0 else 0.0, batch_size, finished, kind, rejected)
+        for index, (token, kind, rejected, logprobs, rejected_logprobs) in enumerate(tokens):
+            self._emit_token(request, token, step_s if index == 0 else 0.0, batch_size, finished, kind, rejected,
+                             logprobs, rejected_logprobs)
             if request.finished:
                 break
 
@@ -375,8 +426,14 @@ class Engine:
             request.cached_prompt_tokens = request.seq.num_cached_tokens
 
     def _emit_token(self, request: Request, token: int, step_s: float, batch_size: int, finished: list[Request],
-                    draft: str | None = None, rejected: tuple[int, ...] = ()) -> None:
-        request.emit(request.record(token, step_s, batch_size, draft, rejected))
+                    draft: str | None = None, rejected: tuple[int, ...] = (), logprobs=None,
+                    rejected_logprobs: tuple[float, ...] = ()) -> None:
+        if request.params.prompt_logprobs is not None and request.seq.num_generated_tokens == 0:
+            # An extra forward over the prompt, once, for the requests that ask (the cache may hold its KV, and a
+            # chunked prefill's rows are gone: recomputing is the simple exact way).
+            request.prompt_logprobs = prompt_logprobs(self.runner, request.seq.token_ids,
+                                                      request.params.prompt_logprobs)
+        request.emit(request.record(token, step_s, batch_size, draft, rejected, logprobs, rejected_logprobs))
         if request.finish_reason is not None:
             self._finish(request, finished)
 

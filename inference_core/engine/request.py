@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from inference_core.logits import RowContext, TokenLogprobs
 from inference_core.model.tokenizer import IncrementalDetokenizer
 from inference_core.sampling import SamplingParams, make_generator
 from inference_core.sequence import Sequence
@@ -46,6 +47,15 @@ class TokenEvent:
     # The first token's event only (None on later ones): prompt tokens whose KV came from the prefix cache.
     cached_prompt_tokens: int | None = None
     batch_size: int = 1  # sequences in the engine step that produced this token (1: the request ran alone)
+    # Asked for with SamplingParams.logprobs (else None and ()): this token's log-probability, its top alternatives
+    # ((token id, log-probability), best first) and the entropy of the distribution, in nats; on a "replaced" token,
+    # the target's log-probability of each rejected draft it verified, at that draft's position.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    entropy: float | None = None
+    rejected_logprobs: tuple[float, ...] = ()
+    # The first token's event only, with SamplingParams.prompt_logprobs: one entry per prompt token (the first None).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,7 @@ class GenerationStats:
     # Compiled decode (None when eager): the engine's `compiled.CompileStats` at the end of this request, and
     # `compile_s`, the seconds this request waited for a graph to compile (left out of decode_tokens_per_s).
     compile: dict | None = None
+    grammar_ms: float = 0.0  # a constrained request: time its grammar's masks took (part of total_ms)
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -94,6 +105,13 @@ class Request:
         self.priority = priority
         self.generator = make_generator(params, device)
         self.eos_ids = frozenset() if params.ignore_eos else eos_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.grammar = None  # `structured.GrammarState` of a constrained request (set by the engine)
+        # A copy of another request's prompt (n > 1): admitted once that request's prompt is computed, so that its
+        # prompt's full blocks come from the prefix cache, shared (reference-counted) instead of computed again.
+        self.prompt_source: Request | None = None
+        self.prompt_logprobs: tuple | None = None  # computed by the engine before the first token's event
+        self.grammar_s = 0.0  # time spent computing the grammar's masks (part of busy_s)
         self.detokenizer: IncrementalDetokenizer = detokenizer
         self.longest_stop = max((len(s) for s in params.stop), default=0)
         self.state = "waiting"
@@ -163,17 +181,55 @@ class Request:
             self.prefill_s += step_s
             self.num_computed_prompt_tokens += prompt_tokens
 
+    @property
+    def reads_logits(self) -> bool:
+        """Whether choosing its token needs more than the bare logits: shaping, a grammar, or log-probabilities."""
+        return self.params.shapes_logits or self.params.logprobs is not None
+
+    def row_contexts(self, drafts: list[int] = ()) -> tuple[int, list[RowContext]]:
+        """Shaping contexts for the position after the text so far and after each draft in turn (a speculative
+        verification scores them all at once). The grammar cuts the drafts at the first one it forbids: returns how
+        many stay, and a context for each of their positions plus one. The grammar's state is left as it was."""
+        seq, params = self.seq, self.params
+        allowed: list = []
+        legal = len(drafts)
+        if self.grammar is not None:
+            started = time.perf_counter()
+            legal = 0
+            while True:
+                allowed.append(None if self.grammar.is_terminated() else self.grammar.allowed_ids())
+                if legal == len(drafts) or not self.grammar.accept(drafts[legal]):
+                    break
+                legal += 1
+            self.grammar.rollback(legal)
+            self.grammar_s += time.perf_counter() - started
+        shaping = params.shapes_logits
+        return legal, [RowContext(params, seq.token_ids + list(drafts[:i]) if shaping else [], seq.num_prompt_tokens,
+                                  self.eos_ids, allowed[i] if allowed else None) for i in range(legal + 1)]
+
     def record(self, token: int, step_s: float, batch_size: int, draft: str | None = None,
-               rejected_ids: tuple[int, ...] = ()) -> TokenEvent:
+               rejected_ids: tuple[int, ...] = (), logprobs: TokenLogprobs | None = None,
+               rejected_logprobs: tuple[float, ...] = ()) -> TokenEvent:
         """Append one generated token, extend the text, check the stop conditions (sets `finish_reason`)."""
         seq = self.seq
         seq.append(token)
-        text = self.text + ("" if token in self.eos_ids else self.detokenizer.add(token))
+        if self.grammar is not None and not self.grammar.is_terminated():
+            started = time.perf_counter()
+            self.grammar.accept(token)
+            self.grammar_s += time.perf_counter() - started
+        ends = token in self.eos_ids or token in self.stop_token_ids
+        text = self.text + ("" if ends else self.detokenizer.add(token))
         stops = self.params.stop
         if token in self.eos_ids:
             self.finish_reason = "eos"
+        elif ends:
+            self.finish_reason = "stop"
         elif stops and (hit := _find_stop(text, stops, max(0, self.emitted - self.longest_stop))) >= 0:
-            text, self.finish_reason = text[:hit], "stop"
+            end = hit + (len(next(s for s in stops if text.startswith(s, hit)))
+                         if self.params.include_stop_str_in_output else 0)
+            text, self.finish_reason = text[:end], "stop"
+        elif self.grammar is not None and self.grammar.is_terminated():
+            self.finish_reason = "stop"  # the output is complete (the grammar's end token is ignore_eos's)
         elif seq.num_generated_tokens >= self.params.max_new_tokens:
             self.finish_reason = "length"
         self.text = text
@@ -185,7 +241,10 @@ class Request:
             self.first_token_busy_s = self.busy_s
             self.first_token_at = time.perf_counter()
         return TokenEvent(token, delta, seq.num_generated_tokens - 1, self.busy_s, step_s * 1e3, draft, rejected_ids,
-                          self.cached_prompt_tokens if first else None, batch_size)
+                          self.cached_prompt_tokens if first else None, batch_size,
+                          logprobs.logprob if logprobs else None, logprobs.top if logprobs else (),
+                          logprobs.entropy if logprobs else None, rejected_logprobs,
+                          self.prompt_logprobs if first else None)
 
     def stats(self, kv_mode: str, kv_usage: tuple[int, int], compile_stats: dict | None = None) -> GenerationStats:
         generated = self.seq.num_generated_tokens
@@ -202,7 +261,8 @@ class Request:
             total_ms=self.busy_s * 1e3, kv_bytes_in_use=kv_usage[0], kv_bytes_reserved=kv_usage[1],
             spec=self.spec_stats.as_dict() if self.spec_stats is not None else None, preemptions=self.preemptions,
             queue_ms=queue_s * 1e3, batch_size_mean=self.batch_size_sum / self.steps if self.steps else 0.0,
-            compile=None if compile_stats is None else {**compile_stats, "compile_s": self.compile_s})
+            compile=None if compile_stats is None else {**compile_stats, "compile_s": self.compile_s},
+            grammar_ms=self.grammar_s * 1e3)
 
     def finish_event(self, kv_mode: str, kv_usage: tuple[int, int], compile_stats: dict | None = None) -> FinishEvent:
         self.finished_at = time.perf_counter()

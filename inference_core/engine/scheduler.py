@@ -177,6 +177,9 @@ class Scheduler:
                 seq = request.seq
                 if not self.chunked_prefill and work and len(seq) > budget and not whole_batch:
                     break  # an unsplittable prompt waits for a step with room for all of it
+                source = request.prompt_source
+                if source is not None and not (source.finished or source.seq.num_generated_tokens):
+                    break  # a copy (n > 1) waits for the first copy's prompt, then shares its blocks
                 if not self.kv_cache.can_allocate(seq):
                     break
                 self.waiting.pop(0)

@@ -325,17 +325,21 @@ class CausalLM(nn.Module):
             self._rope_cache = cached = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
         return cached
 
-    def forward(self, batch, kv_cache, num_layers: int | None = None, return_hidden: bool = False):
+    def forward(self, batch, kv_cache, num_layers: int | None = None, return_hidden: bool = False,
+                layer_states: list | None = None):
         """batch.input_ids, batch.positions: [tokens]. Returns fp32 logits [len(batch.logits_indices), vocab].
         `num_layers` < the model's runs only the first layers before the final norm and LM head (an early-exit
         draft; only those layers' KV is written). With `return_hidden`, returns (logits, hidden): hidden is every
         token's final-normed hidden state [tokens, hidden_size] (what the LM head reads; trained draft heads read it
-        too)."""
+        too). A `layer_states` list receives every layer's output [tokens, hidden_size], before the final norm (the
+        logit lens reads them)."""
         x = F.embedding(batch.input_ids, self.embed_tokens.weight)
         cos_table, sin_table = self.rope_tables(x.dtype)
         cos, sin = cos_table[batch.positions].unsqueeze(1), sin_table[batch.positions].unsqueeze(1)
         for layer in self.layers[:num_layers]:
             x = layer.forward(x, cos, sin, batch, kv_cache)
+            if layer_states is not None:
+                layer_states.append(x)
         if return_hidden:
             hidden = self.norm.forward(x)
             return self.lm_head.forward(hidden[batch.logits_indices]).float(), hidden

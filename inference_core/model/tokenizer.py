@@ -57,8 +57,21 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a byte-level BPE token may hold part of a UTF-8 character, which `decode` shows
+        as U+FFFD): what OpenAI's log-probabilities report as `bytes`."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:  # SentencePiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        byte_of = _byte_level_decoder()
+        if all(char in byte_of for char in piece):
+            return bytes(byte_of[char] for char in piece)
+        return piece.replace("\u2581", " ").encode()  # SentencePiece's word boundary
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         """Render `messages` ([{role, content}]) with the generation prompt appended."""
@@ -96,20 +109,40 @@ class Tokenizer:
         return self.encode_chat(messages)
 
 
+_BYTE_LEVEL: dict[str, int] = {}
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte -> the byte."""
+    if not _BYTE_LEVEL:
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                     *range(ord("\xae"), ord("\xff") + 1)]
+        extra = 0
+        for byte in range(256):
+            if byte in printable:
+                _BYTE_LEVEL[chr(byte)] = byte
+            else:
+                _BYTE_LEVEL[chr(256 + extra)] = byte
+                extra += 1
+    return _BYTE_LEVEL
+
+
 class IncrementalDetokenizer:
     """Turns appended token ids into text deltas. Decodes a short window, not the whole text, each step; holds back a
     delta while it ends in an incomplete UTF-8 character (a byte-level BPE token can split one)."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_ids[-6:])  # a little context so leading spaces decode as in the full text
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
 
     def add(self, token_id: int) -> str:
         self.token_ids.append(token_id)
-        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        skip = self.skip_special_tokens
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], skip)
+        full_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:], skip)
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)

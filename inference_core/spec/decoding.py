@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference_core.config import ConfigError
+from inference_core.logits import logprobs_of, shape_logits, token_logprobs
 from inference_core.sampling import SamplingParams, probabilities, sample_with_probabilities
 from inference_core.sequence import Sequence
 
@@ -292,17 +293,25 @@ class SpecStats:
 
 
 def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: SpecStats, params: SamplingParams,
-                     generator, eos_ids) -> list[tuple]:
+                     generator, eos_ids, contexts=None) -> list[tuple]:
     """One verification step: draft, score the last token + drafts in one forward, keep the accepted prefix
     (greedy: the agreeing one; sampling: the standard rule), roll the rest back. Returns the step's tokens as
-    (token, draft kind, rejected drafts), or [] when the drafter proposed nothing."""
+    (token, draft kind, rejected drafts, TokenLogprobs or None, the target's log-probabilities of the rejected drafts
+    it verified), or [] when the drafter proposed nothing.
+
+    `contexts(drafts)` (the request's `row_contexts`, for a request that shapes its logits or asks for
+    log-probabilities) cuts the drafts at the first one its grammar forbids, before the target sees them, and gives
+    each verified position its shaping context: position i is shaped as plain decoding would shape it after drafts
+    0..i-1, so greedy ids equal plain greedy's under penalties and constraints too."""
     started = time.perf_counter()
-    drafts, draft_probs = drafter.propose(seq, max_drafts, params, generator)
-    drafts = through_first_eos(drafts, eos_ids)
+    proposed, draft_probs = drafter.propose(seq, max_drafts, params, generator)
+    proposed = through_first_eos(proposed, eos_ids)
     drafted_at = time.perf_counter()
     stats.draft_ms += (drafted_at - started) * 1e3
-    if not drafts:  # nothing to propose: the caller takes a plain step
+    if not proposed:  # nothing to propose: the caller takes a plain step
         return []
+    legal, rows = contexts(proposed) if contexts is not None else (len(proposed), None)
+    drafts = proposed[:legal]
     num_before = len(seq)  # the last token (KV not yet written) is at num_before - 1
     seq.token_ids.extend(drafts)
     # logits: [len(drafts) + 1, vocab] for the positions of the last token and of each draft
@@ -310,12 +319,13 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
     logits = runner.run([seq], num_logits=len(drafts) + 1, return_hidden=reads_hidden)
     if reads_hidden:
         logits, hidden = logits
+    shaped = shape_logits(logits, rows) if rows is not None else logits
     if params.greedy:
-        target_ids = logits.argmax(dim=-1).tolist()
+        target_ids = shaped.argmax(dim=-1).tolist()
         accepted = accept_greedy(drafts, target_ids)
         final_token = target_ids[accepted]
     else:
-        target_probs = probabilities(logits, params)
+        target_probs = probabilities(shaped, params)
         if draft_probs is not None:  # a draft model with a narrower vocabulary: no probability on the rest
             draft_probs = _pad_width(draft_probs[:len(drafts)], target_probs.shape[-1])
         accepted, final_token = accept_sampled(drafts, draft_probs, target_probs, generator)
@@ -325,9 +335,20 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
         # predicted the final token
         drafter.observe(num_before - 1, hidden[0][-(len(drafts) + 1):][:accepted + 1])
     runner.kv_cache.rollback(seq, num_before + accepted)
-    stats.record(len(drafts), accepted)
+    stats.record(len(proposed), accepted)
     stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
-    return step_tokens(drafts[:accepted], final_token, drafts)
+    tokens = step_tokens(drafts[:accepted], final_token, proposed)
+    if params.logprobs is None:
+        return [(*token, None, ()) for token in tokens]
+    # Each emitted token's log-probabilities come from the row that predicted it; a rejected draft the target
+    # verified gets the log-probability the target gave it at its own position.
+    emitted = [token for token, _, _ in tokens]
+    logprobs = token_logprobs(logits[:len(emitted)], shaped[:len(emitted)], rows[:len(emitted)], emitted)
+    rejected = drafts[accepted:]
+    rejected_logprobs = tuple(lp.logprob for lp in token_logprobs(
+        logits[accepted:len(drafts)], shaped[accepted:len(drafts)], rows[accepted:len(drafts)], rejected))
+    return [(*token, lp, rejected_logprobs if kind == "replaced" else ())
+            for token, lp, kind in zip(tokens, logprobs, (kind for _, kind, _ in tokens))]
 
 
 @dataclass(slots=True)
@@ -378,12 +399,13 @@ class DraftTree:
 
 
 def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int, stats: SpecStats,
-                          eos_ids) -> list[tuple]:
+                          eos_ids, num_logprobs: int | None = None) -> list[tuple]:
     """A greedy verification step over a draft tree (`DraftTree`): the drafter ranks `width` candidates at each of
     `depth` positions; one forward scores every node under a tree attention mask (`ModelRunner.run_tree`); the
     longest path the target's argmax follows is kept, the KV of a leaf that ends it moved next to its parent, and
     the rest rolled back. Emits exactly plain greedy decoding's tokens, like the chain (`speculative_step`), with more
-    chances at each position for one wider forward. Returns [] when the drafter proposed nothing."""
+    chances at each position for one wider forward. Returns the tokens as `speculative_step` does (raw
+    log-probabilities with `num_logprobs`), or [] when the drafter proposed nothing."""
     started = time.perf_counter()
     candidates = drafter.propose_tree(seq, depth, width)
     drafted_at = time.perf_counter()
@@ -411,7 +433,12 @@ def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int
     stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
     # The target's token after the path replaces the chain's drafts from there on (a leaf took the place of the
     # chain's token at its depth, and the chain's later drafts followed that token).
-    return step_tokens([tree.tokens[node - 1] for node in path], target_ids[path[-1] if path else 0], tree.chain)
+    tokens = step_tokens([tree.tokens[node - 1] for node in path], target_ids[path[-1] if path else 0], tree.chain)
+    if num_logprobs is None:
+        return [(*token, None, ()) for token in tokens]
+    # Token j was predicted by node 0 (j = 0) or by the path's node j - 1.
+    logprobs = logprobs_of(logits[[0, *path]], [token for token, _, _ in tokens], num_logprobs)
+    return [(*token, lp, ()) for token, lp in zip(tokens, logprobs)]
 
 
 def through_first_eos(drafts: list[int], eos_ids) -> list[int]:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.load_test import start_in_process
-from server.openai_api import FIELDS
+from server.api_body import FIELDS
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 MAX_TOKENS = 4  # the deployment's cap on new tokens, so that every valid request ends after a few steps

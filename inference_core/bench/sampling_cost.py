@@ -1,0 +1,106 @@
+"""`python -m inference_core sampling-bench`: what reading the model's distribution and constraining its output cost
+per decoded token.
+
+Three pairs on one engine, each measured as decode tokens/s over the same number of tokens, A and B interleaved
+round by round (so a busy moment hits both), the median of each reported with their ratio:
+
+- top-5 log-probabilities against none (`SamplingParams.logprobs=5`), at batch 1 and at batch 8;
+- a JSON schema constraint against none, at batch 1: the constrained run goes first and ends when its JSON does;
+  the unconstrained run then decodes exactly as many tokens (ignoring end-of-sequence), so both rates cover the same
+  positions. The grammar's own time per token (`GenerationStats.grammar_ms`) is reported beside it.
+
+Prints a table and writes JSON (`--json PATH`) with the host's features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from inference_core.bench.speed import machine_info
+from inference_core.config import EngineConfig
+from inference_core.engine.engine import Engine
+from inference_core.model.loader import add_model_arguments, load_model
+from inference_core.sampling import SamplingParams
+from inference_core.structured import Constraint
+
+PEOPLE = {"type": "array", "minItems": 6, "maxItems": 6,
+          "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                                     "city": {"type": "string", "maxLength": 24}},
+                    "required": ["name", "city"], "additionalProperties": False}}
+PROMPT = "List six people and the city each lives in, as JSON."
+
+
+def add_sampling_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per logprobs run")
+    parser.add_argument("--rounds", type=int, default=5, help="A/B rounds per pair (medians reported)")
+    parser.add_argument("--json", help="write the report here")
+
+
+def _decode_rate(engine: Engine, prompts: list, params: SamplingParams) -> tuple[float, list]:
+    """Submit every prompt at once, step to the end; the mean decode tokens/s of the requests and their stats."""
+    requests = [engine.submit(prompt, params) for prompt in prompts]
+    while engine.has_work():
+        engine.step()
+    stats = [request.events[-1].stats for request in requests]
+    return statistics.mean(s.decode_tokens_per_s for s in stats), stats
+
+
+def _pair(engine, rounds: int, run_a, run_b) -> dict:
+    """Interleaved A/B rounds after one untimed warm-up of each: medians and B / A."""
+    run_a(), run_b()
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(run_a())
+        b.append(run_b())
+    return {"a": statistics.median(a), "b": statistics.median(b), "ratio": statistics.median(b) / statistics.median(a),
+            "a_runs": a, "b_runs": b}
+
+
+def run_sampling_bench(args) -> int:
+    loaded = load_model(args.model, args.device, args.dtype)
+    rows = []
+    for batch in (1, 8):
+        engine = Engine(loaded, EngineConfig(kv_mode="paged", max_num_seqs=batch, max_seq_len=1024))
+        prompts = [f"Tell a short story about the number {i}." for i in range(batch)]
+        plain = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+        with_logprobs = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, logprobs=5)
+        pair = _pair(engine, args.rounds, lambda: _decode_rate(engine, prompts, plain)[0],
+                     lambda: _decode_rate(engine, prompts, with_logprobs)[0])
+        rows.append({"what": "top-5 log-probabilities", "batch": batch, "tokens": args.max_new_tokens, **pair})
+    engine = Engine(loaded, EngineConfig(kv_mode="paged", max_num_seqs=1, max_seq_len=1024))
+    constrained = SamplingParams(max_new_tokens=400, constraint=Constraint("json_schema", json.dumps(PEOPLE)))
+    _, (first,) = _decode_rate(engine, [PROMPT], constrained)
+    free = SamplingParams(max_new_tokens=first.generated_tokens, ignore_eos=True)
+    grammar_ms = []
+
+    def run_constrained() -> float:
+        rate, (stats,) = _decode_rate(engine, [PROMPT], constrained)
+        grammar_ms.append(stats.grammar_ms / stats.generated_tokens)
+        return rate
+
+    pair = _pair(engine, args.rounds, lambda: _decode_rate(engine, [PROMPT], free)[0], run_constrained)
+    rows.append({"what": "JSON schema constraint", "batch": 1, "tokens": first.generated_tokens,
+                 "grammar_ms_per_token": statistics.median(grammar_ms), **pair})
+    report = {"model": loaded.display_name, "dtype": loaded.dtype_name, "machine": machine_info(loaded.device),
+              "rows": rows}
+    print(format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{report['model']} ({report['dtype']}), {report['machine']['processor']}, "
+             f"{report['machine']['cpu_capability']}",
+             "| what | batch | tokens | without (tok/s) | with (tok/s) | with / without | grammar ms/token |",
+             "|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        grammar = f"{row['grammar_ms_per_token']:.3f}" if "grammar_ms_per_token" in row else "-"
+        lines.append(f"| {row['what']} | {row['batch']} | {row['tokens']} | {row['a']:.1f} | {row['b']:.1f} | "
+                     f"{row['ratio']:.3f} | {grammar} |")
+    return "\n".join(lines)

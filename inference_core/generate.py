@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 
 from inference_core.config import BATCHING_MODES, ConfigError, EngineConfig
 from inference_core.engine.engine import Engine
@@ -43,6 +44,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mask end-of-sequence and --stop-token-id until this many tokens are generated")
     parser.add_argument("--stop-token-id", type=int, action="append", default=[],
                         help="a token id that ends the output (repeatable)")
+    parser.add_argument("--n", type=int, default=1,
+                        help="completions of each prompt, sampling with --seed + i (needs --batching; with "
+                             "continuous batching and the paged prefix cache the copies share the prompt's KV blocks)")
     parser.add_argument("--logprobs", type=int, metavar="N",
                         help="report each token's log-probability and its N likeliest alternatives (0-20; with "
                              "--json, a 'logprobs' list per prompt)")
@@ -104,6 +108,11 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--draft-layers is used only with --spec early-exit.")
     if args.spec_tree_width != 1 and args.spec_method == "none":
         raise ConfigError("--spec-tree-width is used only with --spec medusa or --spec eagle.")
+    if not 1 <= args.n <= 16:
+        raise ConfigError(f"--n must be from 1 to 16, got {args.n}.")
+    if args.n > 1 and args.batching == "none":
+        raise ConfigError("--n runs the copies of a prompt together: choose a --batching mode (continuous shares "
+                          "the prompt's KV blocks between them).")
     quant = settings.quant(args.quant_lm_head)  # checked before the model loads
     full = load_model(args.model, args.device, args.dtype)
     loaded = quantize(full, quant)
@@ -143,13 +152,18 @@ def _stream_one(engine: Engine, prompt: str, params: SamplingParams, options: di
 def _run_batched(engine: Engine, params: SamplingParams, options: dict, args) -> list[dict]:
     """Every prompt submitted at once, the engine stepped until all are done; results in prompt order."""
     priorities = args.priority or [0] * len(args.prompt)
-    requests = [engine.submit(prompt, params, priority=priority, **options)
-                for prompt, priority in zip(args.prompt, priorities)]
+    copies = [params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+              for i in range(args.n)]
+    requests, prompts = [], []
+    for prompt, priority in zip(args.prompt, priorities):
+        for request in engine.make_copies(prompt, copies, priority=priority, **options):
+            requests.append(engine.enqueue(request))
+            prompts.append(prompt)
     engine.drain()  # nothing more is coming: a static batch may start with fewer than --max-num-seqs prompts
     while engine.has_work():
         engine.step()
     results = []
-    for prompt, request in zip(args.prompt, requests):
+    for prompt, request in zip(prompts, requests):
         finish = request.events[-1]
         assert isinstance(finish, FinishEvent), f"request {request.request_id} ended without its final event"
         tokens = [event for event in request.events if isinstance(event, TokenEvent)]

@@ -91,16 +91,20 @@ def token_logprobs(raw: torch.Tensor, shaped: torch.Tensor, rows: list[RowContex
                    tokens: list[int]) -> list[TokenLogprobs | None]:
     """raw, shaped: [rows, vocab] fp32 logits before and after shaping; tokens: the chosen id per row. Returns, for
     each row whose request asked for log-probabilities, the chosen token's and its top alternatives' (None for the
-    others)."""
+    others). One log-softmax, one top-k and one host transfer for all the rows that ask."""
     asking = [i for i, row in enumerate(rows) if row is not None and row.params.logprobs is not None]
     if not asking:
         return [None] * len(rows)
-    logprobs = torch.stack([_distribution(raw[i], shaped[i], rows[i].params) for i in asking])  # [asking, vocab]
-    finite = logprobs.clamp(min=LOGPROB_FLOOR)
-    chosen = finite.gather(1, torch.tensor([tokens[i] for i in asking], device=raw.device)[:, None])[:, 0]
-    entropy = -(logprobs.exp() * finite).sum(-1)
+    if all(rows[i].params.logprobs_mode == "raw" for i in asking):
+        logprobs = (raw if len(asking) == len(rows) else raw[asking]).log_softmax(-1)  # [asking, vocab]
+    else:
+        logprobs = torch.stack([_distribution(raw[i], shaped[i], rows[i].params) for i in asking])
+    chosen = logprobs.gather(1, torch.tensor([tokens[i] for i in asking], device=raw.device)[:, None])[:, 0]
+    entropy = -(logprobs.exp() * logprobs).nansum(-1)  # nansum: a masked token adds 0 x -inf = nan, taken as 0
     top_k = max(rows[i].params.logprobs for i in asking)
-    top_values, top_ids = finite.topk(top_k) if top_k else (finite[:, :0], finite[:, :0].long())
+    top_values, top_ids = logprobs.topk(top_k) if top_k else (logprobs[:, :0], logprobs[:, :0].long())
+    # -inf (a masked token) becomes the floor, a JSON number
+    chosen, top_values = chosen.clamp(min=LOGPROB_FLOOR), top_values.clamp(min=LOGPROB_FLOOR)
     chosen, entropy, top_values, top_ids = chosen.tolist(), entropy.tolist(), top_values.tolist(), top_ids.tolist()
     out: list[TokenLogprobs | None] = [None] * len(rows)
     for n, i in enumerate(asking):

@@ -75,6 +75,23 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, capsys):
     assert "has a different tokenizer" in capsys.readouterr().err
 
 
+def test_generate_n_logprobs_and_a_constraint(bundled, capsys):
+    """--n copies sampled with seed + i, --logprobs per token in --json, --constraint holding the output to a choice,
+    and the sampling flags reaching the engine (a logit bias of 100 forces its token)."""
+    assert main(["generate", "--prompt", "Is the sky blue?", "--max-new-tokens", "4", *CPU, "--batching", "continuous",
+                 "--n", "3", "--temperature", "1.0", "--seed", "5", "--logprobs", "2", "--constraint", "choice",
+                 "--constraint-spec", "yes|no|maybe", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert len(results) == 3 and all(r["text"] in ("yes", "no", "maybe") for r in results)
+    assert [r["stats"]["cached_prompt_tokens"] for r in results][1:] == [32, 32]  # the copies share the prompt's blocks
+    first = results[0]["logprobs"][0]
+    assert first["token_id"] == results[0]["token_ids"][0] and len(first["top"]) == 2 and first["logprob"] <= 0
+    forced = bundled.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    assert main(["generate", "--prompt", "hi", "--max-new-tokens", "3", *CPU, "--logit-bias", f"{forced}:100",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["token_ids"] == [forced] * 3
+
+
 def test_generate_streams_text(bundled, capsys):
     assert main(["generate", "--prompt", "Say hello.", "--max-new-tokens", "5", "--kv", "contiguous",
                  *CPU]) == 0
@@ -100,6 +117,13 @@ def test_generate_streams_text(bundled, capsys):
     (["generate", "--prompt", "hi", "--kv", "contiguous", "--kv-cache-tokens", "64"],
      "--kv-cache-tokens sizes the paged KV pool; use it with --kv paged (not --kv contiguous)"),
     (["generate", "--prompt", "hi", "--kv-cache-tokens", "8"], "must hold at least one block of 16 tokens"),
+    (["generate", "--prompt", "hi", "--n", "2"], "--n runs the copies of a prompt together: choose a --batching"),
+    (["generate", "--prompt", "hi", "--logprobs", "21"], "logprobs must be an integer from 0 to 20"),
+    (["generate", "--prompt", "hi", "--min-p", "2"], "min_p must be in [0, 1]"),
+    (["generate", "--prompt", "hi", "--logit-bias", "x:1"], "--logit-bias takes 'token id: bias' pairs"),
+    (["generate", "--prompt", "hi", "--constraint", "regex"], "give it in --constraint-spec"),
+    (["generate", "--prompt", "hi", "--constraint", "json_schema", "--constraint-spec", "{"],
+     "the JSON schema is not valid JSON"),
     (["batch-bench", "--arrival", "poisson:0"], "use burst or poisson:RATE with RATE > 0"),
     (["batch-bench", "--modes", "none,fast"], "unknown batch-bench row 'fast'"),
     (["bench", "--repeats", "0", "--no-hf"], "--repeats >= 1"),

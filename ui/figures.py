@@ -1,5 +1,6 @@
-"""Plotly figures as pure functions of measured values (no engine, no state): the race's tokens/s over time, and
-speculative decoding's acceptance by draft position and over the verification steps.
+"""Plotly figures as pure functions of measured values (no engine, no state): the race's tokens/s over time,
+speculative decoding's acceptance by draft position and over the verification steps, and the logit lens (a token's
+probability after each layer).
 
 The speed chart's x axis is each lane's own busy time (the clock the engine runs only while working on that lane's
 request), so a lane's curve shows its own speed even though the two lanes take turns on one device. Each lane's TTFT
@@ -97,4 +98,29 @@ def acceptance_figure(lanes: dict[str, dict]) -> go.Figure:
     figure.update_xaxes(title_text="draft position", dtick=1, row=1, col=1)
     figure.update_xaxes(title_text="verification step", rangemode="tozero", row=1, col=2)
     figure.update_yaxes(range=[0, 1.05], tickformat=".0%")
+    return figure
+
+
+def lens_figure(rows: list[dict], token_label: str, marked_layer: int | None = None,
+                marked_note: str = "") -> go.Figure:
+    """The logit lens of one token. `rows`: per layer {"layer", "token_prob", "token_rank", "top_prob", "top_name"}
+    (the layer's own top token and its probability). The chosen token's probability over the layers, the layer's top
+    probability beside it, and a dotted line at `marked_layer` (an early-exit draft's depth) labelled `marked_note`."""
+    layers = [row["layer"] for row in rows]
+    figure = go.Figure()
+    figure.add_trace(go.Scatter(
+        x=layers, y=[row["token_prob"] for row in rows], mode="lines+markers", name=f"p({token_label})",
+        line={"color": LANE_COLOURS["A"], "width": 2}, customdata=[row["token_rank"] + 1 for row in rows],
+        hovertemplate="layer %{x}: p %{y:.3f}, rank %{customdata}<extra></extra>"))
+    figure.add_trace(go.Scatter(
+        x=layers, y=[row["top_prob"] for row in rows], mode="lines", name="the layer's top token",
+        line={"color": "#94a3b8", "width": 1, "dash": "dash"}, customdata=[row["top_name"] for row in rows],
+        hovertemplate="layer %{x}: top %{customdata} p %{y:.3f}<extra></extra>"))
+    if marked_layer is not None:
+        figure.add_vline(x=marked_layer, line={"color": LANE_COLOURS["B"], "width": 1, "dash": "dot"})
+        figure.add_annotation(x=marked_layer, y=1.0, yref="paper", xanchor="left", yanchor="bottom", showarrow=False,
+                              text=marked_note, font={"color": LANE_COLOURS["B"], "size": 11})
+    figure.update_layout(height=300, margin={"l": 50, "r": 20, "t": 40, "b": 70}, template="plotly_white",
+                         legend={"orientation": "h", "y": -0.3, "x": 0}, xaxis_title="after layer",
+                         yaxis_title="probability", yaxis={"range": [0, 1.05]})
     return figure

@@ -1,9 +1,10 @@
 """The controls of one lane's settings (a race lane's or the chat's), built from the settings' table
 (`inference_core.settings`): one control per setting, in the table's order (the order `ui.race.LANE_SETTING_FIELDS`
 hands the values to the handlers), of the kind the table names, with its label, choices, bounds and the line under
-it. A setting that does not apply to the rest is disabled or hidden as its row says (block size and prefix cache
-without the paged cache, top-p and seed when greedy, draft length without a draft source, the early-exit depth for
-other sources), and set to its row's value for "off" where it has one.
+it; the sampling and constraint settings (`SAMPLING_GROUP`) are folded into an accordion of their own. A setting that
+does not apply to the rest is disabled or hidden as its row says (block size and prefix cache without the paged
+cache, top-p, seed and min-p when greedy, draft length without a draft source, the early-exit depth for other
+sources, the constraint's text without a constraint), and set to its row's value for "off" where it has one.
 
 What the table cannot know comes from the loaded model and the deployment (`_model_facts`): the draft sources this
 model has (a draft model only when the app loaded one), the early-exit depths, the weight schemes that run here and
@@ -27,6 +28,10 @@ QUICK = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}
 ELEMENT_IDS = {"kv_mode": "kv", "spec_method": "spec", "spec_tree_width": "spec-tree", "draft_layers": "spec-layers",
                "sliding_window": "window"}
 SIDE_BY_SIDE = ("spec_k", "spec_adaptive", "spec_tree_width", "draft_layers")  # drawn in one row
+# Folded into an accordion of their own (closed), so that a lane's panel stays short: the sampling controls people
+# expect besides temperature and top-p, and the output constraint.
+SAMPLING_GROUP = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "constraint",
+                  "constraint_spec")
 
 
 def settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
@@ -45,10 +50,14 @@ def settings_widgets(pool: EnginePool, defaults: LaneSettings, label: str,
             with gr.Row():
                 for side in SIDE_BY_SIDE:
                     add(side)
-        elif name not in SIDE_BY_SIDE:
+        elif name == SAMPLING_GROUP[0]:
+            with gr.Accordion("Sampling and constraints", open=False, elem_id=f"{prefix}-sampling"):
+                for grouped in SAMPLING_GROUP:
+                    add(grouped)
+        elif name not in SIDE_BY_SIDE + SAMPLING_GROUP:
             add(name)
     _wire(widgets, facts)
-    return list(widgets.values())
+    return [widgets[name] for name in SETTINGS]  # the table's order, whatever order they were drawn in
 
 
 def _widget(name: str, value, elem_id: str, facts: dict, applying: bool) -> gr.components.Component:

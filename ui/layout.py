@@ -3,12 +3,14 @@
 
 Element ids that tests and scripts rely on: race-setup, race-setup-about, race-prompt, race-run, race-stop,
 lane-a-output, lane-b-output, race-chart, race-acceptance, race-summary (a table, a row per figure), race-summary-notes
-(the speed-up line and notes under it), race-identical, kv-view, chat-input, chat-send, chat-stop, chat-log (plus
-race-status, chat-status, chat-stats (a table, a row per turn), chat-kv-view). Each settings group has ids
-with its prefix (lane-a, lane-b, chat): -kv, -block-size, -prefix-cache, -temperature, -top-p, -seed, -spec (the draft
-source), -spec-k and -spec-layers. A setting that does not apply to the chosen mode is disabled (block size and prefix
-cache without the paged cache, top-p and seed when greedy) or hidden (draft length without a draft source, the
-early-exit depth for other sources). Every generation hands its requests to the pool's one engine loop
+(the speed-up line and notes under it), race-identical, kv-view, race-colour (the lanes' colour mode), lens (the
+logit lens's accordion, with lens-lane, lens-token, lens-run, lens-summary, lens-chart and lens-table), chat-input,
+chat-send, chat-stop, chat-log (plus race-status, chat-status, chat-stats (a table, a row per turn), chat-kv-view).
+Each settings group has ids with its prefix (lane-a, lane-b, chat): -kv, -block-size, -prefix-cache, -temperature,
+-top-p, -seed, -spec (the draft source), -spec-k, -spec-layers, and -sampling (the folded sampling and constraint
+settings). A setting that does not apply to the chosen mode is disabled (block size and prefix cache without the
+paged cache, top-p and seed when greedy) or hidden (draft length without a draft source, the early-exit depth for
+other sources). Every generation hands its requests to the pool's one engine loop
 (`inference_core.engine.loop`), which owns the device: a second tab's requests are batched with the first's where
 they share a configuration, and take turns with them step by step where they do not.
 
@@ -35,11 +37,15 @@ from ui.chat import CHAT_OUTPUTS, STATS_LABEL, arm_chat, chat_turn, clear_chat, 
 from ui.control import RunControl
 from ui.figures import speed_figure
 from ui.lane_widgets import settings_widgets
-from ui.race import LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_race, settings_from_values, stop_race, warm_up_race
+from ui.race import (LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_remembered_race, settings_from_values, stop_race,
+                     warm_up_race)
+from ui.race_inspect import build_lens_panel, lens_choices, recolour
+from ui.race_panels import RaceMemory
 from ui.race_table import SUMMARY_COLUMNS
 from ui.session_state import keep_replacement_ids
 from ui.setups import DEFAULT_LANES, RACE_SETUPS, presets, setup_values
 from ui.stack import build_stack_tab
+from ui.token_view import COLOUR_MODES, TOKEN_CSS
 
 MAX_PROMPT_CHARS = 20_000
 DEFAULT_NEW_TOKENS = 128  # the race's and the chat's starting 'max new tokens'
@@ -102,11 +108,15 @@ def _build_race_tab(pool: EnginePool) -> None:
     first = next(iter(prompts.values()))
     default_setup = next(iter(RACE_SETUPS))
     control = gr.State(RunControl())
+    memory = gr.State(RaceMemory())  # the visitor's last race: its colour mode and finished traces
     with gr.Row(equal_height=True):
         setup = gr.Dropdown(available_setups(pool), value=default_setup, label="Race setup (sets both lanes)",
-                            elem_id="race-setup", scale=2)
+                            elem_id="race-setup", scale=3)
         preset = gr.Dropdown(list(prompts), value=next(iter(prompts)), label="Preset prompt (chat, code, grounded, "
-                             "long, shared-prefix)", scale=1)
+                             "long, shared-prefix)", scale=2)
+        # Redraws finished lanes at once (the visitor's RaceMemory keeps their traces); a running race follows it.
+        colour = gr.Radio([(label, mode) for mode, label in COLOUR_MODES.items()], value="draft", scale=2,
+                          label="Colour the lanes' text by", elem_id="race-colour")
     about = gr.Markdown(RACE_SETUPS[default_setup].about, elem_id="race-setup-about")
     with gr.Row(equal_height=True):
         prompt = gr.Textbox(first["prompt"], lines=2, max_lines=8, label="Prompt", elem_id="race-prompt",
@@ -133,11 +143,13 @@ def _build_race_tab(pool: EnginePool) -> None:
                          f"up to {duration(pool.max_run_s)} of device time.{start_note}", elem_id="race-status")
     with gr.Row(equal_height=False):
         # Side by side on a laptop; on a phone each takes the width (a row wraps children past their min_width).
-        lane_a = gr.HTML("<b>Lane A</b>", elem_id="lane-a-output", min_width=320)
-        lane_b = gr.HTML("<b>Lane B</b>", elem_id="lane-b-output", min_width=320)
+        # A finished lane's tokens show their probabilities on hover or tap (CSS-only tooltips, `ui.token_view`).
+        lane_a = gr.HTML("<b>Lane A</b>", elem_id="lane-a-output", min_width=320, css_template=TOKEN_CSS)
+        lane_b = gr.HTML("<b>Lane B</b>", elem_id="lane-b-output", min_width=320, css_template=TOKEN_CSS)
         # Drawn at page load, so the browser has its plotting code ready before the first race starts.
         chart = gr.Plot(speed_figure({}), label="tokens/s over each lane's own device time", elem_id="race-chart",
                         min_width=320)
+    lens_lane, lens_token = build_lens_panel(memory, TABLE, {**GENERATION, **PRIVATE})
     summary = gr.DataFrame(pd.DataFrame(columns=SUMMARY_COLUMNS), label="Each lane's measured numbers",
                            elem_id="race-summary", column_widths=["36%", "32%", "32%"], max_height=1200, **TABLE)
     with gr.Row(equal_height=False):
@@ -161,8 +173,10 @@ def _build_race_tab(pool: EnginePool) -> None:
                "summary_notes": summary_notes, "identical": identical, "kv_view": kv_view, "status": status,
                "run_button": run}
     race = run.click(arm_race, control, [status, run], **QUICK).then(
-        _gpu_task(partial(run_race, pool)), [control, prompt, system, max_new_tokens] + lanes,
+        _gpu_task(partial(run_remembered_race, pool)), [control, memory, prompt, system, max_new_tokens] + lanes,
         [outputs[name] for name in RACE_OUTPUTS], show_progress="hidden", **GENERATION, **PRIVATE)
+    race.then(lens_choices, [memory, lens_lane], lens_token, **QUICK)
+    colour.change(recolour, [memory, colour], [lane_a, lane_b], **QUICK)
     stop.click(stop_race, control, None, **QUICK, **_stop_cancels([race]))
 
 

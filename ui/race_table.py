@@ -63,6 +63,11 @@ FIGURES = {
                        "CUDA graphs on CUDA); the one-time compile or load happened before the race (or in the step "
                        "that first used a new batch size) and is not in TTFT or decode tokens/s",
 }
+# The constrained lanes' row, shown (and explained) only when a lane is constrained.
+CONSTRAINT_FIGURE = ("constraint mask", "a constrained lane: the time its grammar took to compute the allowed tokens and "
+                     "follow the chosen ones (llguidance), per generated token and as a share of the lane's device "
+                     "time; it is part of the decode time, so a race of a constrained lane against the same lane "
+                     "unconstrained shows what the constraint costs")
 
 
 def _round(value: float | None, digits: int) -> float | int | None:
@@ -112,11 +117,29 @@ def lane_numbers(trace: LaneTrace) -> dict:
         "compiled_decode": _compiled(engine.compile_stats()) if engine is not None else None}
 
 
+def constraint_cost(trace: LaneTrace) -> str | None:
+    """The grammar's cost on a constrained lane, once it has finished: ms per generated token and its share of the
+    lane's device time."""
+    stats = trace.stats
+    if (trace.settings.constraint or "none") == "none":
+        return "not constrained"
+    if stats is None or not stats.generated_tokens:
+        return None
+    share = f" ({stats.grammar_ms / stats.total_ms:.1%} of device time)" if stats.total_ms else ""
+    return f"{stats.grammar_ms / stats.generated_tokens:.3f} ms per token{share}"
+
+
+def _constrained(traces: list[LaneTrace]) -> bool:
+    return any((t.settings.constraint or "none") != "none" and t.engine is not None for t in traces)
+
+
 def summary_frame(traces: list[LaneTrace]) -> pd.DataFrame:
     """The summary table: a row per figure (the lane's settings, then lane_numbers' figures, then the speculation rows
-    when a lane speculates) and a column per lane ("Lane A", "Lane B"). Object columns keep whole numbers whole and
-    missing ones None."""
+    when a lane speculates, and the constraint's cost when a lane is constrained) and a column per lane ("Lane A",
+    "Lane B"). Object columns keep whole numbers whole and missing ones None."""
     speculation = speculation_summary_rows() if any(t.acceptance is not None for t in traces) else []
+    if _constrained(traces):
+        speculation = [*speculation, (CONSTRAINT_FIGURE[0], constraint_cost)]
     names = ["settings", *NUMBER_LABELS.values(), *(label for label, _ in speculation)]
     lanes = [[t.settings.describe(), *lane_numbers(t).values(), *(cell(t) for _, cell in speculation)]
              for t in traces]  # a column per lane, in `names` order
@@ -128,7 +151,8 @@ def summary_notes_html(traces: list[LaneTrace]) -> str:
     """Under the table: the speed-up line, the notes on why a lane wins or loses, and what each figure measures."""
     figures = [trace.shown or trace.refresh() for trace in traces]
     notes = "".join(f'<li data-note="{kind}">{text}</li>' for kind, text in race_notes(traces, figures))
-    meaning = "; ".join(f"<b>{label}</b>: {note}" for label, note in FIGURES.items())
+    figures_shown = {**FIGURES, **dict([CONSTRAINT_FIGURE])} if _constrained(traces) else FIGURES
+    meaning = "; ".join(f"<b>{label}</b>: {note}" for label, note in figures_shown.items())
     return (speedup_html(figures) + (f'<ul class="race-notes">{notes}</ul>' if notes else "")
             + '<details style="font-size:12px;color:#475569"><summary>What each figure measures</summary>'
               f"{meaning}.</details>")

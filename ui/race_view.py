@@ -18,7 +18,8 @@ from inference_core.engine.request import Request
 from inference_core.settings import KV_MODE_LABELS, SPEC_METHOD_LABELS, LaneSettings
 from ui.figures import LANE_COLOURS
 from ui.kv_view import pool_counts, render_pool
-from ui.speculation import AcceptanceCount, HighlightedText, legend_html
+from ui.speculation import AcceptanceCount
+from ui.token_view import TokenTrail
 
 FINISH_REASONS = {"length": "max new tokens reached", "eos": "end of text", "stop": "stop string",
                   "stopped": "stopped"}
@@ -75,21 +76,25 @@ class LaneTrace:
     stats: GenerationStats | None = None
     over: bool = False  # the race has ended for this lane (set also when it never took a step)
     kv_html: str = ""
-    highlighted: HighlightedText | None = None  # speculating lanes only, like `acceptance`
-    acceptance: AcceptanceCount | None = None
+    tokens: TokenTrail | None = None  # every token with what the engine measured of it (None: an external lane)
+    acceptance: AcceptanceCount | None = None  # speculating lanes only
     shown: LaneFigures | None = None  # the figures of the latest panel refresh: what the page shows
 
     def __post_init__(self) -> None:
+        if self.engine is not None:
+            decode = self.engine.tokenizer.decode
+            self.tokens = TokenTrail(decode, self.settings.speculates,
+                                     spell=lambda ids: decode(ids, skip_special_tokens=False))
         if self.settings.speculates:
-            self.highlighted = HighlightedText(self.engine.tokenizer.decode)
             self.acceptance = AcceptanceCount()
 
     def add(self, event) -> None:
         if isinstance(event, FinishEvent):
             self.text, self.token_ids, self.stats = event.text, list(event.token_ids), event.stats
             self.over = True
-            if self.highlighted is not None:
-                self.highlighted.finish(event.text)
+            if self.tokens is not None:
+                self.tokens.finish(event.text)
+            if self.acceptance is not None:
                 self.acceptance.finish(event.stats.spec)
             return
         self.text += event.text
@@ -98,8 +103,9 @@ class LaneTrace:
         self.step_ms.append(event.step_ms)
         if event.cached_prompt_tokens is not None:
             self.cached_prompt_tokens = event.cached_prompt_tokens
-        if self.highlighted is not None:
-            self.highlighted.add(event)
+        if self.tokens is not None:
+            self.tokens.add(event)
+        if self.acceptance is not None:
             self.acceptance.add(event)
 
     def figures(self) -> LaneFigures:
@@ -161,9 +167,10 @@ def _state_words(figures: LaneFigures) -> str:
     return f"done ({FINISH_REASONS[figures.state]})" if figures.state != "stopped" else "stopped"
 
 
-def lane_html(trace: LaneTrace, name: str) -> str:
+def lane_html(trace: LaneTrace, name: str, mode: str = "draft") -> str:
     """A lane's header (its configuration and the numbers of the latest panel refresh) over its text, which scrolls
-    in a box that stays at the newest line."""
+    in a box that stays at the newest line. The text is coloured in `mode` (`ui.token_view.COLOUR_MODES`); once the
+    lane has ended each token has a tooltip."""
     colour = LANE_COLOURS[name]
     figures = trace.shown or trace.refresh()
     numbers = [f"{figures.tokens} tokens"]
@@ -175,8 +182,8 @@ def lane_html(trace: LaneTrace, name: str) -> str:
         numbers.append(f"{figures.acceptance_rate:.0%} of drafts accepted")
     numbers.append(_state_words(figures))
     legend, text = "", html.escape(trace.text)
-    if trace.highlighted is not None:
-        legend, text = legend_html(), trace.highlighted.html()
+    if trace.tokens is not None:
+        legend, text = trace.tokens.legend(mode), trace.tokens.html(mode, tips=figures.ended)
     return (f'<div class="lane" data-done="{"true" if figures.ended else "false"}" data-state="{figures.state}" '
             f'style="border-left:4px solid {colour};padding-left:8px"><b>Lane {name}</b>: '
             f'{html.escape(trace.settings.describe())}<div class="lane-numbers" style="font-size:12px;'

@@ -1,11 +1,9 @@
-"""What a speculating lane shows besides its speed: its text highlighted by where each token came from, and its
-acceptance counted live from the token events.
+"""What a speculating lane shows besides its speed: the colours of where each token came from, and its acceptance
+counted live from the token events.
 
-`HighlightedText` keeps one segment per token event: the token's kind (a draft the target accepted, the target's own
-token where it rejected a draft, a bonus token after a fully accepted draft, or a plain decode step), its text
-delta, and the rejected draft tokens decoded, which are drawn struck through just before the token that replaced
-them. An event's text may be empty (the detokenizer holds back an incomplete character); the held text arrives with
-a later token and takes that token's colour.
+`TOKEN_KINDS` and `token_span` are the draft-kind colours (a draft the target accepted, the rejected drafts, drawn
+struck through just before the target's token that replaced them, a bonus token after a fully accepted draft, or a
+plain decode step); `ui.token_view` draws a lane's text with them in its "draft kind" colour mode.
 
 `AcceptanceCount` rebuilds the engine's acceptance statistics from the events alone: a verification step is a run of
 "accepted" events closed by one "replaced" event (drafted = accepted + the rejected drafts) or one "bonus" event
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import Callable
 
 from inference_core import TokenEvent
 from inference_core.spec.decoding import SpecStats
@@ -47,56 +44,6 @@ def legend_html() -> str:
     chips = "".join(f'<span style="margin-right:10px">{token_span(kind, label)}</span>'
                     for kind, (_, _, label) in TOKEN_KINDS.items())
     return f'<div class="tok-legend" style="font-size:11px;margin-top:4px">{chips}</div>'
-
-
-@dataclass(slots=True)
-class TokenSegment:
-    kind: str  # "accepted" | "replaced" | "bonus" | "plain"
-    text: str  # this event's text delta (may be "")
-    rejected: str = ""  # the drafts this token replaced, decoded ("" unless kind == "replaced")
-
-
-class HighlightedText:
-    """A lane's streamed text as highlighted segments, one per token event."""
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode = decode
-        self.segments: list[TokenSegment] = []
-
-    def add(self, event: TokenEvent) -> None:
-        rejected = self.decode(list(event.rejected_ids)) if event.rejected_ids else ""
-        self.segments.append(TokenSegment(event.draft or "plain", event.text, rejected))
-
-    def finish(self, final_text: str) -> None:
-        """Make the segments spell the request's final text: cut where a stop string ended it; if the final text is
-        not a prefix of what streamed (it should be), keep the final text unhighlighted rather than show a wrong one."""
-        streamed = "".join(segment.text for segment in self.segments)
-        if streamed == final_text:
-            return
-        if not streamed.startswith(final_text):
-            self.segments = [TokenSegment("plain", final_text)]
-            return
-        kept, length = [], 0
-        for segment in self.segments:
-            if length >= len(final_text):
-                break
-            text = segment.text[:len(final_text) - length]
-            kept.append(TokenSegment(segment.kind, text, segment.rejected))
-            length += len(text)
-        self.segments = kept
-
-    def html(self) -> str:
-        """Spans of the text, neighbouring tokens of one kind merged into one span (fewer nodes for the browser)."""
-        runs: list[list[str]] = []  # [kind, text]
-        for segment in self.segments:
-            for kind, text in (("rejected", segment.rejected), (segment.kind, segment.text)):
-                if not text:
-                    continue
-                if runs and runs[-1][0] == kind:
-                    runs[-1][1] += text
-                else:
-                    runs.append([kind, text])
-        return "".join(token_span(kind, text) for kind, text in runs)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 per decoded token.
 
 Three pairs on one engine, each measured as decode tokens/s over the same number of tokens, A and B interleaved
-round by round (so a busy moment hits both), the median of each reported with their ratio:
+round by round in alternating order (so a busy moment hits both), the median of each reported with the median of the
+rounds' ratios:
 
 - top-5 log-probabilities against none (`SamplingParams.logprobs=5`), at batch 1 and at batch 8;
 - a JSON schema constraint against none, at batch 1: the constrained run goes first and ends when its JSON does;
@@ -50,14 +51,17 @@ def _decode_rate(engine: Engine, prompts: list, params: SamplingParams) -> tuple
 
 
 def _pair(engine, rounds: int, run_a, run_b) -> dict:
-    """Interleaved A/B rounds after one untimed warm-up of each: medians and B / A."""
+    """Interleaved rounds after one untimed warm-up of each, the order alternating (AB, BA, ...): the medians, and
+    the median of the rounds' B / A ratios (a slow drift of the host's speed cancels within a round)."""
     run_a(), run_b()
     a, b = [], []
-    for _ in range(rounds):
-        a.append(run_a())
-        b.append(run_b())
-    return {"a": statistics.median(a), "b": statistics.median(b), "ratio": statistics.median(b) / statistics.median(a),
-            "a_runs": a, "b_runs": b}
+    for round_index in range(rounds):
+        first, second = (run_a, run_b) if round_index % 2 == 0 else (run_b, run_a)
+        x, y = first(), second()
+        a.append(x if first is run_a else y)
+        b.append(y if first is run_a else x)
+    return {"a": statistics.median(a), "b": statistics.median(b),
+            "ratio": statistics.median(y / x for x, y in zip(a, b)), "a_runs": a, "b_runs": b}
 
 
 def run_sampling_bench(args) -> int:

@@ -17,7 +17,7 @@ from inference_core.spec.decoding import SpecConfig
 from conftest import make_engine
 
 PROMPT_IDS = ("plain-1", "chat-short-3", "code-2", "grounded-1")  # the last one copies from its prompt
-NEW_TOKENS = 16
+NEW_TOKENS = 12
 TOP = 5
 TOLERANCE = 0.02  # nats
 
@@ -64,7 +64,7 @@ PARAMS = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP
 
 def test_plain_decoding_matches_transformers(bundled, prompts, hf_model):
     engine = make_engine(bundled, "paged")
-    for ids in prompts[:2]:
+    for ids in prompts[:1]:
         assert_match_oracle(hf_model, ids, tokens_of(engine.generate(ids, PARAMS)))
 
 

@@ -47,8 +47,8 @@ def test_prompts_span_many_blocks(prompts):
     assert [len(p) for p in prompts] == [12, 36, 106, 145, 277]  # the longest fills 17 blocks of 16
 
 
-@pytest.mark.parametrize("kv_mode,prefix_cache", [("contiguous", False), ("paged", True), ("paged", False),
-                                                  ("none", False)])
+# Paged without the prefix cache is the same placement with fewer hits; the batching tests compare it id for id.
+@pytest.mark.parametrize("kv_mode,prefix_cache", [("contiguous", False), ("paged", True), ("none", False)])
 def test_greedy_ids_equal_transformers(bundled, prompts, reference, kv_mode, prefix_cache):
     # One engine for all prompts, as in serving: with the prefix cache on, chat prompts reuse the shared system block.
     engine = make_engine(bundled, kv_mode, prefix_cache=prefix_cache)

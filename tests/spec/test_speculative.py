@@ -190,7 +190,9 @@ def test_greedy_speculation_is_lossless(bundled, lossless_prompts, plain_greedy,
     accepted = rejected = 0
     for row in lossless_prompts:
         prompt_ids = engine.prompt_ids(row["prompt"], row.get("system"))
-        for k in (2, 5):
+        # The paged cache's rollback frees whole blocks and cuts a partial one: two draft lengths cross block
+        # boundaries in different ways. The contiguous cache only moves its length back: one draft length covers it.
+        for k in ((2, 5) if kv_mode == "paged" else (4,)):
             fast = engine.complete(prompt_ids, params, spec=SpecConfig(k=k, **settings))
             assert fast.token_ids == plain_greedy[row["id"]], (row["id"], k)
             spec = fast.stats.spec

@@ -455,7 +455,7 @@ def test_speculative_race_highlights_every_kind_of_token(served, browser, tmp_pa
         assert lane_a.locator(f'span.tok-{kind}[data-kind="{kind}"]').count() >= 1, kind
     assert lane_a.locator('s.tok-rejected[data-kind="rejected"]').count() >= 1
     assert page.locator("#lane-a-output .tok-legend").count() == 1
-    assert page.locator("#lane-b-output .lane-text .tok").count() == 0
+    assert page.locator("#lane-b-output .lane-text .tok[data-kind]").count() == 0  # no draft-kind colours
     # The acceptance chart: a bar per draft position (1..5) and the running acceptance rate's line.
     chart = page.locator("#race-acceptance .js-plotly-plot")
     expect(chart.locator(".barlayer .trace .point")).to_have_count(5)
@@ -516,4 +516,52 @@ def test_external_lane_races_this_apps_own_api_in_a_second_process(served, brows
     lane_b = _summary(page)["Lane B"]
     assert "external engine" in lane_b["settings"]
     assert int(lane_b["TTFT (ms)"]) > 0 and float(lane_b["decode tokens/s"]) > 0  # its own measured numbers
+    _wait_idle(pool)
+
+
+def test_hovering_a_token_shows_its_alternatives_and_the_logit_lens_opens(served, browser):
+    """A finished lane's token shows its probability and top alternatives on hover (and on focus, as a tap gives it),
+    drawn whole over the lane's scrolling box; the colour mode redraws the lanes without a new race; the logit lens
+    draws a token's probability after each layer."""
+    from playwright.sync_api import expect
+
+    pool, url = served
+    page = _open(browser, url)
+    _set_race_tokens(page, 16)
+    page.click("#race-run")
+    expect(page.locator("#race-status")).to_contain_text("Finished.", timeout=RACE_TIMEOUT_MS)
+    token = page.locator('#lane-a-output .lane-text .tok[data-i="1"]')
+    tip = token.locator(".tok-tip")
+    expect(tip).to_be_hidden()
+    token.hover()
+    expect(tip).to_be_visible()
+    head, *alternatives = tip.inner_text().splitlines()
+    probability = float(token.get_attribute("data-p"))
+    assert re.fullmatch(rf"('.*') {{2}}p {probability:.3f} {{2}}entropy \d+\.\d\d nats", head), head
+    ranks = [re.fullmatch(r"(\d)\. ('.*?')\s+(\S+)", line) for line in alternatives]
+    assert [match[1] for match in ranks] == ["1", "2", "3", "4", "5"], alternatives
+    # Both lanes are greedy: the token is the model's first choice, with the probability it shows.
+    assert ranks[0][2] == re.match(r"('.*')  p", head)[1] and float(ranks[0][3]) == pytest.approx(probability, abs=1e-3)
+    # Drawn whole and on top: its last line is what the page shows at that point (the tip lets the pointer through,
+    # so that it never hides the token under it: let it take the pointer for this check).
+    box = tip.bounding_box()
+    bottom = (box["x"] + box["width"] / 2, box["y"] + box["height"] - 4)
+    assert tip.evaluate("(tip, [x, y]) => { tip.style.pointerEvents = 'auto'; "
+                        "return tip.contains(document.elementFromPoint(x, y)); }", bottom)
+    page.locator('#lane-b-output .lane-text .tok[data-i="0"]').focus()  # a tap focuses it
+    expect(page.locator('#lane-b-output .lane-text .tok[data-i="0"] .tok-tip')).to_be_visible()
+    # The probability mode shades unlikely tokens red; the tooltips stay.
+    page.locator("#race-colour").get_by_text("probability").click()
+    expect(page.locator('#lane-a-output .lane-text .tok[style*="239,68,68"]').first).to_be_attached(timeout=10_000)
+    expect(page.locator("#lane-a-output .tok-legend")).to_contain_text("unlikely")
+    assert page.locator("#lane-a-output .lane-text .tok[data-i]").count() == 16
+    # The logit lens: lane A's first token, a line over the model's 30 layers and a sentence on where it forms.
+    _unfold(page, "lens")
+    expect(page.locator("#lens-token input")).to_have_value(re.compile(r"^0: '"))
+    page.click("#lens-run")
+    expect(page.locator("#lens-summary")).to_contain_text("at layer 15 gives it probability", timeout=30_000)
+    expect(page.locator("#lens-chart .js-plotly-plot .scatterlayer .trace")).to_have_count(2)
+    rows = _table(page, "lens-table")
+    assert rows[0]["layer"] == "1" and rows[0]["rank"].isdigit()
+    page.close()
     _wait_idle(pool)

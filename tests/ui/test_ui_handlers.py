@@ -23,7 +23,8 @@ from ui.race import LANE_SETTING_FIELDS, run_race
 from serving.pool import EnginePool
 from inference_core.settings import LaneSettings
 from ui.setups import RACE_SETUPS, presets, setup_values
-from ui.speculation import AcceptanceCount, HighlightedText
+from ui.speculation import AcceptanceCount
+from ui.token_view import TokenTrail
 
 from conftest import by_lane, lane, race_outputs
 
@@ -242,8 +243,10 @@ def _kinds(lane_html: str) -> set[str]:
 
 
 def _shown_text(lane_html: str) -> str:
-    """The generated text as the lane shows it: every span but the struck-through rejected drafts, unescaped."""
+    """The generated text as the lane shows it: every span but the struck-through rejected drafts and the tooltips,
+    unescaped."""
     text = re.sub(r"<s [^>]*>.*?</s>", "", _lane_text(lane_html).split(">", 1)[1], flags=re.S)
+    text = re.sub(r'<span class="tok-tip">.*?</span>', "", text, flags=re.S)
     return html.unescape(re.sub(r"<[^>]+>", "", text))
 
 
@@ -405,12 +408,13 @@ def test_acceptance_counted_from_events_equals_the_engine_count():
     assert other.agrees is False and other.shown()["drafted"] == 9
 
 
-def test_highlighted_text_places_rejected_drafts_before_their_replacement():
-    text = HighlightedText(lambda ids: "".join(chr(ord("A") + i) for i in ids))
+def test_streaming_lane_text_places_rejected_drafts_before_their_replacement():
+    text = TokenTrail(lambda ids: "".join(chr(ord("A") + i) for i in ids), speculates=True)
     for event in [_event(1, "x"), _event(2, "<y", "accepted"), _event(3, "", "accepted"),  # held-back text
                   _event(4, "z&", "replaced", (0, 1)), _event(5, " w", "bonus")]:
         text.add(event)
-    assert text.html() == (
+    # While the lane streams, neighbouring tokens of one kind are one span, and there are no tooltips.
+    assert text.html("draft", tips=False) == (
         '<span class="tok tok-plain" data-kind="plain" style="background:transparent;color:#111827;'
         'border-radius:2px">x</span>'
         '<span class="tok tok-accepted" data-kind="accepted" style="background:#dcfce7;color:#166534;'
@@ -422,10 +426,10 @@ def test_highlighted_text_places_rejected_drafts_before_their_replacement():
         '<span class="tok tok-bonus" data-kind="bonus" style="background:#e0e7ff;color:#3730a3;'
         'border-radius:2px"> w</span>')
     text.finish("x<yz")  # a stop string cut the end: the shown text ends where the final text does
-    assert [(s.kind, s.text) for s in text.segments] == [("plain", "x"), ("accepted", "<y"), ("accepted", ""),
-                                                         ("replaced", "z")]
+    assert [(m.kind, m.text) for m in text.marks] == [("plain", "x"), ("accepted", "<y"), ("accepted", ""),
+                                                      ("replaced", "z")]
     text.finish("something else")  # never show text that is not the final text
-    assert [(s.kind, s.text) for s in text.segments] == [("plain", "something else")]
+    assert [(m.kind, m.text) for m in text.marks] == [("plain", "something else")]
 
 
 def test_acceptance_figure_is_exact():

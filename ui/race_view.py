@@ -310,6 +310,8 @@ def not_comparable(a: LaneSettings, b: LaneSettings) -> str | None:
     generator; speculative sampling keeps the distribution but draws differently)."""
     if (a.quant(), a.kv_dtype, a.sliding_window or 0) != (b.quant(), b.kv_dtype, b.sliding_window or 0):
         return DIFFERENT_ARITHMETIC
+    if _shaping(a) != _shaping(b):
+        return "the lanes shape the model's choices differently (penalties, logit bias or a constraint)"
     if a.greedy and b.greedy:
         return None
     if a.greedy != b.greedy:
@@ -321,6 +323,13 @@ def not_comparable(a: LaneSettings, b: LaneSettings) -> str | None:
     if a.speculates or b.speculates:
         return "speculative sampling keeps the model's distribution but not the exact draws of plain sampling"
     return None
+
+
+def _shaping(settings: LaneSettings) -> tuple:
+    """What changes the logits before a token is chosen (besides temperature, top-p and min-p)."""
+    return (float(settings.repetition_penalty), float(settings.presence_penalty), float(settings.frequency_penalty),
+            (settings.logit_bias or "").strip(), settings.constraint or "none",
+            (settings.constraint_spec or "").strip() if (settings.constraint or "none") != "none" else "")
 
 
 def _external_check(first: LaneTrace, second: LaneTrace, finished: bool) -> tuple[str, str]:

@@ -19,6 +19,8 @@ class RaceSetup:
 
 
 DEFAULT_LANES = {"A": LaneSettings(kv_mode="paged"), "B": LaneSettings(kv_mode="none")}
+PERSON_SCHEMA = ('{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, '
+                 '"required": ["name", "age"], "additionalProperties": false}')
 RACE_SETUPS = {
     "paged KV cache vs no KV cache": RaceSetup(
         DEFAULT_LANES, None,
@@ -61,6 +63,12 @@ RACE_SETUPS = {
         "others beside them), and the model checks them all in one forward. On open chat, where prompt lookup finds "
         "nothing to copy, more than half of the first positions are accepted (green in the text, acceptance by "
         "position below); the output stays that of plain greedy decoding."),
+    "structured output: a JSON schema vs free text": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged", constraint="json_schema", constraint_spec=PERSON_SCHEMA),
+         "B": LaneSettings(kv_mode="paged")}, None,
+        "Lane A's output is held to a JSON schema (a name and an age): at every step the grammar masks the tokens "
+        "that would leave it, so its text always parses. Lane B answers freely. The table's 'constraint mask' row "
+        "gives what the grammar cost per token; hover a token to see how sure the model was of it."),
     "int8 weights vs full precision": RaceSetup(
         {"A": LaneSettings(kv_mode="paged", weights="int8"), "B": LaneSettings(kv_mode="paged")}, None,
         "Lane A's projections are int8 with a scale per output channel: about a quarter of the fp32 weight bytes "

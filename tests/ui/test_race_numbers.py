@@ -289,7 +289,7 @@ def test_setups_are_valid_and_say_what_they_show(pool):
         assert setup.prompt_id is None or setup.prompt_id in ids, name
         assert len(setup.about) > 80, name
         for settings in setup.lanes.values():
-            settings.spec(), settings.engine_config(512)  # valid: raises ConfigError otherwise
+            settings.spec(), settings.engine_config(512), settings.sampling(1)  # valid: raises ConfigError otherwise
         values = setup_values(setup, prompts, LANE_SETTING_FIELDS)
         assert values[3] == setup.about and len(values) == 4 + 2 * len(LANE_SETTING_FIELDS)
     assert {"paged vs contiguous KV cache, long prompt", "prefix cache on vs off, shared system prompt",

@@ -28,7 +28,8 @@ LOGPROB_FLOOR = -9999.0
 @dataclass(slots=True)
 class RowContext:
     """What shaping one row needs: the request's settings, its text so far (prompt then output, and in a speculative
-    verification the drafts before this row's position), the ids min_tokens masks, and the grammar's allowed ids."""
+    verification the drafts before this row's position), the ids min_tokens masks (end-of-sequence and the stop token
+    ids), and the grammar's allowed ids."""
 
     params: SamplingParams
     token_ids: list[int]
@@ -69,7 +70,7 @@ def _shape_row(x: torch.Tensor, row: RowContext) -> None:
         ids, bias = zip(*params.logit_bias)
         x.index_add_(0, torch.tensor(ids, device=x.device), torch.tensor(bias, device=x.device, dtype=x.dtype))
     if len(generated) < params.min_tokens:
-        stop = [token for token in (row.stop_ids | set(params.stop_token_ids)) if token < vocab]
+        stop = [token for token in row.stop_ids if token < vocab]
         if stop:
             x[stop] = float("-inf")
     if params.repetition_penalty != 1 and row.token_ids:

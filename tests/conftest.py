@@ -39,6 +39,12 @@ def bench_prompts() -> dict[str, dict]:
     return {row["id"]: row for row in load_prompts()}
 
 
+def bench_prompt_ids(loaded, bench_prompts: dict[str, dict], ids) -> list[list[int]]:
+    """The token ids of benchmark prompts `ids`, as a request gets them (the chat template, except completion rows)."""
+    rows = [bench_prompts[i] for i in ids]
+    return [loaded.tokenizer.prompt_ids(row["prompt"], row.get("system"), row["kind"] != "completion") for row in rows]
+
+
 def make_engine(loaded, kv_mode: str = "paged", **settings) -> Engine:
     return Engine(loaded, EngineConfig(kv_mode=kv_mode, **settings))
 

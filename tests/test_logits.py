@@ -38,9 +38,10 @@ def test_logit_bias_adds_to_the_named_tokens():
 
 def test_min_tokens_masks_the_stop_ids_until_enough_are_generated():
     params = SamplingParams(min_tokens=2, stop_token_ids=(5,))
-    early = shaped(params, token_ids=[0, 0, 1], num_prompt=2, stop_ids={3})  # one generated
+    # the request's ending ids: end-of-sequence 3 and the stop token id 5 (Request.ending_ids)
+    early = shaped(params, token_ids=[0, 0, 1], num_prompt=2, stop_ids={3, 5})  # one generated
     assert early.isneginf().tolist() == [False, False, False, True, False, True]
-    late = shaped(params, token_ids=[0, 0, 1, 1], num_prompt=2, stop_ids={3})  # two generated
+    late = shaped(params, token_ids=[0, 0, 1, 1], num_prompt=2, stop_ids={3, 5})  # two generated
     assert torch.equal(late, ROW)
 
 

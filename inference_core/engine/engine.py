@@ -27,11 +27,11 @@ from typing import Iterator
 
 from inference_core.config import ConfigError, EngineConfig
 from inference_core.engine.compiled import CompiledDecoder, compile_unavailable
+from inference_core.engine.lens import prompt_logprobs
 from inference_core.engine.request import FinishEvent, Request, StopGeneration, TokenEvent
 from inference_core.engine.runner import ModelRunner
 from inference_core.engine.scheduler import ScheduledWork, Scheduler
 from inference_core.kv.block_manager import FREED
-from inference_core.engine.lens import prompt_logprobs
 from inference_core.kv.cache import ContiguousKVCache, PagedKVCache, RecomputeKVCache
 from inference_core.logits import shape_logits, token_logprobs
 from inference_core.model.loader import LoadedModel, check_draft_model
@@ -162,14 +162,12 @@ class Engine:
         if not prompt_ids:
             raise ConfigError("the prompt encodes to no tokens; type some text.")
         vocab_size = self.loaded.config.vocab_size
-        for name, ids in (("logit_bias", [token for token, _ in params.logit_bias]),
-                          ("stop_token_ids", params.stop_token_ids)):
-            if any(token >= vocab_size for token in ids):
-                raise ConfigError(f"{name}: token id {max(ids)} is outside the model's vocabulary "
-                                  f"(0..{vocab_size - 1}).")
-        outside = [token for token in prompt_ids if not 0 <= token < vocab_size]
-        if outside:
-            raise ConfigError(f"prompt token id {outside[0]} is outside the model's vocabulary (0..{vocab_size - 1}).")
+        for what, ids in (("prompt token id", prompt_ids),
+                          ("logit_bias: token id", [token for token, _ in params.logit_bias]),
+                          ("stop_token_ids: token id", params.stop_token_ids)):
+            outside = [token for token in ids if not 0 <= token < vocab_size]
+            if outside:
+                raise ConfigError(f"{what} {outside[0]} is outside the model's vocabulary (0..{vocab_size - 1}).")
         if len(prompt_ids) >= self.max_seq_len:
             raise ConfigError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_seq_len}; "
                               f"shorten the prompt by at least {len(prompt_ids) - self.max_seq_len + 1} tokens"

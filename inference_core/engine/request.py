@@ -106,6 +106,7 @@ class Request:
         self.generator = make_generator(params, device)
         self.eos_ids = frozenset() if params.ignore_eos else eos_ids
         self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.ending_ids = self.eos_ids | self.stop_token_ids  # what min_tokens masks
         self.grammar = None  # `structured.GrammarState` of a constrained request (set by the engine)
         # A copy of another request's prompt (n > 1): admitted once that request's prompt is computed, so that its
         # prompt's full blocks come from the prefix cache, shared (reference-counted) instead of computed again.
@@ -205,7 +206,7 @@ class Request:
             self.grammar_s += time.perf_counter() - started
         shaping = params.shapes_logits
         return legal, [RowContext(params, seq.token_ids + list(drafts[:i]) if shaping else [], seq.num_prompt_tokens,
-                                  self.eos_ids, allowed[i] if allowed else None) for i in range(legal + 1)]
+                                  self.ending_ids, allowed[i] if allowed else None) for i in range(legal + 1)]
 
     def record(self, token: int, step_s: float, batch_size: int, draft: str | None = None,
                rejected_ids: tuple[int, ...] = (), logprobs: TokenLogprobs | None = None,
@@ -217,7 +218,7 @@ class Request:
             started = time.perf_counter()
             self.grammar.accept(token)
             self.grammar_s += time.perf_counter() - started
-        ends = token in self.eos_ids or token in self.stop_token_ids
+        ends = token in self.ending_ids
         text = self.text + ("" if ends else self.detokenizer.add(token))
         stops = self.params.stop
         if token in self.eos_ids:

@@ -14,7 +14,7 @@ from inference_core.engine.request import FinishEvent, TokenEvent
 from inference_core.model.checkpoint import resolve_model_dir
 from inference_core.spec.decoding import SpecConfig
 
-from conftest import make_engine
+from conftest import bench_prompt_ids, make_engine
 
 PROMPT_IDS = ("plain-1", "chat-short-3", "code-2", "grounded-1")  # the last one copies from its prompt
 NEW_TOKENS = 12
@@ -24,9 +24,7 @@ TOLERANCE = 0.02  # nats
 
 @pytest.fixture(scope="module")
 def prompts(bundled, bench_prompts) -> list[list[int]]:
-    engine = make_engine(bundled, "none")
-    rows = [bench_prompts[i] for i in PROMPT_IDS]
-    return [engine.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion") for row in rows]
+    return bench_prompt_ids(bundled, bench_prompts, PROMPT_IDS)
 
 
 @pytest.fixture(scope="module")

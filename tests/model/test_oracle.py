@@ -11,7 +11,7 @@ import torch
 from inference_core import SamplingParams
 from inference_core.model.checkpoint import resolve_model_dir
 
-from conftest import make_engine
+from conftest import bench_prompt_ids, make_engine
 
 PROMPT_IDS = ("plain-1", "chat-short-3", "code-2", "grounded-1", "long-2")  # 12, 36, 106, 145, 277 tokens
 NEW_TOKENS = 128
@@ -22,9 +22,7 @@ RECOMPUTE_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def prompts(bundled, bench_prompts) -> list[list[int]]:
-    engine = make_engine(bundled, "none")
-    rows = [bench_prompts[i] for i in PROMPT_IDS]
-    return [engine.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion") for row in rows]
+    return bench_prompt_ids(bundled, bench_prompts, PROMPT_IDS)
 
 
 @pytest.fixture(scope="module")

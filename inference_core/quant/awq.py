@@ -15,7 +15,8 @@ Then each group's range may be clipped to a fraction of its max |w|, per output 
 restricted to the group (kept only where it lowers the whole projection's error).
 
 The model runs in its own dtype over the calibration text layer by layer (only one layer's statistics are held),
-each layer fed the float model's outputs of the one before. Saving, loading and the CLI are `awq_file`'s.
+each layer fed the float model's outputs of the one before, on the model's device (the CPU or CUDA: statistics and
+search stay there). Saving, loading and the CLI are `awq_file`'s.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ class InputStats:
     count: int = 0
 
     @classmethod
-    def empty(cls, in_features: int) -> InputStats:
-        return cls(torch.zeros(in_features, dtype=torch.float64), torch.zeros(in_features, in_features,
-                                                                               dtype=torch.float64))
+    def empty(cls, in_features: int, device: torch.device | str = "cpu") -> InputStats:
+        return cls(torch.zeros(in_features, dtype=torch.float64, device=device),
+                   torch.zeros(in_features, in_features, dtype=torch.float64, device=device))
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
@@ -116,12 +117,12 @@ def walk_inputs(loaded, sequences: list[list[int]]):
         for path, _ in LAYER_PROJECTIONS:
             parent, _, attr = path.rpartition(".")
             linear = getattr(recording.get_submodule(parent), attr)
-            stats = InputStats.empty(linear.weight.shape[0 if linear.in_out else 1])
+            stats = InputStats.empty(linear.weight.shape[0 if linear.in_out else 1], x.device)
             setattr(recording.get_submodule(parent), attr, _Recorder(linear, stats))
             recorded.append((f"layers.{index}.{path}", getattr(layer.get_submodule(parent), attr), stats))
         x = recording.forward(x, cos, sin, batch, runner.kv_cache)
         yield from recorded
-    stats = InputStats.empty(x.shape[-1])
+    stats = InputStats.empty(x.shape[-1], x.device)
     stats.add(model.norm.forward(x))
     yield "lm_head", model.lm_head, stats
 
@@ -195,10 +196,10 @@ def search_clip(weight: torch.Tensor, gram: torch.Tensor, group_size: int, compu
     out_features, in_features = weight.shape
     groups = in_features // group_size
     blocks = gram.view(groups, group_size, groups, group_size).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [g, gs, gs]
-    best_loss = torch.full((out_features, groups), float("inf"))
-    best_clip = torch.ones(out_features, groups)
+    best_loss = torch.full((out_features, groups), float("inf"), device=weight.device)
+    best_clip = torch.ones(out_features, groups, device=weight.device)
     for ratio in ratios:
-        clip = torch.full((out_features, groups), ratio)
+        clip = torch.full((out_features, groups), ratio, device=weight.device)
         error = (weight - round_int4(weight, group_size, clip).dequantized(compute)).view(out_features, groups, -1)
         per_group = error.transpose(0, 1)  # [groups, out, group_size]
         loss = (torch.bmm(per_group, blocks) * per_group).sum(-1).t()  # [out, groups]
@@ -216,7 +217,7 @@ def calibrate(loaded, group_size: int, sequences: list[list[int]], alphas=ALPHAS
     if any(width % group_size for width in widths):
         raise ConfigError(f"int4 groups of {group_size} do not divide the input features of every projection of "
                           f"this model ({', '.join(map(str, sorted(widths)))}); pick another --quant-group.")
-    compute = compute_dtype(loaded.device.type, loaded.dtype)
+    compute = compute_dtype(loaded.device.type, loaded.dtype, "awq")
     calibration = Calibration(group_size, num_tokens=sum(len(ids) for ids in sequences))
     for name, linear, stats in walk_inputs(loaded, sequences):
         tie = (lambda values: tie_heads(values, loaded.config)) if name.endswith("o_proj") else None
@@ -238,8 +239,8 @@ def fold_scales(loaded, scales: dict[str, torch.Tensor], lm_head: bool = True):
         s_gate_up, s_down = scales[f"{prefix}.mlp.gate_up_proj"], scales[f"{prefix}.mlp.down_proj"]
         # o_proj's scales are tied per KV head: one per v row. [q_and_k + kv_size] row divisors of qkv_proj.
         s_v = s_o.view(config.num_kv_heads, -1, config.head_dim)[:, 0].reshape(-1)
-        qkv_rows = torch.cat([torch.ones(q_and_k), s_v])
-        up_rows = torch.cat([torch.ones(config.intermediate_size), s_down])  # gate rows, then up rows
+        qkv_rows = torch.cat([torch.ones(q_and_k, device=s_v.device), s_v])
+        up_rows = torch.cat([torch.ones(config.intermediate_size, device=s_down.device), s_down])  # gate, then up rows
         attention, mlp = layer.self_attn, layer.mlp
         attention.qkv_proj = _scaled_linear(attention.qkv_proj, s_qkv, qkv_rows)
         attention.o_proj = _scaled_linear(attention.o_proj, s_o)

@@ -6,7 +6,8 @@ owns the method).
 line endings as LF) and writes one safetensors file: the int4 weights (`quantized_tensors`), the folded norm
 weights, and metadata (group size, alpha per projection, the model's fingerprint, the calibration text's hash).
 `load(loaded, path)` rebuilds the quantized model from it and refuses a file made for other weights or another
-group size. Files live in `$INFERENCE_CORE_AWQ_CACHE`, else `awq/` in the local cache
+group size; it loads onto the CPU or CUDA, in each device's int4 layout (`inference_core.quant.kernels`), whichever
+device calibrated it. Files live in `$INFERENCE_CORE_AWQ_CACHE`, else `awq/` in the local cache
 (~/.cache/inference-playground), as `<model fingerprint>-g<group>.safetensors`; `load_or_calibrate` (behind
 `quantize(loaded, QuantConfig("awq", g))`) loads that file when it exists and calibrates and saves it otherwise.
 """
@@ -32,6 +33,7 @@ from inference_core.model.llama import model_fingerprint
 from inference_core.model.loader import add_model_arguments, load_model
 from inference_core.model.paths import DATA_DIR, cache_root
 from inference_core.quant import awq
+from inference_core.quant.kernels import check_device
 from inference_core.quant.linear import Int4Weight, QuantConfig, QuantLinear, compute_dtype, round_int4, shared_copy
 
 CALIBRATION_TEXT = DATA_DIR / "calibration_text.txt"
@@ -72,7 +74,7 @@ def calibrate_and_save(loaded, group_size: int, path: Path | str | None = None, 
     sequences = sequences if sequences is not None else calibration_sequences(loaded.tokenizer)
     calibration = awq.calibrate(loaded, group_size, sequences, alphas, clip_ratios, on_projection)
     folded = awq.fold_scales(loaded, {name: choice.scale for name, choice in calibration.choices.items()})
-    tensors = quantized_tensors(folded, calibration)
+    tensors = {key: tensor.cpu() for key, tensor in quantized_tensors(folded, calibration).items()}
     seconds = time.perf_counter() - started
     metadata = {
         "format": FORMAT, "group_size": str(group_size), "model_fingerprint": model_fingerprint(loaded.model),
@@ -109,10 +111,12 @@ def quantized_tensors(folded, calibration: awq.Calibration) -> dict[str, torch.T
 
 
 def assemble(loaded, tensors: dict[str, torch.Tensor], config):
-    """A LoadedModel whose projections are the int4 layers in `tensors` and whose norms are the folded ones; the LM
-    head (and the final norm) stay `loaded`'s when `config.lm_head` is off. Shares every other tensor with
-    `loaded`."""
-    compute = compute_dtype(loaded.device.type, loaded.dtype)
+    """A LoadedModel whose projections are the int4 layers in `tensors` (on any device) and whose norms are the
+    folded ones, on `loaded`'s device; the LM head (and the final norm) stay `loaded`'s when `config.lm_head` is off.
+    Shares every other tensor with `loaded`."""
+    check_device(loaded.device)
+    compute = compute_dtype(loaded.device.type, loaded.dtype, "awq")
+    tensors = {key: tensor.to(loaded.device) for key, tensor in tensors.items()}
     model = shared_copy(loaded.model)
     names = {key.rpartition(".")[0] for key in tensors if key.endswith(".q")}
     for name in sorted(names):
@@ -122,7 +126,7 @@ def assemble(loaded, tensors: dict[str, torch.Tensor], config):
         q = torch.stack([packed & 15, packed >> 4], -1).view(packed.shape[0], -1).to(torch.int32)  # [out, in]
         bias = tensors.get(f"{name}.bias")
         layer = QuantLinear.from_int4(Int4Weight(q, tensors[f"{name}.scale"], tensors[f"{name}.zero"]),
-                                      None if bias is None else nn.Parameter(bias, requires_grad=False), compute)
+                                      None if bias is None else nn.Parameter(bias, requires_grad=False), compute, name)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     for key, weight in tensors.items():
@@ -140,6 +144,7 @@ def read_metadata(path: Path | str) -> dict[str, str]:
 def load(loaded, path: Path | str, lm_head: bool = True, group_size: int | None = None):
     """The quantized LoadedModel from an AWQ file made for `loaded`'s weights (no calibration)."""
     path = Path(path)
+    check_device(loaded.device)
     if not path.exists():
         raise ConfigError(f"no AWQ file at {path}; make one with `python -m inference_core awq`.")
     metadata = read_metadata(path)
@@ -183,8 +188,7 @@ def run_awq(args) -> int:
     """`python -m inference_core awq`: calibrate, save, print the time taken and each projection's alpha."""
     QuantConfig("awq", args.quant_group)  # checks the group size before the model loads
     loaded = load_model(args.model, args.device, args.dtype)
-    if loaded.device.type != "cpu":
-        raise ConfigError(f"AWQ calibration runs on the CPU so far, not on {loaded.device.type}.")
+    check_device(loaded.device)
 
     def show(name: str, choice: awq.ProjectionChoice) -> None:
         clip = "clipped" if choice.clip is not None else ""

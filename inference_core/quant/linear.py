@@ -1,14 +1,17 @@
 """Weight-only quantized projections: int8 per output channel, int4 per group of input features (`QuantLinear`, the
 layer `inference_core.quant.quantize` swaps in for each `Linear`), and the settings that name a scheme (`QuantConfig`).
 
-Kernels are ATen's weight-only ones: `_weight_int8pack_mm` (int8 weights, a scale per output channel) and
-`_weight_int4pack_mm_for_cpu` (int4 weights packed two per byte, a scale and a zero per group of `group_size` input
-features, as tinygemm lays them out). Each dequantizes inside the matmul, so only the small weights stream from
-memory. On the CPU both are fast only with bf16 activations: one decode row against a 1536x576 int8 weight took 30 us
-in bf16 and 494 us in fp32 (an fp32 `F.linear` on the full weight: 69 us), so an fp32 model's activations are cast to
-bf16 around each quantized projection where that measures faster on this host (`compute_dtype`, measured once), as it
-does on CPUs with AVX-512 BF16 or AMX. `QuantLinear.dequantized()` gives back the float weight the kernel computes
-with, the reference the tests hold the kernels to.
+Kernels are ATen's weight-only ones, on the CPU and on CUDA (`inference_core.quant.kernels` owns the calls and the
+packed layouts): `_weight_int8pack_mm` (int8 weights, a scale per output channel; on CUDA also gpt-fast's F.linear
+form, whichever measures faster) and tinygemm's int4 kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int4pack_mm`
+on CUDA: int4 weights packed two per byte, a scale and a zero per group of `group_size` input features). Each
+dequantizes inside the matmul, so only the small weights stream from memory. On the CPU both are fast only with bf16
+activations: one decode row against a 1536x576 int8 weight took 30 us in bf16 and 494 us in fp32 (an fp32 `F.linear`
+on the full weight: 69 us), so an fp32 model's activations are cast to bf16 around each quantized projection where
+that measures faster on this host (`compute_dtype`, measured once), as it does on CPUs with AVX-512 BF16 or AMX. On
+CUDA tinygemm takes bf16 activations only, so an fp16 or fp32 model casts around its int4 projections the same way.
+`QuantLinear.dequantized()` gives back the float weight the kernel computes with, the reference the tests hold the
+kernels to.
 
 Round to nearest: int8 symmetric (scale = max|w| / 127), int4 asymmetric per group (scale = (max - min) / 15, w = (q -
 8) * scale + zero; `round_int4`). Scheme `awq` is int4 after activation-aware scaling (`inference_core.quant.awq`:
@@ -26,6 +29,7 @@ from torch import nn
 
 from inference_core.config import ConfigError
 from inference_core.model.llama import Linear
+from inference_core.quant import kernels
 
 SCHEMES = ("none", "int8", "int4", "awq")
 GROUP_SIZES = (32, 64, 128)
@@ -86,62 +90,77 @@ def round_int4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None 
         bound = torch.maximum(-low, high) * clip
         low, high = torch.maximum(low, -bound), torch.minimum(high, bound)
     scale = ((high - low) / 15).clamp(min=1e-8)
-    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    q = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).to(torch.int32)
     zero = low + 8 * scale  # dequantized: (q - 8) * scale + zero
     return Int4Weight(q.view(out_features, in_features), scale, zero)
 
 
 class QuantLinear(nn.Module):
-    """A `model.Linear` with its weight quantized; same inputs and outputs."""
+    """A `model.Linear` with its weight quantized; same inputs and outputs. `name` (the module's, e.g.
+    'layers.0.mlp.down_proj') only names it in errors."""
 
-    def __init__(self, linear: Linear, scheme: str, group_size: int, compute: torch.dtype):
+    def __init__(self, linear: Linear, scheme: str, group_size: int, compute: torch.dtype, name: str = ""):
         super().__init__()
         weight = linear.weight.detach()
-        weight = (weight.t() if linear.in_out else weight).float().contiguous()  # [out, in]
+        weight = (weight.t() if linear.in_out else weight).float().contiguous()  # [out, in], on the model's device
         self.out_features, self.in_features = weight.shape
-        self.scheme, self.group_size, self.compute = scheme, group_size, compute
+        self.scheme, self.group_size, self.compute, self.name = scheme, group_size, compute, name
         self.bias = linear.bias
         if scheme == "int8":
             scale = weight.abs().amax(1).clamp(min=1e-8) / 127
-            self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+            q = torch.round(weight / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)  # [out, in]
+            self.register_buffer("qweight", q.contiguous())
             self.register_buffer("scales", scale.to(compute))
+            self.int8_path = kernels.int8_path(weight.device, compute)  # 'aten' or 'dequant' (kernels.INT8_PATHS)
         elif scheme == "int4":
             self._store_int4(round_int4(weight, group_size))
         else:
             raise ConfigError(f"unknown quantization {scheme!r}")
 
     @classmethod
-    def from_int4(cls, weight: Int4Weight, bias: torch.Tensor | None, compute: torch.dtype) -> QuantLinear:
-        """An int4 layer from weights already rounded (AWQ's scaled ones, or ones read back from a file)."""
+    def from_int4(cls, weight: Int4Weight, bias: torch.Tensor | None, compute: torch.dtype,
+                  name: str = "") -> QuantLinear:
+        """An int4 layer from weights already rounded (AWQ's scaled ones, or ones read back from a file), on the
+        device `weight` is on."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.out_features, layer.in_features = weight.q.shape
         layer.scheme, layer.group_size, layer.compute, layer.bias = "int4", weight.group_size, compute, bias
+        layer.name = name
         layer._store_int4(weight)
         return layer
 
     def _store_int4(self, weight: Int4Weight) -> None:
-        # qweight: the kernel's packed layout, two per byte; scales: [in / group_size, out, 2] (scale, zero).
-        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(weight.q, 1))
-        self.register_buffer("scales", torch.stack([weight.scale.t(), weight.zero.t()], -1).to(self.compute)
-                             .contiguous())
+        # qweight: the device kernel's packed layout; scales: [in / group_size, out, 2] (scale, zero).
+        if weight.q.device.type == "cuda":
+            kernels.check_int4_cuda_shape(self.name, self.out_features, self.in_features)
+            if self.compute != torch.bfloat16:  # tinygemm reads bf16 only (compute_dtype(..., "int4") says so)
+                raise ValueError(f"the CUDA int4 kernel computes in bfloat16, not {self.compute}")
+        self.register_buffer("qweight", kernels.pack_int4(weight.q))
+        self.register_buffer("scales", kernels.scales_and_zeros(weight.scale, weight.zero, self.compute))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.compute)
         if self.scheme == "int8":
-            out = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
+            out = kernels.int8_mm(flat, self.qweight, self.scales, self.int8_path)
         else:
-            out = torch._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales)
+            out = kernels.int4_mm(flat, self.qweight, self.group_size, self.scales)
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def dequantized(self) -> torch.Tensor:
-        """The [out, in] float weight this layer computes with (the kernels' reference)."""
+        """The [out, in] fp32 weight this layer computes with (the kernels' reference), on its device."""
         if self.scheme == "int8":
-            return self.qweight.float() * self.scales.float()[:, None]
-        eye = torch.eye(self.in_features, dtype=self.compute)
-        # The packed layout is the kernel's own: read it back through the kernel, column by column.
-        return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, self.scales).float().t()
+            return self.qweight.float() * self.scales.float().unsqueeze(1)
+        # The packed layout is the kernel's own: read it back through the kernel, 1024 input features at a time
+        # (rows of the identity; each output row is one input feature's column of the weight).
+        columns = []
+        for start in range(0, self.in_features, 1024):
+            count = min(1024, self.in_features - start)
+            eye = torch.zeros(count, self.in_features, dtype=self.compute, device=self.qweight.device)
+            eye.diagonal(start).fill_(1)
+            columns.append(kernels.int4_mm(eye, self.qweight, self.group_size, self.scales))
+        return torch.cat(columns).float().t()
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -155,9 +174,12 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 @functools.cache
-def compute_dtype(device_type: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The activation dtype of the quantized kernels: the model's, except on a CPU where bf16 measures faster (the
-    kernels are tuned for it; an fp32 model's activations are then cast around each projection)."""
+def compute_dtype(device_type: str, model_dtype: torch.dtype, scheme: str = "int8") -> torch.dtype:
+    """The activation dtype of `scheme`'s kernels: the model's, except on a CPU where bf16 measures faster (the
+    kernels are tuned for it; an fp32 model's activations are then cast around each projection) and for int4 (and
+    awq) on CUDA, whose kernel takes bf16 only."""
+    if device_type == "cuda" and scheme in ("int4", "awq"):
+        return torch.bfloat16
     if device_type != "cpu" or model_dtype == torch.bfloat16:
         return model_dtype
     weight = torch.zeros(1536, 576, dtype=torch.int8)

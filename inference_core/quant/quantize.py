@@ -2,15 +2,16 @@
 `Linear` (the LM head too, unless `lm_head=False`) is a `QuantLinear`; embeddings and norms stay in the model dtype
 and are shared with the original, which is left as it was (the playground keeps both, one per lane). Scheme `awq`
 loads (or calibrates once and saves) activation-aware scaled int4 weights through `inference_core.quant.awq_file`.
+Quantized weights run on the CPU and on CUDA; `inference_core.quant.kernels` owns the kernels of each.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from inference_core.config import ConfigError
 from inference_core.model.llama import Linear
 from inference_core.quant.awq_file import load_or_calibrate
+from inference_core.quant.kernels import check_device
 from inference_core.quant.linear import QuantConfig, QuantLinear, compute_dtype, shared_copy
 
 
@@ -18,16 +19,15 @@ def quantize(loaded, config: QuantConfig):
     """A LoadedModel with `config`'s quantized projections, sharing every other tensor with `loaded`."""
     if config.scheme == "none":
         return loaded
-    if loaded.device.type != "cpu":
-        raise ConfigError(f"weight quantization runs on the CPU so far, not on {loaded.device.type}.")
+    check_device(loaded.device)
     if config.scheme == "awq":
         return load_or_calibrate(loaded, config)
     model = shared_copy(loaded.model)
-    compute = compute_dtype(loaded.device.type, loaded.dtype)
+    compute = compute_dtype(loaded.device.type, loaded.dtype, config.scheme)
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)
                and (config.lm_head or name != "lm_head")]
     for name, module in targets:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr,
-                QuantLinear(module, config.scheme, config.group_size, compute))
+                QuantLinear(module, config.scheme, config.group_size, compute, name))
     return dataclasses.replace(loaded, model=model, quant=config)

@@ -1,0 +1,146 @@
+"""The ATen weight-only kernels a `QuantLinear` calls on each device, and the packed layouts they read (the layer
+owns its weights; this module owns the calls, the packing and the shape rules). What each CUDA call expects was read
+in torch's source (aten/src/ATen/native/cuda/int4mm.cu and int8mm.cu, torch/_meta_registrations.py).
+
+int4 per group, on both devices tinygemm's convention: w = (q - 8) * scale + zero, q the unsigned nibble 0..15, one
+scale and zero per group of input features, kept as `scales_and_zeros` [in / group, out, 2] (scale, zero).
+
+- CPU: `_convert_weight_to_int4pack_for_cpu(q int32 [out, in], 1)` and `_weight_int4pack_mm_for_cpu(x, packed,
+  group, scales_and_zeros)`, activations in bf16 or the model dtype (`linear.compute_dtype`).
+- CUDA (compute capability 8.0+): `_convert_weight_to_int4pack(uint8 [out, in / 2], inner_k_tiles)` gives int32
+  [out / 8, in / (inner_k_tiles * 16), 32, inner_k_tiles / 2]; `_weight_int4pack_mm(x, packed, group,
+  scales_and_zeros)` takes x bf16 [rows, in], contiguous, and returns bf16 [rows, out]. Each input byte holds input
+  column 2i in its high nibble and 2i + 1 in its low one (the packing kernel emits byte j's high nibble first in the
+  tensor-core order). The matmul kernel turns a nibble into (nibble - 8) in bf16 and applies one bf16 fma with its
+  group's scale and zero: the convention above, with the weight rounded once to bf16. It checks: inner_k_tiles 2, 4
+  or 8, `in` a multiple of inner_k_tiles * 16, group 32/64/128/256, scales_and_zeros [in / group, out, 2]; it reads
+  scales_and_zeros as bf16 without checking the dtype (so we always store bf16) and writes `out` in tiles of 8
+  columns (so `out` must be a multiple of 8: `check_int4_cuda_shape`).
+
+int8 per output channel (q int8 [out, in], scales [out]):
+
+- CPU: `_weight_int8pack_mm(x, q, scales)`.
+- CUDA: torch has had a CUDA kernel for `_weight_int8pack_mm` since 2.9 (int8mm.cu, registered in
+  native_functions.yaml), but a plain one: the version read computes one output element per thread in fp32, with the
+  activations cast to fp32 on every call; it is not a tuned GEMV. The other form is gpt-fast's `F.linear(x,
+  q.to(x.dtype)) * scales` (an eager cast of the weight each call; under `torch.compile` inductor fuses it, and in
+  bf16 its post-grad pass may rewrite it into the ATen kernel itself). So on CUDA the two are timed once per device
+  and dtype on a 4096 x 4096 decode row and the faster is kept (`int8_path`); where this torch has no CUDA kernel
+  for the op, the F.linear form.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+
+from inference_core.config import ConfigError
+
+INNER_K_TILES = (8, 4, 2)  # tinygemm's choices, widest (16-byte loads) first
+K_TILE = 16  # tinygemm's m16n8k16 tile: input features per k-tile
+N_TILE = 8  # output features per n-tile
+INT8_PATHS = ("aten", "dequant")  # `_weight_int8pack_mm`, or F.linear on the weight cast to the activations' dtype
+DEVICES = ("cpu", "cuda")  # device types with weight-only kernels here
+
+
+def check_device(device: torch.device) -> None:
+    """A ConfigError for a device with no weight-only kernels of ours."""
+    if device.type not in DEVICES:
+        raise ConfigError(f"weight quantization runs on the CPU and on CUDA, not on {device.type}; load the model "
+                          f"with --device cpu or --device cuda, or use --quant none.")
+
+
+# int4 ----------------------------------------------------------------------------------------------------------
+
+
+def inner_k_tiles(in_features: int) -> int | None:
+    """The widest inner k-tile count whose 16-feature tiles divide `in_features`; None if none does."""
+    return next((tiles for tiles in INNER_K_TILES if in_features % (tiles * K_TILE) == 0), None)
+
+
+def check_int4_cuda_shape(name: str, out_features: int, in_features: int) -> None:
+    """A ConfigError naming the layer and what to change, where tinygemm cannot take an [out, in] weight."""
+    problems = []
+    if out_features % N_TILE:
+        problems.append(f"its {out_features} output features are not a multiple of {N_TILE}")
+    if inner_k_tiles(in_features) is None:
+        problems.append(f"its {in_features} input features are not a multiple of {INNER_K_TILES[-1] * K_TILE}")
+    if problems:
+        advice = ("keep the LM head in the model dtype (--no-quant-lm-head)" if name == "lm_head"
+                  else "use --quant int8 for this model")
+        raise ConfigError(f"{name or 'a projection'} [{out_features}, {in_features}] does not fit the CUDA int4 "
+                          f"kernel (tinygemm): {' and '.join(problems)}; {advice}.")
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in] in 0..15 -> uint8 [out, in / 2]: column 2i in the high nibble, 2i + 1 in the low one (the input
+    `_convert_weight_to_int4pack` reads on CUDA)."""
+    even, odd = q.to(torch.uint8).unflatten(1, (-1, 2)).unbind(-1)  # ops rather than indexing: fake tensors run them
+    return ((even << 4) | odd).contiguous()
+
+
+def scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """scale and zero [out, in / group] -> [in / group, out, 2] in `dtype`, contiguous (both kernels' layout)."""
+    return torch.stack([scale.t(), zero.t()], -1).to(dtype).contiguous()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q int32 [out, in] in 0..15, on its device -> the packed weight that device's int4 kernel reads."""
+    if q.device.type == "cuda":
+        return torch.ops.aten._convert_weight_to_int4pack(pack_nibbles(q), inner_k_tiles(q.shape[1]))
+    return torch._convert_weight_to_int4pack_for_cpu(q, 1)
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] -> [rows, out] through the device's int4 kernel (on CUDA x must be bf16)."""
+    if x.device.type == "cuda":
+        return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, group_size, scales)
+    return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scales)
+
+
+# int8 ----------------------------------------------------------------------------------------------------------
+
+
+def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, path: str) -> torch.Tensor:
+    """x [rows, in] -> [rows, out] with the int8 weight [out, in] and its scales [out], by `path` (INT8_PATHS)."""
+    if path == "dequant":
+        return F.linear(x, qweight.to(x.dtype)) * scales
+    return torch._weight_int8pack_mm(x.contiguous(), qweight, scales)
+
+
+def has_cuda_int8_kernel() -> bool:
+    """Whether this torch registers a CUDA kernel for `_weight_int8pack_mm`."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", "CUDA")
+
+
+def int8_path(device: torch.device, dtype: torch.dtype) -> str:
+    """'aten' on the CPU; on CUDA the faster form, measured once (see the module docstring)."""
+    if device.type != "cuda":
+        return "aten"
+    if not has_cuda_int8_kernel():
+        return "dequant"
+    return _measured_int8_path(torch.device("cuda", device.index or 0), dtype)
+
+
+@functools.cache
+def _measured_int8_path(device: torch.device, dtype: torch.dtype) -> str:
+    # A decode row against a 4096 x 4096 weight (Llama-3-8B's attention projections): warmed up, the device
+    # synchronized before each clock read, the median of 5 runs of 10 calls.
+    weight = torch.ones(4096, 4096, dtype=torch.int8, device=device)
+    x, scales = torch.ones(1, 4096, dtype=dtype, device=device), torch.ones(4096, dtype=dtype, device=device)
+
+    def seconds(path: str) -> float:
+        runs = []
+        for _ in range(6):
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            for _ in range(10):
+                int8_mm(x, weight, scales, path)
+            torch.cuda.synchronize(device)
+            runs.append(time.perf_counter() - started)
+        return sorted(runs[1:])[2]  # the first run is the warm-up
+
+    return "aten" if seconds("aten") <= seconds("dequant") else "dequant"

@@ -2,7 +2,7 @@
 
     generate       --prompt TEXT [--prompt TEXT ...] [--batching MODE] [--json] ...   (inference_core.generate)
     bench          [--prompts FILE] [--max-new-tokens N] [--repeats R] [--peer llama-cpp] [--json PATH] ...
-    batch-bench    [--requests N] [--arrival burst|poisson:RATE] [--modes ...] [--json PATH] ...
+    batch-bench    [--requests N] [--arrival burst|poisson:RATE] [--output-lengths uniform:A-B] [--json PATH] ...
     spec-bench     [--source ngram,early-exit,draft,medusa,eagle] [--spec-k 3,5] [--kinds chat,code] ...
     race           [--lanes paged,none] [--prompt-id ID] [--repeats R] [--json PATH] ...
     sampling-bench [--max-new-tokens N] [--rounds R] [--json PATH]
@@ -11,6 +11,7 @@
     awq            [--model M] [--quant-group 32] [--out PATH]
     verify-cache   [--model bundled|FILE.gguf]
     random-weights --preset qwen3-0.6b --out DIR [--dtype bfloat16] [--tokenizer DIR]
+    gpu-report     --out DIR [--budget-s 480] [--device cuda] [--smoke] [--parts device,tests,decode,...]
     train-draft    --kind medusa|eagle [--model M] [--data FILE] [--steps N] [--out PATH] ...
 
 `COMMANDS` is the whole table: each command's flags and its body live beside the code it runs (`add_X_arguments` and
@@ -27,6 +28,7 @@ from inference_core import generate
 from inference_core.bench import (
     batching,
     compile_options,
+    gpu_report,
     quality,
     race,
     sampling_cost,
@@ -62,6 +64,8 @@ COMMANDS = {
             awq_file.add_awq_arguments, awq_file.run_awq),
     "verify-cache": ("re-hash a GGUF's converted cache against its manifest and convert again if a file differs",
                      bundled.add_verify_cache_arguments, bundled.run_verify_cache),
+    "gpu-report": ("the whole stack on a GPU in one prepared run: tests, decode rows, batching, the serving path",
+                   gpu_report.add_gpu_report_arguments, gpu_report.run_gpu_report),
     "random-weights": ("write a random-weight checkpoint at a real model's shapes, for speed benchmarks",
                        random_weights.add_random_weights_arguments, random_weights.run_random_weights),
 }

@@ -237,7 +237,7 @@ def test_static_batches_wait_for_a_full_batch(bundled, one_torch_thread):
     # arrived and nothing more is coming.
     engine = Engine(bundled, EngineConfig(kv_mode="paged", batching="static", max_num_seqs=2))
     prompt = engine.prompt_ids("Say hello.")
-    timings, batch_sizes = run_engine(engine, [prompt] * 3, [0.0, 0.3, 0.6], max_new_tokens=2)
+    timings, batch_sizes = run_engine(engine, [prompt] * 3, [0.0, 0.3, 0.6], 2)
     assert timings[0].first_token - timings[0].arrival >= 0.3
     assert [t.output_tokens for t in timings] == [2, 2, 2]
     assert batch_sizes == [2, 2, 1, 1]

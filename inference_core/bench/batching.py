@@ -3,18 +3,20 @@ and through Hugging Face transformers `generate` (one request at a time, and in 
 process on one device, reporting throughput and the TTFT and latency that a user sees.
 
 Method. N requests cycle through the prompt file's prompts (chat template applied as in `bench`), greedy, ending at
-end-of-sequence or after --max-new-tokens. Arrivals: `burst` (all at t=0) or `poisson:RATE` (exponential gaps of mean
-1/RATE s from a seeded RNG, the first at t=0); every row gets the same schedule. Our modes each get a fresh engine
-(paged KV; the pool, by default, holds --max-num-seqs requests of the longest prompt plus --max-new-tokens; the prefix
-cache off, so a repeated prompt is computed again as transformers computes it: batching alone is compared); the driver
-submits each request when its arrival time comes and steps the engine in between. transformers rows start a request no
-earlier than its arrival: `hf-sequential` one after another; `hf-static` a batch of the requests that have arrived (up
-to --max-num-seqs) once the previous batch has finished. Every row runs one untimed warm-up first (the first
---max-num-seqs requests, 4 new tokens). Per request, wall clock: TTFT = arrival -> first token, latency = arrival ->
-last token (ours: when the engine emits the token; transformers: read by a stopping criterion after every forward, so a
-row's last token is the forward that produced it, not the end of its batch). Throughput = all output tokens / (last
-completion - first arrival). `mean_batch_size`: ours, sequences per engine step; transformers, rows per forward
-(finished rows of a batch included: transformers keeps computing them).
+end-of-sequence or after their own output length: --max-new-tokens for all, or --output-lengths (`uniform:A-B`, each
+request's drawn from a seeded RNG, or a list `16,64,256` cycled through), which is how random-weight checkpoints (whose
+answers never end) still show what continuous batching gains when requests finish at different times. Arrivals: `burst`
+(all at t=0) or `poisson:RATE` (exponential gaps of mean 1/RATE s from a seeded RNG, the first at t=0); every row gets
+the same schedule. Our modes each get a fresh engine (paged KV; the pool, by default, holds --max-num-seqs requests of
+the longest prompt plus --max-new-tokens; the prefix cache off, so a repeated prompt is computed again as transformers
+computes it: batching alone is compared); the driver submits each request when its arrival time comes and steps the
+engine in between. transformers rows start a request no earlier than its arrival: `hf-sequential` one after another;
+`hf-static` a batch of the requests that have arrived (up to --max-num-seqs) once the previous batch has finished. Every
+row runs one untimed warm-up first (the first --max-num-seqs requests, 4 new tokens). Per request, wall clock: TTFT =
+arrival -> first token, latency = arrival -> last token (ours: when the engine emits the token; transformers: read by a
+stopping criterion after every forward, so a row's last token is the forward that produced it, not the end of its
+batch). Throughput = all output tokens / (last completion - first arrival). `mean_batch_size`: ours, sequences per
+engine step; transformers, rows per forward (finished rows of a batch included: transformers keeps computing them).
 """
 
 from __future__ import annotations
@@ -74,10 +76,33 @@ def parse_arrivals(arrival: str, count: int, seed: int) -> list[float]:
     return offsets
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], offsets: list[float], max_new_tokens: int):
-    """Submit each request at its arrival time and step the engine until all are done. Returns the timings and the
-    batch size of every engine step that ran work."""
-    params = SamplingParams(max_new_tokens=max_new_tokens)
+def parse_output_lengths(spec: str | None, count: int, max_new_tokens: int, seed: int) -> list[int]:
+    """Each request's max_new_tokens: `max_new_tokens` for all (spec None), `uniform:A-B` (seeded), or a
+    comma-separated list cycled through."""
+    if spec is None:
+        return [max_new_tokens] * count
+    words = "use --output-lengths uniform:A-B (1 <= A <= B) or a list like 16,64,256."
+    kind, _, bounds = spec.partition(":")
+    try:
+        if kind == "uniform":
+            low, high = (int(part) for part in bounds.split("-"))
+            if not 1 <= low <= high:
+                raise ValueError
+            rng = random.Random(seed)
+            return [rng.randint(low, high) for _ in range(count)]
+        lengths = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise ConfigError(f"bad --output-lengths {spec!r}; {words}") from None
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(f"bad --output-lengths {spec!r}; {words}")
+    return [lengths[i % len(lengths)] for i in range(count)]
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], offsets: list[float], lengths: list[int] | int):
+    """Submit each request at its arrival time (with its own max_new_tokens, `lengths`) and step the engine until
+    all are done. Returns the timings and the batch size of every engine step that ran work."""
+    if isinstance(lengths, int):
+        lengths = [lengths] * len(prompts)
     start = time.perf_counter()
     timings = [Timing(start + offset) for offset in offsets]
     batch_sizes: list[int] = []
@@ -96,6 +121,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], offsets: list[float], m
     while submitted < len(prompts) or engine.has_work():
         # 1. Submit every request whose arrival time has come; after the last one, nothing more is coming.
         while submitted < len(prompts) and timings[submitted].arrival <= time.perf_counter():
+            params = SamplingParams(max_new_tokens=lengths[submitted])
             engine.submit(prompts[submitted], params).listener = listener(timings[submitted])
             submitted += 1
             if submitted == len(prompts):
@@ -125,26 +151,31 @@ class HFPeer:
         self.forward_times: list[float] = []
         self.clock = forward_clock(self.forward_times)
 
-    def generate(self, prompts: list[list[int]], timings: list[Timing], max_new_tokens: int) -> list[int]:
-        """Run one batch; fill each row's timing. Returns the batch size of every forward."""
+    def generate(self, prompts: list[list[int]], timings: list[Timing], lengths: list[int]) -> list[int]:
+        """Run one batch until its longest output length; fill each row's timing, counting its tokens up to its own
+        length or end-of-sequence. Returns the batch size of every forward."""
         width = max(len(ids) for ids in prompts)
         pad = self.eos_ids[0]  # any id: padded positions are masked out
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         self.forward_times.clear()
-        output = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+        output = self.model.generate(ids, attention_mask=mask, max_new_tokens=max(lengths), do_sample=False,
                                      eos_token_id=self.eos_ids, pad_token_id=pad, stopping_criteria=[self.clock])
-        for row, timing in zip(output[:, width:].tolist(), timings):
+        for row, timing, length in zip(output[:, width:].tolist(), timings, lengths):
             # Tokens up to and including the first end-of-sequence (later ones are transformers' padding).
             count = next((i + 1 for i, token in enumerate(row) if token in self.eos_ids), len(row))
+            count = min(count, length)
             timing.first_token, timing.last_token = self.forward_times[0], self.forward_times[count - 1]
             timing.output_tokens = count
         return [len(prompts)] * len(self.forward_times)
 
 
-def run_hf(peer: HFPeer, name: str, prompts: list[list[int]], offsets: list[float], max_new_tokens: int,
+def run_hf(peer: HFPeer, name: str, prompts: list[list[int]], offsets: list[float], lengths: list[int] | int,
            max_num_seqs: int):
-    """hf-sequential: one request at a time; hf-static: batches of what has arrived, each after the previous one."""
+    """hf-sequential: one request at a time; hf-static: batches of what has arrived, each after the previous one
+    (a batch runs until its longest output length: transformers keeps computing finished rows)."""
+    if isinstance(lengths, int):
+        lengths = [lengths] * len(prompts)
     batch_limit = 1 if name == "hf-sequential" else max_num_seqs
     start = time.perf_counter()
     timings = [Timing(start + offset) for offset in offsets]
@@ -158,7 +189,7 @@ def run_hf(peer: HFPeer, name: str, prompts: list[list[int]], offsets: list[floa
         now = time.perf_counter()
         while end < len(prompts) and end - first < batch_limit and timings[end].arrival <= now:
             end += 1
-        batch_sizes += peer.generate(prompts[first:end], timings[first:end], max_new_tokens)
+        batch_sizes += peer.generate(prompts[first:end], timings[first:end], lengths[first:end])
         first = end
     return timings, batch_sizes
 
@@ -190,7 +221,12 @@ def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
     parser.add_argument("--requests", type=int, default=32, help="requests, cycling through the prompts")
     add_model_arguments(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="every request's output length (see "
+                        "--output-lengths)")
+    parser.add_argument("--output-lengths", help="each request's own output length: uniform:A-B (seeded by --seed) "
+                        "or a list like 16,64,256 cycled through (default: --max-new-tokens for all)")
+    parser.add_argument("--peer-requests", type=int, help="transformers rows run only the first N requests (one "
+                        "request at a time, 256 take long; its tokens/s does not depend on how many)")
     parser.add_argument("--arrival", default="burst",
                         help="burst (all at t=0) or poisson:RATE (RATE requests/s, seeded)")
     parser.add_argument("--modes", default="none,static,dynamic,continuous",
@@ -200,7 +236,9 @@ def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="batch size limit (ours and hf-static)")
     parser.add_argument("--kv-cache-tokens", type=int,
                         help="paged pool size (default: max-num-seqs requests of the longest prompt)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
+    parser.add_argument("--compile", action="store_true", help="our modes decode through the compiled step (CUDA "
+                        "graphs on a GPU)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times and output lengths")
     parser.add_argument("--json", dest="json_path", help="write the results here")
 
 
@@ -212,46 +250,71 @@ def run_batch_bench(args) -> int:
                           f"--peers {', '.join(PEERS)}.")
     if not modes and not peers:
         raise ConfigError("nothing to bench: name rows with --modes or --peers.")
-    if args.requests < 1 or args.max_new_tokens < 1 or args.max_num_seqs < 1:
-        raise ConfigError("batch-bench needs --requests, --max-new-tokens and --max-num-seqs of at least 1.")
+    if args.requests < 1 or args.max_new_tokens < 1 or args.max_num_seqs < 1 or (args.peer_requests or 1) < 1:
+        raise ConfigError("batch-bench needs --requests, --max-new-tokens, --max-num-seqs and --peer-requests of at "
+                          "least 1.")
     offsets = parse_arrivals(args.arrival, args.requests, args.seed)
+    lengths = parse_output_lengths(args.output_lengths, args.requests, args.max_new_tokens, args.seed)
     rows = load_prompts(args.prompts or DEFAULT_PROMPTS)  # a bad file fails before the model loads
     loaded = load_model(args.model, args.device, args.dtype)
+    report = batch_bench(loaded, resolve_model_dir(args.model), rows, offsets, lengths, modes, peers,
+                         args.max_num_seqs, args.kv_cache_tokens, compile=args.compile,
+                         peer_requests=args.peer_requests, settings={"arrival": args.arrival, "seed": args.seed,
+                                                                     "prompts": str(args.prompts or DEFAULT_PROMPTS),
+                                                                     "output_lengths": args.output_lengths})
+    write_report(report, args.json_path)
+    return 0
+
+
+def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], offsets: list[float],
+                lengths: list[int], modes: list[str], peers: list[str], max_num_seqs: int,
+                kv_cache_tokens: int | None = None, compile: bool = False, peer_requests: int | None = None,
+                settings: dict | None = None, deadline: float = math.inf) -> dict:
+    """Every row of one batch-bench run on a loaded model; prints each row as it is measured. A row not started
+    by `deadline` (time.perf_counter) is listed in `left_out`."""
     tokenizing = Engine(loaded, EngineConfig(kv_mode="none"))  # holds no KV memory
     distinct = [tokenizing.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion")
-                for row in rows]
-    prompts = [distinct[i % len(distinct)] for i in range(args.requests)]
+                for row in prompt_rows]
+    prompts = [distinct[i % len(distinct)] for i in range(len(offsets))]
     block_size = EngineConfig().block_size
-    longest_blocks = math.ceil((max(map(len, prompts)) + args.max_new_tokens) / block_size)
-    kv_cache_tokens = args.kv_cache_tokens or args.max_num_seqs * longest_blocks * block_size
-    warmup = (prompts[:args.max_num_seqs], [0.0] * min(args.max_num_seqs, len(prompts)), WARMUP_TOKENS)
+    longest_blocks = math.ceil((max(map(len, prompts)) + max(lengths)) / block_size)
+    kv_cache_tokens = kv_cache_tokens or max_num_seqs * longest_blocks * block_size
+    warmup = (prompts[:max_num_seqs], [0.0] * min(max_num_seqs, len(prompts)), WARMUP_TOKENS)
     machine = {**machine_info(loaded.device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                "cpu_count": os.cpu_count()}
-    arguments = {"prompts": str(args.prompts or DEFAULT_PROMPTS), "requests": args.requests,
-                 "max_new_tokens": args.max_new_tokens, "arrival": args.arrival, "modes": modes, "peers": peers,
-                 "max_num_seqs": args.max_num_seqs, "kv_cache_tokens": kv_cache_tokens, "seed": args.seed,
-                 "model": loaded.name, "device": str(loaded.device),
-                 "dtype": str(loaded.dtype).removeprefix("torch.")}
+    peer_count = min(peer_requests or len(prompts), len(prompts))
+    arguments = {**(settings or {}), "requests": len(prompts), "max_new_tokens": max(lengths), "modes": modes,
+                 "peers": peers, "peer_requests": peer_count, "max_num_seqs": max_num_seqs,
+                 "kv_cache_tokens": kv_cache_tokens, "compile": compile, "model": loaded.name,
+                 "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")}
     report = {"arguments": arguments, "machine": machine, "arrivals_s": [round(s, 4) for s in offsets],
-              "prompt_tokens": [len(ids) for ids in prompts], "rows": []}
+              "prompt_tokens": [len(ids) for ids in prompts], "output_lengths": lengths, "rows": [], "left_out": []}
     print(format_header(report), flush=True)
     # 1. Our modes: a fresh engine each (no prefix cache: batching alone is compared), one warm-up, the timed run.
     for mode in modes:
-        engine = Engine(loaded, EngineConfig(kv_mode="paged", batching=mode, max_num_seqs=args.max_num_seqs,
-                                             kv_cache_tokens=kv_cache_tokens, prefix_cache=False))
+        if time.perf_counter() > deadline:
+            report["left_out"].append(mode)
+            continue
+        engine = Engine(loaded, EngineConfig(kv_mode="paged", batching=mode, max_num_seqs=max_num_seqs,
+                                             kv_cache_tokens=kv_cache_tokens, prefix_cache=False, compile=compile))
+        if engine.decoder is not None:  # every bucket's graph compiled (or recorded) before the timed run
+            for bucket in engine.decoder.buckets:
+                engine.decoder.warm_up(bucket)
         run_engine(engine, *warmup)
-        report["rows"].append(summarize(mode, *run_engine(engine, prompts, offsets, args.max_new_tokens)))
+        report["rows"].append(summarize(mode, *run_engine(engine, prompts, offsets, lengths)))
         print(format_row(report["rows"][-1]), flush=True)
         del engine  # its KV pool goes before the next one is made
-    # 2. transformers: one model for both peers, a warm-up per row.
-    peer = HFPeer(loaded, resolve_model_dir(args.model)) if peers else None
+    # 2. transformers: one model for both peers, a warm-up per row, the first `peer_count` requests.
+    peer = HFPeer(loaded, model_dir) if peers and time.perf_counter() < deadline else None
     for name in peers:
-        run_hf(peer, name, *warmup, args.max_num_seqs)
-        timed = run_hf(peer, name, prompts, offsets, args.max_new_tokens, args.max_num_seqs)
+        if peer is None or time.perf_counter() > deadline:
+            report["left_out"].append(name)
+            continue
+        run_hf(peer, name, *warmup, max_num_seqs)
+        timed = run_hf(peer, name, prompts[:peer_count], offsets[:peer_count], lengths[:peer_count], max_num_seqs)
         report["rows"].append(summarize(name, *timed))
         print(format_row(report["rows"][-1]), flush=True)
-    write_report(report, args.json_path)
-    return 0
+    return report
 
 
 def format_row(row: dict) -> str:
@@ -266,7 +329,8 @@ def format_header(report: dict) -> str:
     gpu = f", {machine['gpu']}" if "gpu" in machine else ""
     return "\n".join([
         f"batch-bench: {arguments['model']} on {arguments['device']} in {arguments['dtype']}; {arguments['requests']} "
-        f"requests ({arguments['arrival']}), up to {arguments['max_new_tokens']} new tokens, max-num-seqs "
+        f"requests ({arguments.get('arrival', 'burst')}), up to {arguments['max_new_tokens']} new tokens"
+        f"{' (' + arguments['output_lengths'] + ')' if arguments.get('output_lengths') else ''}, max-num-seqs "
         f"{arguments['max_num_seqs']}, KV pool {arguments['kv_cache_tokens']} tokens",
         f"machine: {machine['processor']} ({machine['cpu_capability']}), {machine['cpu_count']} CPUs, "
         f"{machine['threads']} torch threads, torch {machine['torch']}{gpu}",

@@ -14,8 +14,11 @@ the KV cache, and is written so that a compiler can turn it into a few fused ker
   position, and the new token's own key is scored separately (softmax over [cached keys, own key]). The graph
   returns the logits and every layer's new k and v, which `store` writes into the cache with one indexed copy each
   (an in-place write inside the graph measured slower than eager: the compiler copied whole cache buffers).
-- The key width is the batch's longest context (paged: whole blocks) on the CPU, marked dynamic so that one graph
-  serves every length, and the cache's full width on CUDA, where a CUDA graph needs every shape fixed.
+- The key width is the batch's longest context (paged: whole blocks), marked dynamic so that one compiled graph
+  serves every length. On CUDA, where a CUDA graph is recorded for each shape it meets, the width is rounded up to
+  a power of two (of blocks, or positions), so a few recordings serve every length and a short context never reads
+  the cache's whole width; the batch dimension is dynamic there too (buckets above 1), so one inductor compile
+  serves every bucket and each bucket records its own CUDA graph.
 
 Nothing inside the step syncs with the host or loops over sequences. Prefill, chunked prefill, mixed steps and
 speculative verification stay on the eager path.
@@ -177,7 +180,7 @@ class CompiledDecoder:
         self.max_width = (min(kv_cache.manager.num_blocks, -(-max_seq_len // self.block_size)) if self.paged
                           else kv_cache.max_seq_len)
         self.buckets = batch_buckets(max_num_seqs)
-        self.static_width = device.type == "cuda"  # a CUDA graph needs fixed shapes: read the cache's full width
+        self.width_buckets = device.type == "cuda"  # a CUDA graph per shape: round widths up to powers of two
         self.backend = backend or default_backend(device)
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown compile backend {self.backend!r}; one of {', '.join(BACKENDS)}")
@@ -274,9 +277,15 @@ class CompiledDecoder:
         self._call(bucket, buffers, read_index, buffers["key_mask"][:, :width * self.block_size])
 
     def _width(self, needed: int) -> int:
-        """The key width a step reads (positions, or blocks when paged): the cache's whole width on CUDA, else what
-        the batch needs but at least 2 (a dynamic size of 1 would be specialized to 1 by the compiler)."""
-        return self.max_width if self.static_width or self.max_width < 2 else max(needed, 2)
+        """The key width a step reads (positions, or blocks when paged): what the batch needs but at least 2 (a
+        dynamic size of 1 would be specialized to 1 by the compiler), rounded up to a power of two on CUDA, at most
+        the cache's whole width."""
+        if self.max_width < 2:
+            return self.max_width
+        width = max(needed, 2)
+        if self.width_buckets:
+            width = 1 << (width - 1).bit_length()
+        return min(width, self.max_width)
 
     def _call(self, bucket: int, buffers: dict[str, torch.Tensor], read_index, key_mask):
         args = (buffers["input_ids"], buffers["positions"], read_index, key_mask, self.kv_cache.k, self.kv_cache.v)
@@ -299,11 +308,14 @@ class CompiledDecoder:
         return program(*args)
 
     def _call_compiled(self, bucket: int, args: tuple):
-        _, _, read_index, key_mask, _, _ = args
-        if not self.static_width and self.max_width >= 2:
+        input_ids, positions, read_index, key_mask, _, _ = args
+        if self.max_width >= 2:
             torch._dynamo.mark_dynamic(key_mask, 1)
             if self.paged:
                 torch._dynamo.mark_dynamic(read_index, 1)
+        if self.width_buckets and bucket > 1:  # one compile for every bucket above 1; each records its own graph
+            for tensor in (input_ids, positions, read_index, key_mask):
+                torch._dynamo.mark_dynamic(tensor, 0)
         graphs_before = self._graph_counter["unique_graphs"]
         started = time.perf_counter()
         with torch._inductor.config.patch(self._inductor_config):
@@ -321,8 +333,9 @@ class CompiledDecoder:
         return outputs
 
     def _load_or_build(self, args: tuple):
-        """The AOTInductor package of the step for these inputs' shapes (one batch bucket): already loaded in this process (by another engine with the
-        same model and shapes), loaded from the disk cache, or exported, compiled and written there first."""
+        """The AOTInductor package of the step for these inputs' shapes (one batch bucket): already loaded in this
+        process (by another engine with the same model and shapes), loaded from the disk cache, or exported, compiled
+        and written there first."""
         key = self._package_key(args)
         with _PACKAGE_LOCK:
             program = _LOADED_PACKAGES.get(key)

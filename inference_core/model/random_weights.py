@@ -5,7 +5,10 @@ can still measure our engine and transformers at Qwen3-0.6B's or Llama-3-8B's si
 a Hugging Face directory that both load: `config.json` with the published shape, `model.safetensors` with seeded
 normal(0, 0.02) matrices and unit norms (transformers' own initialization), and a tokenizer: the bundled model's
 (SmolLM2's byte-level BPE and ChatML template), its vocabulary padded with plain tokens `<r{id}>` up to the
-preset's size so that every id the model can emit decodes. The text such a model generates is meaningless.
+preset's size so that every id the model can emit decodes. Where the bundled model is not installed (a bare GPU
+machine with only this repository), a word-level tokenizer stands in: the words of the packaged benchmark prompts,
+ChatML's special tokens and a ChatML template, so prompts come to about as many tokens as with a real tokenizer. The
+text such a model generates is meaningless.
 
     python -m inference_core random-weights --preset qwen3-0.6b --out DIR [--dtype bfloat16] [--tokenizer DIR]
 
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from inference_core.config import ConfigError
 from inference_core.model.checkpoint import resolve_model_dir
@@ -60,7 +64,8 @@ def layer_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 def _tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     if len(shape) == 1:  # norms start at one
         return torch.ones(shape, dtype=dtype)
-    return torch.empty(shape).normal_(0.0, 0.02, generator=generator).to(dtype)
+    drawn = torch.empty(shape, device=generator.device).normal_(0.0, 0.02, generator=generator)
+    return drawn.to(dtype).cpu()
 
 
 def pad_tokenizer(source: Path, out_dir: Path, vocab_size: int) -> None:
@@ -78,20 +83,56 @@ def pad_tokenizer(source: Path, out_dir: Path, vocab_size: int) -> None:
             shutil.copy(source / name, out_dir / name)
 
 
+STAND_IN = "stand-in"  # `tokenizer=`: the word-level stand-in, whether or not the bundled model is installed
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                   "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_word_level_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A stand-in tokenizer: ChatML's special tokens, every word and punctuation mark of the packaged benchmark
+    prompts, then `<r{id}>` up to `vocab_size`; an unknown word becomes `<|endoftext|>`'s neighbour `<unk>`."""
+    from inference_core.bench.prompts import load_prompts  # the packaged prompts' words
+
+    splitter = pre_tokenizers.Whitespace()
+    words = sorted({word for row in load_prompts() for text in (row["prompt"], row.get("system") or "")
+                    for word, _ in splitter.pre_tokenize_str(text)})
+    names = [*SPECIAL_TOKENS, "<unk>", *words]
+    names += [f"<r{i}>" for i in range(len(names), vocab_size)]
+    if len(names) > vocab_size:
+        raise ConfigError(f"a vocabulary of {vocab_size} is too small for the stand-in tokenizer's {len(names)} words.")
+    tokenizer = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = splitter
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|im_end|>",
+                                                               "pad_token": "<|endoftext|>"}))
+    (out_dir / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+
+
 def write_random_checkpoint(preset: str, out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0,
-                            tokenizer: str | Path | None = None, **overrides) -> Path:
+                            tokenizer: str | Path | None = None, device: str | torch.device = "cpu",
+                            **overrides) -> Path:
     """Write a random-weight checkpoint of `preset` (a PRESETS key; `overrides` change config fields, e.g. fewer
-    layers for a test) to `out_dir`; returns the directory."""
+    layers for a test) to `out_dir`; returns the directory. The weights are drawn on `device` (a GPU draws an 8B
+    model's in a second; the CPU takes a minute)."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}.")
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ConfigError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    vocab_size = (PRESETS[preset] | overrides)["vocab_size"]
     if not (out / "tokenizer.json").is_file():
         if tokenizer is None:
-            tokenizer = resolve_model_dir("bundled")
-        pad_tokenizer(Path(tokenizer), out, (PRESETS[preset] | overrides)["vocab_size"])
+            try:
+                tokenizer = resolve_model_dir("bundled")
+            except ConfigError:  # not installed here
+                tokenizer = STAND_IN
+        if tokenizer == STAND_IN:
+            write_word_level_tokenizer(out, vocab_size)
+        else:
+            pad_tokenizer(Path(tokenizer), out, vocab_size)
     with open(out / "tokenizer_config.json") as handle:
         special = json.load(handle)
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
@@ -99,7 +140,7 @@ def write_random_checkpoint(preset: str, out_dir: str | Path, dtype: str = "bflo
         "bos_token_id": vocab.get(special.get("bos_token")), "eos_token_id": vocab.get(special.get("eos_token")),
         "torch_dtype": dtype, "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True}
     torch_dtype = getattr(torch, dtype)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device).manual_seed(seed)
     tensors = {"model.embed_tokens.weight": _tensor((config["vocab_size"], config["hidden_size"]), torch_dtype,
                                                     generator),
                "model.norm.weight": torch.ones(config["hidden_size"], dtype=torch_dtype)}
@@ -119,7 +160,8 @@ def add_random_weights_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory to write (its tokenizer files are kept if present)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", help="directory with the tokenizer to pad (default: the bundled model's)")
+    parser.add_argument("--tokenizer", help="directory with the tokenizer to pad, or 'stand-in' for the word-level "
+                        "one (default: the bundled model's, else the stand-in)")
 
 
 def run_random_weights(args: argparse.Namespace) -> int:

@@ -1,0 +1,386 @@
+"""`python -m inference_core gpu-report --out DIR [--budget-s 480] [--device cuda] [--smoke]`: the whole stack on a
+GPU in one prepared run, on a bare CUDA machine with only this repository (random-weight checkpoints at real shapes
+are written on the spot by `inference_core.model.random_weights`).
+
+Parts, in order, each stopping at its share of the budget (a row not started in time is listed in `left_out`):
+
+1. `device`: the GPU, torch and CUDA versions, and the copy bandwidth (a device-to-device copy of 1 GiB, bytes read
+   plus bytes written over the median time of 10 copies), the bandwidth every row's `roofline_pct` is taken against.
+2. `tests`: the CUDA tests (`pytest -m cuda` over the files that hold them), each test's outcome recorded.
+3. `decode`: batch-1 decode in bf16 at Qwen3-0.6B's and Llama-3-8B's shapes (Qwen3-1.7B's last, as its own part):
+   eager with the gathered paged cache, eager with FlexAttention reading the pool through the block table, compiled
+   with CUDA graphs, the same with int8 and int4 weights, and transformers eager and at its best (static cache, which
+   transformers compiles with CUDA graphs on its own). Each row: the median decode tokens/s of 3 runs of 128 new
+   tokens after a warm-up, its % of the bandwidth limit (copy bandwidth over the bytes one step reads: the weights as
+   stored plus the KV of the mean context) and its ratio to transformers' best row of the shape.
+4. `batch`: `batch-bench` at Qwen3-0.6B's shape, 256 requests arriving at once with output lengths uniform over
+   16-256 (seeded), at most 128 sequences a step: our continuous, dynamic and static batching (compiled decode on a
+   GPU), transformers' static batches, and transformers one request at a time on the first 4 requests (its tokens/s
+   does not depend on how many).
+5. `serve`: the playground's own path on the device (`python -m server.serve_check`): a race of two lanes, a chat
+   turn and one streamed API completion through the engine pool and its loop, each with its TTFT and tokens/s.
+
+The report is rewritten after every part, so a run stopped from outside still leaves `DIR/gpu-report.json` (rows with
+`shape`, `name`, `batch`, `decode_tokens_per_s`, `roofline_pct`, `speedup_vs_hf`; `device` and `torch` at the top)
+and `DIR/gpu-report.md`. `--device cpu --smoke` runs the same code on a tiny model of each shape's family in seconds
+(the test suite does, so that the script cannot break unnoticed between GPU runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from inference_core.bench.batching import batch_bench, parse_output_lengths
+from inference_core.bench.prompts import load_prompts
+from inference_core.bench.speed import decode_bytes_per_step, forward_clock, load_hf_model, machine_info
+from inference_core.config import ConfigError, EngineConfig
+from inference_core.engine.engine import Engine
+from inference_core.model.loader import load_model
+from inference_core.model.random_weights import STAND_IN, write_random_checkpoint
+from inference_core.quant.linear import QuantConfig
+from inference_core.quant.quantize import quantize
+from inference_core.sampling import SamplingParams
+
+# part -> share of the budget; a part's deadline is the run's start plus the shares up to and including its own, so
+# time a part leaves unused goes to the parts after it.
+PARTS = {"device": 0.02, "tests": 0.14, "decode": 0.42, "batch": 0.2, "serve": 0.1, "decode-1.7b": 0.12}
+DECODE_SHAPES = {"decode": ("qwen3-0.6b", "llama-3-8b"), "decode-1.7b": ("qwen3-1.7b",)}
+# name -> (engine settings, weight scheme), in the table's order; None: a transformers row.
+ROWS = {"gather": (dict(attention="gather"), "none"), "flex": (dict(attention="flex"), "none"),
+        "graphs": (dict(compile=True), "none"), "graphs+int8": (dict(compile=True), "int8"),
+        "graphs+int4": (dict(compile=True), "int4"), "hf": None, "hf-static-compiled": None}
+ROW_ORDER = ("graphs", "gather", "hf-static-compiled", "graphs+int4", "flex", "graphs+int8", "hf")  # by priority
+COMPILED_ROW_S = 60.0  # a compiled row at an 8B shape takes about this long (its compile); eager rows a fraction
+CUDA_TEST_FILES = ("tests/engine/test_cuda.py", "tests/quant", "tests/kv", "tests/engine/test_compiled.py")
+SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=4096, max_position_embeddings=2048)
+PROMPT_ID = "chat-short-1"
+HF_BEST = ("hf-static-compiled", "hf")
+
+
+class Report:
+    """The report as it grows; written whole (JSON and Markdown) after every part."""
+
+    def __init__(self, out: Path, args):
+        self.out = out
+        self.data = {"device": None, "torch": torch.__version__, "smoke": args.smoke, "budget_s": args.budget_s,
+                     "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "parts": {}, "rows": [], "left_out": [],
+                     "errors": []}
+
+    def leave_out(self, what: str, why: str = "budget") -> None:
+        self.data["left_out"].append(f"{what}: {why}")
+        print(f"  left out {what}: {why}", flush=True)
+
+    def error(self, what: str, error: BaseException) -> None:
+        self.data["errors"].append({"what": what, "error": f"{type(error).__name__}: {error}",
+                                    "traceback": traceback.format_exc(limit=12)})
+        print(f"  FAILED {what}: {type(error).__name__}: {error}", flush=True)
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu-report.json").write_text(json.dumps(self.data, indent=2))
+        (self.out / "gpu-report.md").write_text(markdown(self.data))
+
+
+def run_gpu_report(args) -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("gpu-report --device cuda needs CUDA; use --device cpu --smoke for the CPU check.")
+    if device.type == "cpu" and not args.smoke:
+        raise ConfigError("gpu-report on the CPU runs only as --smoke (a tiny model); real shapes need a GPU.")
+    out, started = Path(args.out), time.perf_counter()
+    work = Path(args.work or Path(tempfile.gettempdir()) / "gpu-report-checkpoints")
+    report = Report(out, args)
+    parts = [part for part in PARTS if part in args.parts.split(",")]
+    deadline = started
+    for part in PARTS:
+        deadline += PARTS[part] * args.budget_s
+        if part not in parts:
+            continue
+        print(f"== {part} (until {deadline - started:.0f} s of {args.budget_s:.0f})", flush=True)
+        part_started = time.perf_counter()
+        try:
+            if part == "device":
+                report.data.update(device_part(device, args.smoke))
+            elif part == "tests":
+                report.data["parts"]["tests"] = tests_part(device, deadline)
+            elif part.startswith("decode"):
+                for shape in (shape for shape in DECODE_SHAPES[part] if shape in args.shapes.split(",")):
+                    decode_shape(report, shape, device, work, args, deadline)
+            elif part == "batch":
+                report.data["parts"]["batch"] = batch_part(report, device, work, args, deadline)
+            elif part == "serve":
+                report.data["parts"]["serve"] = serve_part(report, device, work, args, deadline)
+        except Exception as error:  # one part's failure is recorded; the others still run
+            report.error(part, error)
+        report.data["parts"].setdefault(part, {})["seconds"] = round(time.perf_counter() - part_started, 1)
+        report.write()
+        free_device()
+    report.data["seconds"] = round(time.perf_counter() - started, 1)
+    report.write()
+    print(markdown(report.data))
+    return 0 if not report.data["errors"] else 1
+
+
+def device_part(device: torch.device, smoke: bool) -> dict:
+    size = (64 if smoke else 1024) << 20
+    info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} "
+            "cores)", "cuda": torch.version.cuda, "machine": machine_info(device),
+            "copy_bandwidth_gb_s": round(copy_bandwidth(device, size) / 1e9, 1)}
+    print(f"  {info['device']}, torch {torch.__version__}, CUDA {info['cuda']}, copy {info['copy_bandwidth_gb_s']} "
+          "GB/s (read + written)", flush=True)
+    return info
+
+
+def copy_bandwidth(device: torch.device, size_bytes: int, repeats: int = 10) -> float:
+    """Bytes read plus bytes written per second by a device-to-device copy (median of `repeats`, after one)."""
+    source = torch.randn(size_bytes // 4, device=device)
+    target = torch.empty_like(source)
+    times = []
+    for _ in range(repeats + 1):
+        sync(device)
+        begun = time.perf_counter()
+        target.copy_(source)
+        sync(device)
+        times.append(time.perf_counter() - begun)
+    return 2 * size_bytes / statistics.median(times[1:])
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_device() -> None:
+    gc.collect()
+    torch._dynamo.reset()  # compiled graphs (and their CUDA graph pools) of the shape just done
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def tests_part(device: torch.device, deadline: float) -> dict:
+    """The CUDA tests, each outcome; on the CPU only collected (they skip there), to catch an import that broke."""
+    root = Path(__file__).resolve().parents[2]
+    files = [name for name in CUDA_TEST_FILES if (root / name).exists()]
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-rA", "-q", "-p", "no:cacheprovider", *files]
+    if device.type != "cuda":
+        command.append("--collect-only")
+    timeout = max(5.0, deadline - time.perf_counter())
+    try:
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout)
+        output, status = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as stopped:
+        output, status = (stopped.stdout or b"").decode() if isinstance(stopped.stdout, bytes) else (
+            stopped.stdout or ""), "stopped at its share of the budget"
+    outcomes = {}
+    for line in output.splitlines():
+        word, _, name = line.partition(" ")
+        if word in ("PASSED", "FAILED", "ERROR", "SKIPPED") and "::" in name:
+            outcomes[name.split(" - ")[0]] = word
+    summary = next((line for line in reversed(output.splitlines()) if line.strip()), "")
+    print(f"  {summary}", flush=True)
+    return {"command": " ".join(command[1:]), "status": status, "summary": summary, "outcomes": outcomes,
+            "failures": [name for name, word in outcomes.items() if word in ("FAILED", "ERROR")],
+            "tail": output[-4000:] if status not in (0, 5) else ""}
+
+
+def checkpoint(shape: str, work: Path, device: torch.device, smoke: bool) -> Path:
+    """The random-weight checkpoint of `shape` (bf16), written once per work folder."""
+    directory = work / shape
+    if not (directory / "config.json").is_file():
+        begun = time.perf_counter()
+        # The stand-in tokenizer on every machine, so that prompts are the same tokens with or without the bundled
+        # model installed.
+        write_random_checkpoint(shape, directory, "bfloat16", tokenizer=STAND_IN, device=device,
+                                **(SMOKE_SHAPE if smoke else {}))
+        print(f"  wrote {shape} in {time.perf_counter() - begun:.1f} s", flush=True)
+    return directory
+
+
+def prompt_text() -> str:
+    return next(row["prompt"] for row in load_prompts() if row["id"] == PROMPT_ID)
+
+
+def decode_shape(report: Report, shape: str, device: torch.device, work: Path, args, deadline: float) -> None:
+    """Every decode row of one shape that fits before `deadline`, in priority order, listed in table order."""
+    if time.perf_counter() > deadline:
+        report.leave_out(f"{shape} decode")
+        return
+    directory = checkpoint(shape, work, device, args.smoke)
+    loaded = load_model(str(directory), device=str(device), dtype="bfloat16")
+    prompt = Engine(loaded, EngineConfig(kv_mode="none")).prompt_ids(prompt_text(), chat=True)
+    new_tokens, repeats = (8, 1) if args.smoke else (args.new_tokens, 3)
+    context = len(prompt) + new_tokens / 2
+    bandwidth = report.data.get("copy_bandwidth_gb_s", 0) * 1e9
+    scale = loaded.config.num_layers * loaded.config.hidden_size / (32 * 4096)  # of the 8B shape's compile
+    measured = {}
+    for name in (name for name in ROW_ORDER if name in args.rows.split(",")):
+        compiled = ROWS[name] is None or ROWS[name][0].get("compile")
+        need = 0 if args.smoke else COMPILED_ROW_S * max(scale, 0.25) * (1 if compiled else 0.25)
+        if time.perf_counter() + need > deadline:
+            report.leave_out(f"{shape} {name}")
+            continue
+        try:
+            if ROWS[name] is None:
+                rate, row_loaded = hf_decode(loaded, directory, prompt, new_tokens, repeats, name != "hf"), loaded
+            else:
+                rate, row_loaded = ours_decode(loaded, name, prompt, new_tokens, repeats)
+        except Exception as error:
+            report.error(f"{shape} {name}", error)
+            continue
+        finally:
+            free_device()
+        limit = bandwidth / decode_bytes_per_step(row_loaded, context) if bandwidth else 0
+        measured[name] = {"shape": shape, "name": name, "batch": 1, "decode_tokens_per_s": round(rate, 1),
+                          "roofline_pct": round(100 * rate / limit, 1) if limit else None,
+                          "roofline_tokens_per_s": round(limit, 1), "new_tokens": new_tokens, "runs": repeats,
+                          "prompt_tokens": len(prompt)}
+        print(f"  {shape} {name}: {rate:.1f} tok/s ({measured[name]['roofline_pct']}% of the bandwidth limit)",
+              flush=True)
+        del row_loaded
+    hf = next((measured[name]["decode_tokens_per_s"] for name in HF_BEST if name in measured), None)
+    for name in ROWS:
+        if name in measured:
+            row = measured[name]
+            row["speedup_vs_hf"] = round(row["decode_tokens_per_s"] / hf, 2) if hf else None
+            report.data["rows"].append(row)
+    del loaded
+
+
+def ours_decode(loaded, name: str, prompt: list[int], new_tokens: int, repeats: int):
+    """Median decode tokens/s of our engine as row `name` has it, batch 1, after a warm-up (and its compile)."""
+    settings, scheme = ROWS[name]
+    if "attention" not in {field.name for field in dataclasses.fields(EngineConfig)}:  # an engine without the switch
+        if settings["attention"] != "gather":
+            raise ConfigError(f"this engine has no attention setting: no {settings['attention']} row")
+        settings = {}
+    model = quantize(loaded, QuantConfig(scheme)) if scheme != "none" else loaded
+    config = EngineConfig(kv_mode="paged", max_num_seqs=1, max_seq_len=len(prompt) + new_tokens + 32,
+                          prefix_cache=False, **settings)
+    engine = Engine(model, config)
+    engine.warm_up_compiled()
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.complete(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    rates = [engine.complete(prompt, params).stats.decode_tokens_per_s for _ in range(repeats)]
+    return statistics.median(rates), model
+
+
+def hf_decode(loaded, directory: Path, prompt: list[int], new_tokens: int, repeats: int, static: bool) -> float:
+    """transformers `generate`, greedy, batch 1: eager with its dynamic cache, or with a static cache (which it
+    compiles with CUDA graphs itself on a GPU); the median decode tokens/s after two warm-ups."""
+    model = load_hf_model(loaded, directory)
+    ids = torch.tensor([prompt], device=loaded.device)
+    times: list[float] = []
+    clock = forward_clock(times)
+    extra = {"cache_implementation": "static"} if static else {}
+    rates = []
+    for attempt in range(repeats + 2):
+        times.clear()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                       eos_token_id=None, pad_token_id=0, stopping_criteria=[clock], **extra)
+        if attempt >= 2:
+            rates.append((len(times) - 1) / (times[-1] - times[0]))
+    del model
+    return statistics.median(rates)
+
+
+def batch_part(report: Report, device: torch.device, work: Path, args, deadline: float) -> dict:
+    directory = checkpoint("qwen3-0.6b", work, device, args.smoke)
+    loaded = load_model(str(directory), device=str(device), dtype="bfloat16")
+    requests, seqs, peer_requests = (16, 8, 2) if args.smoke else (256, 128, 4)
+    spec = "uniform:4-16" if args.smoke else "uniform:16-256"
+    lengths = parse_output_lengths(spec, requests, 0, seed=0)
+    rows = [row for row in load_prompts() if row["kind"] != "completion"]
+    result = batch_bench(loaded, directory, rows, [0.0] * requests, lengths, ["continuous", "dynamic", "static"],
+                         ["hf-static", "hf-sequential"], seqs, compile=device.type == "cuda",
+                         peer_requests=peer_requests, settings={"arrival": "burst", "output_lengths": spec},
+                         deadline=deadline)
+    report.data["left_out"] += [f"batch {name}: budget" for name in result["left_out"]]
+    by_name = {row["name"]: row["throughput_tokens_per_s"] for row in result["rows"]}
+    if "continuous" in by_name and "hf-sequential" in by_name:
+        result["continuous_vs_hf_sequential"] = round(by_name["continuous"] / by_name["hf-sequential"], 2)
+    del loaded
+    return {key: result[key] for key in ("arguments", "rows", "left_out", "output_lengths")} | {
+        key: result[key] for key in ("continuous_vs_hf_sequential",) if key in result}
+
+
+def serve_part(report: Report, device: torch.device, work: Path, args, deadline: float) -> dict:
+    """The playground's path in a process of its own (`server.serve_check`: the engine pool, its loop, the API's
+    request reading and replies), as a GPU Space runs it."""
+    directory = checkpoint("qwen3-0.6b", work, device, args.smoke)
+    root = Path(__file__).resolve().parents[2]
+    result = report.out / "serve.json"
+    command = [sys.executable, "-m", "server.serve_check", "--model", str(directory), "--device", str(device),
+               "--json", str(result)] + (["--new-tokens", "8", "--eager"] if args.smoke else [])
+    timeout = max(10.0, deadline - time.perf_counter())
+    try:
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        report.leave_out("serve", "stopped at its share of the budget")
+        return {}
+    print("  " + "\n  ".join(done.stdout.strip().splitlines()[-6:]), flush=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"server.serve_check exited {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(result.read_text())
+
+
+def markdown(data: dict) -> str:
+    lines = [f"# GPU report: {data.get('device')}", "",
+             f"torch {data['torch']}, CUDA {data.get('cuda')}, copy bandwidth {data.get('copy_bandwidth_gb_s')} GB/s "
+             f"(read + written), budget {data['budget_s']:.0f} s" + (" (smoke)" if data["smoke"] else ""), "",
+             "| shape | row | batch | decode tok/s | % of bandwidth limit | vs transformers' best |",
+             "|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        speedup = f"{row['speedup_vs_hf']:.2f}x" if row.get("speedup_vs_hf") else "-"
+        lines.append(f"| {row['shape']} | {row['name']} | {row['batch']} | {row['decode_tokens_per_s']:.1f} | "
+                     f"{row['roofline_pct']} | {speedup} |")
+    batch = data["parts"].get("batch", {})
+    if batch.get("rows"):
+        lines += ["", f"batch-bench at qwen3-0.6b: {batch['arguments']['requests']} requests, output lengths "
+                  f"{batch['arguments'].get('output_lengths')}, at most {batch['arguments']['max_num_seqs']} a step",
+                  "", "| row | requests | tok/s | TTFT p50 ms | latency p50 ms | mean batch |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {row['name']} | {row['requests']} | {row['throughput_tokens_per_s']:.0f} | "
+                  f"{row['ttft_ms_p50']:.0f} | {row['latency_ms_p50']:.0f} | {row['mean_batch_size']:.1f} |"
+                  for row in batch["rows"]]
+    serve = data["parts"].get("serve", {})
+    if serve.get("runs"):
+        lines += ["", f"serving path ({serve.get('how')}):", "", "| run | lane | TTFT ms | tok/s | tokens |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {run['run']} | {run['lane']} | {run['ttft_ms']:.0f} | {run['tokens_per_s']:.1f} | "
+                  f"{run['tokens']} |" for run in serve["runs"]]
+    tests = data["parts"].get("tests", {})
+    if tests.get("summary"):
+        lines += ["", f"CUDA tests: {tests['summary']}" + (f"; failed: {', '.join(tests['failures'])}"
+                                                          if tests.get("failures") else "")]
+    lines += [f"- left out: {item}" for item in data["left_out"]]
+    lines += [f"- error in {item['what']}: {item['error']}" for item in data["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def add_gpu_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """`python -m inference_core gpu-report`'s flags."""
+    parser.add_argument("--out", required=True, help="folder for gpu-report.json and gpu-report.md")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for the whole report")
+    parser.add_argument("--device", default="cuda", help="cuda (or cuda:N); cpu only with --smoke")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model of each shape's family, in seconds")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from: {', '.join(PARTS)}")
+    parser.add_argument("--new-tokens", type=int, default=128, help="decode rows: new tokens per run")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"decode rows, from: {', '.join(ROWS)}")
+    parser.add_argument("--shapes", default=",".join(shape for shapes in DECODE_SHAPES.values() for shape in shapes),
+                        help="decode shapes")
+    parser.add_argument("--work", help="folder for the random-weight checkpoints (default: gpu-report-checkpoints "
+                        "in the temporary folder; an 8B one takes 16 GB)")

@@ -1,0 +1,56 @@
+"""`python -m inference_core gpu-report --device cpu --smoke`: the GPU run's code on a tiny model of Qwen3-0.6B's
+family, so that the one prepared GPU run cannot break unnoticed between GPU runs. The compiled rows are left out
+here (their CPU compile is the compiled step's own tests' business); every other part runs as on a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inference_core.cli import main
+
+ROW_KEYS = {"shape", "name", "batch", "decode_tokens_per_s", "roofline_pct", "speedup_vs_hf"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out, work = tmp_path_factory.mktemp("gpu-report"), tmp_path_factory.mktemp("gpu-report-checkpoints")
+    status = main(["gpu-report", "--out", str(out), "--device", "cpu", "--smoke", "--work", str(work),
+                   "--rows", "gather,flex,hf,hf-static-compiled", "--shapes", "qwen3-0.6b"])
+    return status, json.loads((out / "gpu-report.json").read_text()), (out / "gpu-report.md").read_text(), work
+
+
+def test_smoke_report_has_every_part(smoke):
+    status, report, markdown, _ = smoke
+    assert report["errors"] == [] and status == 0
+    assert report["device"].startswith("cpu") and report["torch"] and report["copy_bandwidth_gb_s"] > 0
+    rows = {row["name"]: row for row in report["rows"]}
+    assert {"gather", "flex", "hf", "hf-static-compiled"} == set(rows)
+    for row in rows.values():
+        assert ROW_KEYS <= set(row) and row["shape"] == "qwen3-0.6b" and row["batch"] == 1
+        assert row["decode_tokens_per_s"] > 0 and row["roofline_pct"] > 0
+    assert rows["hf-static-compiled"]["speedup_vs_hf"] == 1.0  # transformers' best row is the reference
+    batch = {row["name"]: row for row in report["parts"]["batch"]["rows"]}
+    assert {"continuous", "dynamic", "static", "hf-static", "hf-sequential"} == set(batch)
+    assert batch["continuous"]["output_tokens"] == sum(report["parts"]["batch"]["output_lengths"])
+    assert batch["hf-sequential"]["requests"] == 2  # the first requests only
+    serve = report["parts"]["serve"]
+    assert [run["run"] for run in serve["runs"]] == ["race", "race", "chat turn", "API completion (streamed)"]
+    assert all(run["tokens"] == 8 and run["ttft_ms"] > 0 for run in serve["runs"])
+    assert serve["api_chunks"] > 0 and serve["kv_blocks_held_after"] == 0
+    assert report["parts"]["tests"]["status"] == 0  # the CUDA tests are collected (they skip without a GPU)
+    assert "| qwen3-0.6b | gather | 1 |" in markdown and "serving path" in markdown
+
+
+def test_a_spent_budget_leaves_parts_out_and_still_writes(smoke, tmp_path):
+    work = smoke[3]
+    assert main(["gpu-report", "--out", str(tmp_path), "--device", "cpu", "--smoke", "--work", str(work),
+                 "--budget-s", "0", "--parts", "device,decode,batch"]) == 0
+    report = json.loads((tmp_path / "gpu-report.json").read_text())
+    assert report["rows"] == [] and "qwen3-0.6b decode: budget" in report["left_out"]
+    assert {"batch continuous: budget", "batch hf-static: budget"} <= set(report["left_out"])
+
+
+def test_real_shapes_need_a_gpu(tmp_path):
+    assert main(["gpu-report", "--out", str(tmp_path), "--device", "cpu"]) == 2

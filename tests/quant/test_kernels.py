@@ -129,23 +129,26 @@ def fake_cuda_linear(mode: FakeTensorMode, out_features: int, in_features: int) 
 
 
 @pytest.mark.parametrize("in_features,inner_k_tiles", [(256, 8), (576, 4), (96, 2)])
-def test_the_cuda_layers_build_and_run_on_fake_cuda_tensors(in_features, inner_k_tiles):
+def test_the_cuda_layers_build_and_run_on_fake_cuda_tensors(in_features, inner_k_tiles, monkeypatch):
     """The CUDA code path end to end on fake tensors: the packed weight has tinygemm's shape, the scales are bf16
-    [in / group, out, 2], an fp32 input comes back fp32 through bf16, and dequantized() reads the layout back."""
+    [in / group, out, 2], an fp32 input comes back fp32 through bf16 (int4) and through both int8 forms, and
+    dequantized() reads the layout back."""
+    monkeypatch.setattr(kernels, "int8_path", lambda device, dtype: "dequant")  # never time fake tensors
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     int4_linear, int8_linear = fake_cuda_linear(mode, 96, in_features), fake_cuda_linear(mode, 96, in_features)
     with mode:
         int4 = QuantLinear(int4_linear, "int4", 32, torch.bfloat16, "layers.0.mlp.down_proj")
         int8 = QuantLinear(int8_linear, "int8", 32, torch.float32)
         x = torch.empty(3, 5, in_features, device="cuda")
-        for layer in (int4, int8):
+        for layer, path in ((int4, None), (int8, "dequant"), (int8, "aten")):
+            layer.int8_path = path
             out = layer.forward(x)
             assert out.device.type == "cuda" and out.dtype == torch.float32 and out.shape == (3, 5, 96)
             assert layer.dequantized().shape == (96, in_features)
     assert int4.qweight.device.type == "cuda" and int4.qweight.dtype == torch.int32
     assert int4.qweight.shape == (96 // 8, in_features // (inner_k_tiles * 16), 32, inner_k_tiles // 2)
     assert int4.scales.shape == (in_features // 32, 96, 2) and int4.scales.dtype == torch.bfloat16
-    assert int8.qweight.dtype == torch.int8 and int8.int8_path in kernels.INT8_PATHS
+    assert int8.qweight.dtype == torch.int8
     misfit, fp16 = fake_cuda_linear(mode, 100, 256), fake_cuda_linear(mode, 96, 256)
     with mode, pytest.raises(ConfigError, match=r"^layers.0.mlp.up_proj \[100, 256\] does not fit"):
         QuantLinear(misfit, "int4", 32, torch.bfloat16, "layers.0.mlp.up_proj")

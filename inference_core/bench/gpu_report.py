@@ -64,7 +64,8 @@ ROWS = {"gather": (dict(attention="gather"), "none"), "flex": (dict(attention="f
         "graphs+int4": (dict(compile=True), "int4"), "hf": None, "hf-static-compiled": None}
 ROW_ORDER = ("graphs", "gather", "hf-static-compiled", "graphs+int4", "flex", "graphs+int8", "hf")  # by priority
 COMPILED_ROW_S = 60.0  # a compiled row at an 8B shape takes about this long (its compile); eager rows a fraction
-CUDA_TEST_FILES = ("tests/engine/test_cuda.py", "tests/quant", "tests/kv", "tests/engine/test_compiled.py")
+CUDA_TEST_FILES = ("tests/engine/test_cuda.py", "tests/quant", "tests/kv", "tests/engine/test_compiled.py",
+                   "tests/engine/test_flex_attention.py")
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, vocab_size=4096, max_position_embeddings=2048)
 PROMPT_ID = "chat-short-1"

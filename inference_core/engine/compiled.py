@@ -426,9 +426,12 @@ def default_backend(device: torch.device) -> str:
 
 def default_options(device: torch.device) -> dict:
     """The compile options used unless asked otherwise: on the CPU the measured-fastest inductor options, on CUDA
-    CUDA graphs through `mode="reduce-overhead"`."""
+    CUDA graphs through `mode="reduce-overhead"` and coordinate-descent tuning."""
     if device.type == "cuda":
-        return {"mode": "reduce-overhead"}
+        # coordinate_descent_tuning (as gpt-fast sets it): inductor turns a one-row matmul into a fused multiply and
+        # sum, so an int8 weight's cast to the activation dtype fuses into the same kernel (without it inductor may
+        # pick ATen's fp32 int8 kernel: 429 us against 90 us for the fused form at [14336, 4096] on an H100).
+        return {"mode": "reduce-overhead", "coordinate_descent_tuning": True}
     return dict(CPU_OPTIONS)
 
 

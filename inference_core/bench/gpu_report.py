@@ -56,7 +56,7 @@ from inference_core.sampling import SamplingParams
 
 # part -> share of the budget; a part's deadline is the run's start plus the shares up to and including its own, so
 # time a part leaves unused goes to the parts after it.
-PARTS = {"device": 0.02, "tests": 0.14, "decode": 0.42, "batch": 0.2, "serve": 0.1, "decode-1.7b": 0.12}
+PARTS = {"device": 0.02, "tests": 0.12, "decode": 0.5, "batch": 0.2, "serve": 0.08, "decode-1.7b": 0.08}
 DECODE_SHAPES = {"decode": ("qwen3-0.6b", "llama-3-8b"), "decode-1.7b": ("qwen3-1.7b",)}
 # name -> (engine settings, weight scheme), in the table's order; None: a transformers row.
 ROWS = {"gather": (dict(attention="gather"), "none"), "flex": (dict(attention="flex"), "none"),

@@ -54,8 +54,8 @@ from inference_core.quant.linear import QuantConfig
 from inference_core.quant.quantize import quantize
 from inference_core.sampling import SamplingParams
 
-# part -> share of the budget; a part's deadline is the run's start plus the shares up to and including its own, so
-# time a part leaves unused goes to the parts after it.
+# part -> share of the budget (of the parts asked for, scaled to add up to the whole); a part's deadline is the run's
+# start plus the shares up to and including its own, so time a part leaves unused goes to the parts after it.
 PARTS = {"device": 0.02, "tests": 0.12, "decode": 0.5, "batch": 0.2, "serve": 0.08, "decode-1.7b": 0.08}
 DECODE_SHAPES = {"decode": ("qwen3-0.6b", "llama-3-8b"), "decode-1.7b": ("qwen3-1.7b",)}
 # name -> (engine settings, weight scheme), in the table's order; None: a transformers row.
@@ -106,11 +106,12 @@ def run_gpu_report(args) -> int:
     work = Path(args.work or Path(tempfile.gettempdir()) / "gpu-report-checkpoints")
     report = Report(out, args)
     parts = [part for part in PARTS if part in args.parts.split(",")]
+    if not parts:
+        raise ConfigError(f"no part to run; --parts takes {', '.join(PARTS)}.")
+    total_share = sum(PARTS[part] for part in parts)
     deadline = started
-    for part in PARTS:
-        deadline += PARTS[part] * args.budget_s
-        if part not in parts:
-            continue
+    for part in parts:
+        deadline += PARTS[part] / total_share * args.budget_s
         print(f"== {part} (until {deadline - started:.0f} s of {args.budget_s:.0f})", flush=True)
         part_started = time.perf_counter()
         try:

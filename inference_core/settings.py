@@ -17,7 +17,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from inference_core.config import KV_DTYPES, KV_MODES, ConfigError, EngineConfig
+from inference_core.config import ATTENTIONS, KV_DTYPES, KV_MODES, ConfigError, EngineConfig
 from inference_core.quant.linear import GROUP_SIZES, SCHEMES, QuantConfig
 from inference_core.sampling import SamplingParams
 from inference_core.spec.decoding import HIDDEN_READERS, MAX_K, MAX_TREE_WIDTH, SPEC_METHODS, SpecConfig
@@ -32,6 +32,8 @@ SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "e
 WEIGHTS_LABELS = {"none": "model dtype", "int8": "int8 per channel", "int4": "int4 per group",
                   "awq": "AWQ int4 per group (calibrated)"}
 KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and head"}
+ATTENTION_LABELS = {"auto": "auto (flex on CUDA, gather on a CPU)", "gather": "gather a copy (reference)",
+                    "flex": "FlexAttention through the block table"}
 CONSTRAINT_LABELS = {"none": "no constraint", "json_object": "any JSON object", "json_schema": "a JSON schema",
                      "regex": "a regular expression", "choice": "one of a list of choices"}
 UNSET = object()  # a Setting's flag_default or off_value that was not given
@@ -174,6 +176,15 @@ class LaneSettings:
         "auto", label="KV cache dtype", widget="radio", choices=KV_DTYPES, labels=KV_DTYPE_LABELS, flag="kv-dtype",
         help="KV cache storage: auto (the model dtype) or int8 (per token and head scales)", applies=WITH_KV_CACHE,
         off_value="auto")
+    attention: str = _setting(
+        "auto", label="attention (paged)", widget="radio", choices=ATTENTIONS, labels=ATTENTION_LABELS,
+        info="how attention reads the paged pool: a contiguous copy of each sequence's blocks per step, or "
+             "FlexAttention through the block table with no copy (compiled on its first use of each shape)",
+        flag="attention",
+        help="paged attention: gather (copy each sequence's blocks, then SDPA; the reference), flex (FlexAttention "
+             "over the pool through the block tables, no copy; compiles each shape bucket on first use) or auto "
+             "(flex on CUDA, gather on a CPU, where it measured as fast or faster)",
+        applies=("kv_mode", _one_of("paged")), off_value="auto")
     sliding_window: int | None = _setting(  # 0 (or None): the checkpoint's own window, if any
         0, label="sliding window (tokens)", widget="number", bounds=(0, 1 << 20, 1),
         info="attend to the last N tokens only; the paged cache gives back blocks that fall out of the window, so "
@@ -200,7 +211,7 @@ class LaneSettings:
         window = _whole(self.sliding_window) or None
         return EngineConfig(kv_mode=self.kv_mode, block_size=_whole(self.block_size),
                             prefix_cache=bool(self.prefix_cache), max_seq_len=max_seq_len, compile=bool(self.compile),
-                            kv_dtype=self.kv_dtype, sliding_window=window, **engine)
+                            kv_dtype=self.kv_dtype, sliding_window=window, attention=self.attention, **engine)
 
     def quant(self, lm_head: bool = True) -> QuantConfig:
         return QuantConfig(self.weights or "none", _whole(self.quant_group), lm_head)
@@ -291,6 +302,8 @@ class LaneSettings:
             parts.append(f"{self.quant().name} weights")
         if self.kv_dtype == "int8":
             parts.append("int8 KV")
+        if self.attention in ("gather", "flex"):
+            parts.append(f"{self.attention} attention")
         if _whole(self.sliding_window):
             parts.append(f"window {_whole(self.sliding_window)}")
         return ", ".join(parts)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference_core.kv.cache import KVCache, RecomputeKVCache
+from inference_core.kv.flex import FlexBatch
 from inference_core.model.llama import CausalLM
 from inference_core.model.loader import LoadedModel
 from inference_core.sequence import PAD_TOKEN, Sequence
@@ -48,6 +49,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor | None = None  # [tokens] flat write slot of each new token (paged)
     block_tables: torch.Tensor | None = None  # [sequences, max_blocks] int32, padded with block 0 (paged)
     num_blocks: list[int] = field(default_factory=list)  # per sequence: blocks its context spans (paged)
+    flex: FlexBatch | None = None  # paged with flex attention: the block masks of the forward's calls (kv.flex)
 
 
 class ModelRunner:
@@ -189,6 +191,8 @@ class ModelRunner:
         if window is not None:  # a query at position p sees keys at positions p - window + 1 .. p
             mask &= key_positions[None, :] > positions[:, None] - window
         batch.positions, batch.attention_masks[0], batch.is_causal[0] = positions, mask, False
+        if batch.flex is not None:  # flex attention: the tree's own block mask
+            self.kv_cache.prepare_tree(seq, batch, positions, mask)
         logits, flat = self.model.forward(batch, self.kv_cache, return_hidden=True)
         return logits, flat[-num_nodes:]
 

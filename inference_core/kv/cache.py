@@ -28,6 +28,10 @@ Two storage options apply to both caching modes:
 - a sliding window (`sliding_window`, tokens each token attends to, itself included): the runner's masks hide what
   lies before it, and the paged cache gives back the blocks that fall wholly out of it (`BlockManager.release_before`),
   so a long generation holds a constant number of blocks.
+
+The paged cache reads in one of two ways (`attention`): "gather" (`load` / `load_decodes`, a contiguous copy that SDPA
+reads, the reference) or "flex": `prepare` builds FlexAttention block masks from the block tables (`kv.flex`) and
+`attend` runs attention over the pool itself, with no copy.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Protocol
 import torch
 
 from inference_core.config import ModelConfig
+from inference_core.kv import flex
 from inference_core.kv.block_manager import FREED, BlockManager
 from inference_core.sequence import Sequence
 
@@ -253,11 +258,16 @@ class PagedKVCache(_Storage):
     kv_mode = "paged"
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, prefix_cache: bool, dtype, device,
-                 kv_dtype: str = "auto", sliding_window: int | None = None):
+                 kv_dtype: str = "auto", sliding_window: int | None = None, attention: str = "gather"):
         self.block_size = block_size
         storage, last = self._init_storage(config, dtype, kv_dtype, sliding_window)
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix_cache)
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, last)
+        self.attention = attention
+        # flex: the pool as FlexAttention sees it; it holds a few spare blocks the manager never hands out (`kv.flex`)
+        self.flex_layout = flex.PoolLayout.for_pool(num_blocks, block_size, torch.device(device)) \
+            if attention == "flex" else None
+        pool_blocks = self.flex_layout.total_pages if self.flex_layout is not None else num_blocks
+        shape = (config.num_layers, pool_blocks, block_size, config.num_kv_heads, last)
         # k, v: [layers, blocks, block_size, kv_heads, head_dim]; a token's (block, offset) is one flat slot index.
         # Zeroed: batched decodes read whole blocks (and block 0 as padding) and mask what lies past a context, and
         # masked positions must hold finite numbers (never-written memory can hold NaN; 0 x NaN is NaN).
@@ -347,6 +357,35 @@ class PagedKVCache(_Storage):
         batch.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
         batch.block_tables = torch.tensor(rows, dtype=torch.int32, device=self.device)
         batch.num_blocks = needed
+        if self.flex_layout is not None:
+            batch.flex = self._flex_batch(seqs, batch)
+
+    def _flex_batch(self, seqs: list[Sequence], batch) -> flex.FlexBatch:
+        """The forward's FlexAttention calls: every single-token decode in one, then each other sequence alone."""
+        window, num_decodes = self.sliding_window, batch.num_decodes
+        decodes = None
+        if num_decodes:
+            decodes = flex.build_call(self.flex_layout, [seq.block_table for seq in seqs[:num_decodes]],
+                                      [first for first, _ in batch.position_ranges[:num_decodes]], 1, window,
+                                      self.device)
+        chunks = [flex.build_call(self.flex_layout, [seq.block_table], [first], last - first, window, self.device)
+                  for seq, (first, last) in zip(seqs[num_decodes:], batch.position_ranges[num_decodes:])]
+        return flex.FlexBatch(decodes, chunks)
+
+    def prepare_tree(self, seq: Sequence, batch, positions: torch.Tensor, mask: torch.Tensor) -> None:
+        """flex: the call of a tree verification (one sequence): its queries at `positions` [queries], seeing the keys
+        `mask` [queries, context] marks (those before the queries as the window allows)."""
+        first = batch.position_ranges[0][0]
+        call = flex.build_call(self.flex_layout, [seq.block_table], [first], len(positions), self.sliding_window,
+                               self.device, tree=(positions, mask[:, first:]))
+        batch.flex = flex.FlexBatch(None, [call])
+
+    def attend(self, layer: int, call: flex.FlexCall, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """flex: q [rows, heads, queries, head_dim] over this layer's pool, through `call`'s block mask."""
+        # The pool [blocks, block_size, kv_heads, head_dim] seen as one sequence [1, kv_heads, slots, head_dim]: a view.
+        k = self.k_slots[layer].transpose(0, 1).unsqueeze(0)
+        v = self.v_slots[layer].transpose(0, 1).unsqueeze(0)
+        return flex.attend(call, q.to(k.dtype), k, v, scale)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None:
         # k, v: [tokens, kv_heads, head_dim] -> the pool seen as [blocks * block_size, kv_heads, head_dim].

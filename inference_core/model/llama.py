@@ -209,6 +209,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, batch, kv_cache) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
         kv_cache.store(self.layer_index, k, v, batch)
+        if batch.flex is not None:  # the paged pool read in place through the block tables
+            return self.o_proj.forward(self._attend_flex(q, batch, kv_cache).to(x.dtype))
         outputs = []
         num_decodes = batch.num_decodes
         first = 0
@@ -230,6 +232,21 @@ class Attention(nn.Module):
             outputs.append(out[0].transpose(0, 1).reshape(end - start, self.q_size))
         attended = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).to(x.dtype)
         return self.o_proj.forward(attended)
+
+    def _attend_flex(self, q, batch, kv_cache) -> torch.Tensor:
+        """FlexAttention over the paged pool (`kv.flex`), in the pool's dtype: the decodes in one call, then each other
+        sequence in its own; q: [tokens, heads, head_dim] -> [tokens, heads * head_dim]."""
+        calls, outputs = batch.flex, []
+        if calls.decodes is not None:
+            num_decodes = calls.decodes.rows
+            out = kv_cache.attend(self.layer_index, calls.decodes, q[:num_decodes].unsqueeze(2), self.scale)
+            outputs.append(out.reshape(num_decodes, self.q_size))  # out: [decodes, heads, 1, head_dim]
+        ranges = batch.query_ranges[len(batch.query_ranges) - len(calls.chunks):]
+        for call, (start, end) in zip(calls.chunks, ranges):
+            q_i = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, new_tokens, head_dim]
+            out = kv_cache.attend(self.layer_index, call, q_i, self.scale)
+            outputs.append(out[0].transpose(0, 1).reshape(end - start, self.q_size))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _attend(self, q, k, v, mask, is_causal: bool) -> torch.Tensor:
         """SDPA in the attention dtype; q: [batch, heads, queries, head_dim], k and v: [batch, kv_heads, keys,

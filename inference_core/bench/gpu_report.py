@@ -7,7 +7,7 @@ Parts, in order, each stopping at its share of the budget (a row not started in 
 1. `device`: the GPU, torch and CUDA versions, and the copy bandwidth (a device-to-device copy of 1 GiB, bytes read
    plus bytes written over the median time of 10 copies), the bandwidth every row's `roofline_pct` is taken against.
 2. `tests`: the CUDA tests (`pytest -m cuda` over the files that hold them), each test's outcome recorded.
-3. `decode`: batch-1 decode in bf16 at Qwen3-0.6B's and Llama-3-8B's shapes (Qwen3-1.7B's last, as its own part):
+3. `decode`: batch-1 decode in bf16 at Llama-3-8B's and Qwen3-0.6B's shapes (Qwen3-1.7B's last, as its own part):
    eager with the gathered paged cache, eager with FlexAttention reading the pool through the block table, compiled
    with CUDA graphs, the same with int8 and int4 weights, and transformers eager and at its best (static cache, which
    transformers compiles with CUDA graphs on its own). Each row: the median decode tokens/s of 3 runs of 128 new
@@ -57,12 +57,12 @@ from inference_core.sampling import SamplingParams
 # part -> share of the budget (of the parts asked for, scaled to add up to the whole); a part's deadline is the run's
 # start plus the shares up to and including its own, so time a part leaves unused goes to the parts after it.
 PARTS = {"device": 0.02, "tests": 0.12, "decode": 0.5, "batch": 0.2, "serve": 0.08, "decode-1.7b": 0.08}
-DECODE_SHAPES = {"decode": ("qwen3-0.6b", "llama-3-8b"), "decode-1.7b": ("qwen3-1.7b",)}
+DECODE_SHAPES = {"decode": ("llama-3-8b", "qwen3-0.6b"), "decode-1.7b": ("qwen3-1.7b",)}  # the goals' shapes first
 # name -> (engine settings, weight scheme), in the table's order; None: a transformers row.
 ROWS = {"gather": (dict(attention="gather"), "none"), "flex": (dict(attention="flex"), "none"),
         "graphs": (dict(compile=True), "none"), "graphs+int8": (dict(compile=True), "int8"),
         "graphs+int4": (dict(compile=True), "int4"), "hf": None, "hf-static-compiled": None}
-ROW_ORDER = ("graphs", "gather", "hf-static-compiled", "graphs+int4", "flex", "graphs+int8", "hf")  # by priority
+ROW_ORDER = ("graphs", "hf-static-compiled", "graphs+int4", "gather", "flex", "graphs+int8", "hf")  # by priority
 COMPILED_ROW_S = 60.0  # a compiled row at an 8B shape takes about this long (its compile); eager rows a fraction
 CUDA_TEST_FILES = ("tests/engine/test_cuda.py", "tests/quant", "tests/kv", "tests/engine/test_compiled.py",
                    "tests/engine/test_flex_attention.py")

@@ -2,23 +2,25 @@
 GPU in one prepared run, on a bare CUDA machine with only this repository (random-weight checkpoints at real shapes
 are written on the spot by `inference_core.model.random_weights`).
 
-Parts, in order, each stopping at its share of the budget (a row not started in time is listed in `left_out`):
+Parts, in this order (the goals' measurements first: a short lease gets those), each stopping at its share of the
+budget (a row not started in time is listed in `left_out`):
 
 1. `device`: the GPU, torch and CUDA versions, and the copy bandwidth (a device-to-device copy of 1 GiB, bytes read
    plus bytes written over the median time of 10 copies), the bandwidth every row's `roofline_pct` is taken against.
-2. `tests`: the CUDA tests (`pytest -m cuda` over the files that hold them), each test's outcome recorded.
-3. `decode`: batch-1 decode in bf16 at Llama-3-8B's and Qwen3-0.6B's shapes (Qwen3-1.7B's last, as its own part):
+2. `decode`: batch-1 decode in bf16 at Llama-3-8B's and Qwen3-0.6B's shapes (Qwen3-1.7B's last, as its own part):
    eager with the gathered paged cache, eager with FlexAttention reading the pool through the block table, compiled
    with CUDA graphs, the same with int8 and int4 weights, and transformers eager and at its best (static cache, which
    transformers compiles with CUDA graphs on its own). Each row: the median decode tokens/s of 3 runs of 128 new
    tokens after a warm-up, its % of the bandwidth limit (copy bandwidth over the bytes one step reads: the weights as
    stored plus the KV of the mean context) and its ratio to transformers' best row of the shape.
-4. `batch`: `batch-bench` at Qwen3-0.6B's shape, 256 requests arriving at once with output lengths uniform over
+3. `batch`: `batch-bench` at Qwen3-0.6B's shape, 256 requests arriving at once with output lengths uniform over
    16-256 (seeded), at most 128 sequences a step: our continuous, dynamic and static batching (compiled decode on a
    GPU), transformers' static batches, and transformers one request at a time on the first 4 requests (its tokens/s
    does not depend on how many).
-5. `serve`: the playground's own path on the device (`python -m server.serve_check`): a race of two lanes, a chat
+4. `serve`: the playground's own path on the device (`python -m server.serve_check`): a race of two lanes, a chat
    turn and one streamed API completion through the engine pool and its loop, each with its TTFT and tokens/s.
+5. `tests`: the CUDA tests (`pytest -m cuda` over the files that hold them), each test's outcome recorded.
+6. `decode-1.7b`: the decode rows at Qwen3-1.7B's shape.
 
 The report is rewritten after every part, so a run stopped from outside still leaves `DIR/gpu-report.json` (rows with
 `shape`, `name`, `batch`, `decode_tokens_per_s`, `roofline_pct`, `speedup_vs_hf`; `device` and `torch` at the top)
@@ -56,7 +58,7 @@ from inference_core.sampling import SamplingParams
 
 # part -> share of the budget (of the parts asked for, scaled to add up to the whole); a part's deadline is the run's
 # start plus the shares up to and including its own, so time a part leaves unused goes to the parts after it.
-PARTS = {"device": 0.02, "tests": 0.12, "decode": 0.5, "batch": 0.2, "serve": 0.08, "decode-1.7b": 0.08}
+PARTS = {"device": 0.02, "decode": 0.5, "batch": 0.2, "serve": 0.08, "tests": 0.12, "decode-1.7b": 0.08}
 DECODE_SHAPES = {"decode": ("llama-3-8b", "qwen3-0.6b"), "decode-1.7b": ("qwen3-1.7b",)}  # the goals' shapes first
 # name -> (engine settings, weight scheme), in the table's order; None: a transformers row.
 ROWS = {"gather": (dict(attention="gather"), "none"), "flex": (dict(attention="flex"), "none"),

@@ -23,9 +23,10 @@ SUPPORTED_ARCHITECTURES = {
 KV_MODES = ("none", "contiguous", "paged")
 KV_DTYPES = ("auto", "int8")  # auto: the model dtype; int8: per token and head scales (see inference_core.kv.cache)
 BATCHING_MODES = ("none", "static", "dynamic", "continuous")  # see inference_core.engine.scheduler
-# How paged attention reads the pool: gather (a contiguous copy per step, the reference), flex (FlexAttention through
-# the block tables, inference_core.kv.flex), auto (see EngineConfig.attention_kernel).
-ATTENTIONS = ("auto", "gather", "flex")
+# How paged attention reads the pool: gather (a contiguous copy per step, the reference) or flex (FlexAttention through
+# the block tables, no copy: inference_core.kv.flex). Gather is the default because it measured faster on this CPU and
+# on an H100 (docs/benchmarks.md, "Paged attention: gather or FlexAttention").
+ATTENTIONS = ("gather", "flex")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -174,7 +175,7 @@ class EngineConfig:
     compile: bool = False  # decode steps through torch.compile (inference_core.engine.compiled); needs a KV cache
     kv_dtype: str = "auto"  # KV cache storage: "auto" (the model dtype) or "int8" (see inference_core.kv.cache)
     sliding_window: int | None = None  # attend to the last N tokens only; None: the checkpoint's own window, if any
-    attention: str = "auto"  # paged attention: "gather", "flex" or "auto" (see attention_kernel)
+    attention: str = "gather"  # paged attention: "gather" or "flex" (see ATTENTIONS)
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -229,16 +230,6 @@ class EngineConfig:
         the window covers the whole context (full attention)."""
         window = self.sliding_window or model.sliding_window
         return window if window and window < self.context_length(model) else None
-
-    def attention_kernel(self, device: torch.device) -> str:
-        """How paged attention reads the pool on `device`: "flex" or "gather". Auto picks flex on CUDA (expected
-        faster there: it reads each sequence's blocks in place; not yet measured on a GPU) and gather on a CPU, where
-        it measured as fast or faster (docs/benchmarks.md, "Paged attention: gather or FlexAttention"). Auto never
-        picks flex where it cannot run (other KV modes, an int8 KV cache)."""
-        if self.attention != "auto":
-            return self.attention
-        flex_runs = self.kv_mode == "paged" and self.kv_dtype == "auto"
-        return "flex" if flex_runs and device.type == "cuda" else "gather"
 
     def num_kv_blocks(self, model: ModelConfig) -> int:
         tokens = self.kv_cache_tokens or self.context_length(model)

@@ -32,8 +32,7 @@ SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "e
 WEIGHTS_LABELS = {"none": "model dtype", "int8": "int8 per channel", "int4": "int4 per group",
                   "awq": "AWQ int4 per group (calibrated)"}
 KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and head"}
-ATTENTION_LABELS = {"auto": "auto (flex on CUDA, gather on a CPU)", "gather": "gather a copy (reference)",
-                    "flex": "FlexAttention through the block table"}
+ATTENTION_LABELS = {"gather": "gather a copy (reference)", "flex": "FlexAttention through the block table"}
 CONSTRAINT_LABELS = {"none": "no constraint", "json_object": "any JSON object", "json_schema": "a JSON schema",
                      "regex": "a regular expression", "choice": "one of a list of choices"}
 UNSET = object()  # a Setting's flag_default or off_value that was not given
@@ -177,14 +176,14 @@ class LaneSettings:
         help="KV cache storage: auto (the model dtype) or int8 (per token and head scales)", applies=WITH_KV_CACHE,
         off_value="auto")
     attention: str = _setting(
-        "auto", label="attention (paged)", widget="radio", choices=ATTENTIONS, labels=ATTENTION_LABELS,
+        "gather", label="attention (paged)", widget="radio", choices=ATTENTIONS, labels=ATTENTION_LABELS,
         info="how attention reads the paged pool: a contiguous copy of each sequence's blocks per step, or "
-             "FlexAttention through the block table with no copy (compiled on its first use of each shape)",
-        flag="attention",
-        help="paged attention: gather (copy each sequence's blocks, then SDPA; the reference), flex (FlexAttention "
-             "over the pool through the block tables, no copy; compiles each shape bucket on first use) or auto "
-             "(flex on CUDA, gather on a CPU, where it measured as fast or faster)",
-        applies=("kv_mode", _one_of("paged")), off_value="auto")
+             "FlexAttention through the block table with no copy (compiled on its first use of each shape, about 5 s "
+             "each on a CPU)", flag="attention",
+        help="paged attention: gather (copy each sequence's blocks, then SDPA; the reference and the default, "
+             "measured faster) or flex (FlexAttention over the pool through the block tables, no copy; compiles "
+             "each shape bucket on first use)",
+        applies=("kv_mode", _one_of("paged")), off_value="gather")
     sliding_window: int | None = _setting(  # 0 (or None): the checkpoint's own window, if any
         0, label="sliding window (tokens)", widget="number", bounds=(0, 1 << 20, 1),
         info="attend to the last N tokens only; the paged cache gives back blocks that fall out of the window, so "
@@ -302,8 +301,8 @@ class LaneSettings:
             parts.append(f"{self.quant().name} weights")
         if self.kv_dtype == "int8":
             parts.append("int8 KV")
-        if self.attention in ("gather", "flex"):
-            parts.append(f"{self.attention} attention")
+        if self.attention == "flex" and self.kv_mode == "paged":
+            parts.append("flex attention")
         if _whole(self.sliding_window):
             parts.append(f"window {_whole(self.sliding_window)}")
         return ", ".join(parts)

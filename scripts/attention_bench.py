@@ -65,14 +65,19 @@ def time_decode(engine: Engine, prompts: list[list[int]]) -> float:
     return statistics.median(steps)
 
 
-def measure(loaded, rounds: int) -> list[dict]:
+def measure(loaded, rounds: int, context: int) -> list[dict]:
     prefill_ids = prompt_ids(loaded, (PREFILL_PROMPT,))[0]
     decode_ids = prompt_ids(loaded, DECODE_PROMPTS)
-    cases = {"prefill 277 tokens": lambda engine: time_prefill(engine, prefill_ids),
+    cases = {f"prefill {len(prefill_ids)} tokens": lambda engine: time_prefill(engine, prefill_ids),
              "decode batch 1": lambda engine: time_decode(engine, decode_ids[4:5]),
              "decode batch 8": lambda engine: time_decode(engine, decode_ids)}
-    engines = {attention: Engine(loaded, EngineConfig(kv_mode="paged", prefix_cache=False, max_seq_len=2048,
-                                                      kv_cache_tokens=8192, attention=attention))
+    if context:  # long contexts: each prompt repeated up to `context` tokens
+        long_ids = [(ids * (context // len(ids) + 1))[:context] for ids in decode_ids]
+        cases[f"decode batch 8, {context}-token contexts"] = lambda engine: time_decode(engine, long_ids)
+    pool = max(8192, 8 * (context + DECODE_STEPS + 8))
+    engines = {attention: Engine(loaded, EngineConfig(kv_mode="paged", prefix_cache=False,
+                                                      max_seq_len=max(2048, context + 64), kv_cache_tokens=pool,
+                                                      attention=attention))
                for attention in ("gather", "flex")}
     timings = {(case, attention): [] for case in cases for attention in engines}
     for round_index in range(rounds + 1):  # round 0 warms up (and compiles flex's buckets)
@@ -96,18 +101,19 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--context", type=int, default=0, help="also decode batch 8 at contexts of this many tokens")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     report = {"model": args.model, "device": args.device, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "rounds": args.rounds, "rows": []}
-    print(f"{'dtype':<9} {'case':<20} {'gather ms':>10} {'flex ms':>9} {'flex/gather':>12}")
+    print(f"{'dtype':<9} {'case':<36} {'gather ms':>10} {'flex ms':>9} {'flex/gather':>12}")
     for dtype in args.dtype:
         loaded = load_model(args.model, device=args.device, dtype=dtype)
-        for row in measure(loaded, args.rounds):
+        for row in measure(loaded, args.rounds, args.context):
             report["rows"].append({"dtype": dtype, **row})
-            print(f"{dtype:<9} {row['case']:<20} {row['gather_ms']:>10.2f} {row['flex_ms']:>9.2f} "
+            print(f"{dtype:<9} {row['case']:<36} {row['gather_ms']:>10.2f} {row['flex_ms']:>9.2f} "
                   f"{row['flex_over_gather']:>12.3f}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

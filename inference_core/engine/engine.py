@@ -76,8 +76,7 @@ def make_kv_cache(loaded: LoadedModel, config: EngineConfig, max_seq_len: int):
                                  config.kv_dtype, window)
     if config.kv_mode == "paged":
         return PagedKVCache(loaded.config, config.num_kv_blocks(loaded.config), config.block_size,
-                            config.prefix_cache, loaded.dtype, loaded.device, config.kv_dtype, window,
-                            config.attention_kernel(loaded.device))
+                            config.prefix_cache, loaded.dtype, loaded.device, config.kv_dtype, window, config.attention)
     return RecomputeKVCache(window)
 
 

@@ -83,6 +83,14 @@ class PoolLayout:
     def null_group(self) -> int:
         return self.num_groups - 1
 
+    def kernel_options(self, num_queries: int) -> dict | None:
+        """Triton's tiles must divide the sparse blocks: key tiles of one sparse key block, and for several queries
+        the main kernel (torch picks its decoding kernel below 128 queries, whose query tile can outgrow the
+        sparse query block) with 64-query tiles. The CPU's kernel takes the blocks as they are."""
+        if not self.uniform and num_queries > 1:
+            return {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 64, "BLOCK_N": self.page_size * self.group_pages}
+        return None
+
 
 @dataclass
 class FlexCall:
@@ -90,6 +98,7 @@ class FlexCall:
     `padded_queries`), and the block mask over the pool."""
 
     block_mask: BlockMask
+    kernel_options: dict | None
     rows: int
     padded_rows: int
     queries: int
@@ -118,7 +127,7 @@ def attend(call: FlexCall, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     queries, head_dim] (q padded to the call's bucket on the way in, the padding dropped on the way out)."""
     padded = F.pad(q, (0, 0, 0, call.padded_queries - call.queries, 0, 0, 0, call.padded_rows - call.rows))
     out = kernel()(padded, k_pool, v_pool, block_mask=call.block_mask, scale=scale,
-                   enable_gqa=q.shape[1] != k_pool.shape[1])
+                   enable_gqa=q.shape[1] != k_pool.shape[1], kernel_options=call.kernel_options)
     return out[:call.rows, :, :call.queries]
 
 
@@ -161,7 +170,7 @@ def build_call(layout: PoolLayout, tables: list[list[int]], firsts: list[int], n
         num_partial.to(device), partial.to(device), num_full.to(device), full.to(device),
         BLOCK_SIZE=(layout.query_block, size * layout.group_pages), mask_mod=mask_mod,
         seq_lengths=(padded_queries, layout.total_pages * size), compute_q_blocks=False)
-    return FlexCall(block_mask, rows, padded_rows, num_queries, padded_queries)
+    return FlexCall(block_mask, layout.kernel_options(num_queries), rows, padded_rows, num_queries, padded_queries)
 
 
 def _visible_pages(layout: PoolLayout, pages: torch.Tensor, firsts: torch.Tensor, num_queries: int,

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from inference_core import Engine, EngineConfig, SamplingParams
+from inference_core import Engine, EngineConfig, SamplingParams, load_model
 from inference_core.config import ConfigError
 from inference_core.kv import flex
 from inference_core.model.checkpoint import resolve_model_dir
@@ -173,8 +173,8 @@ def test_tiny_tree_verification_logits_match_gather(tiny, uncompiled, window):
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-4)
 
 
-def test_flex_needs_the_paged_cache_in_the_model_dtype():
-    """Refusals that name what to change on each surface; auto picks flex only on CUDA and only where it runs."""
+def test_flex_needs_the_paged_cache_in_the_model_dtype(tiny):
+    """Refusals that name what to change on each surface; gather is the default."""
     refusals = {"needs the paged cache": [dict(kv_mode="contiguous"), dict(kv_mode="none")],
                 "an int8 KV cache": [dict(kv_dtype="int8")]}
     for words_said, cases in refusals.items():
@@ -183,14 +183,11 @@ def test_flex_needs_the_paged_cache_in_the_model_dtype():
                 EngineConfig(attention="flex", **settings)
             said = refused.value.in_words(words("cli")), refused.value.in_words(words("page"))
             assert "--attention to gather" in said[0] and "'attention (paged)' to gather" in said[1]
-    with pytest.raises(ConfigError, match="unknown attention 'paged'; use one of: auto, gather, flex"):
+    with pytest.raises(ConfigError, match="unknown attention 'paged'; use one of: gather, flex"):
         EngineConfig(attention="paged")
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert [EngineConfig().attention_kernel(cpu), EngineConfig().attention_kernel(cuda)] == ["gather", "flex"]
-    assert EngineConfig(kv_mode="contiguous").attention_kernel(cuda) == "gather"
-    assert EngineConfig(kv_dtype="int8").attention_kernel(cuda) == "gather"
-    assert EngineConfig(attention="flex").attention_kernel(cpu) == "flex"
+    assert EngineConfig().attention == LaneSettings().engine_config(512).attention == "gather"
     assert LaneSettings(attention="flex").engine_config(512).attention == "flex"
+    assert Engine(tiny, EngineConfig(kv_mode="paged")).kv_cache.flex_layout is None
 
 
 # --- the bundled model, compiled, against transformers --------------------------------------------------------------
@@ -234,3 +231,43 @@ def test_bundled_tree_verification_flex_equals_transformers(bundled, bundled_ref
     tree = engine.complete(prompts[2], params, spec=SpecConfig("eagle", k=3, tree_width=3))
     assert tree.token_ids == reference[2] and tree.stats.spec["accepted"] > 0
     assert_nothing_held(engine)
+
+
+# --- CUDA (skipped without a GPU; `gpu-report` runs these with -m cuda) ---------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("block_size", [4, 16])  # 4: four pages make one of Triton's 16-key blocks
+@pytest.mark.parametrize("name", ["batched-chunked-prefix-hits", "windowed"])
+def test_cuda_flex_ids_equal_gather(tiny, name, block_size):
+    cuda = load_model(tiny.name, device="cuda", dtype="float32")
+    settings, prompts = CONFIGS[name]
+    settings = {**{key: value for key, value in settings.items() if key != "num_blocks"}, "block_size": block_size,
+                "kv_cache_tokens": settings["num_blocks"] * 4}
+    runs = [_run(Engine(cuda, EngineConfig(kv_mode="paged", attention=attention, **settings)), prompts)
+            for attention in ("gather", "flex")]
+    assert runs[0] == runs[1]
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_bf16_flex_logits_match_gather(tiny):
+    """bf16: a batch's prefill and then its decodes give logits close to gather's."""
+    cuda = load_model(tiny.name, device="cuda", dtype="bfloat16")
+    logits = []
+    for attention in ("gather", "flex"):
+        engine = Engine(cuda, EngineConfig(kv_mode="paged", block_size=16, attention=attention))
+        seqs = [Sequence(list(ids)) for ids in PROMPTS]
+        for seq in seqs:
+            engine.kv_cache.allocate(seq)
+        steps = [engine.runner.run(seqs)]
+        for seq, row in zip(seqs, steps[0]):
+            seq.append(int(row.argmax()))
+        steps.append(engine.runner.run(seqs))  # four decodes of different lengths in one call
+        logits.append(torch.cat(steps).float().cpu())
+        for seq in seqs:
+            engine.kv_cache.free(seq)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0.05)

@@ -20,6 +20,11 @@ that did not compile for this mask_mod (torch 2.13: "'cur_qSplitSize3' was not d
 shape and pool size is a graph of its own, about 5 s to compile on a 2-core CPU. The kernel is made once per process
 (`kernel()`, on first use: `torch.compile` imports torch._dynamo, about 5 s, which a gather-only process never pays).
 
+Measured slower than the gather path in the eager engine, on a 2-core CPU (fp32 1.04-1.10x the step time, bf16
+1.27-1.33x) and on an H100 at Qwen3-0.6B's shape (bf16, 1.31-1.46x, also at 2048-token contexts): each compiled call
+adds about 45 us of guards and wrappers, 30 times a step, to an attention that costs the same (docs/benchmarks.md,
+"Paged attention: gather or FlexAttention"). So gather is the default and flex a switch to race.
+
 Two details come from inductor's CPU kernel for one-token queries, which handles rows whose block counts differ by
 scanning the whole pool for each row (measured: batch 8 at 300-token contexts, 1.04 ms against 0.55 ms with equal
 counts): for single-token calls on the CPU every row lists the same number of full and of partial blocks, extra full

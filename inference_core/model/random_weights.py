@@ -28,6 +28,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from inference_core.config import ConfigError
 from inference_core.model.checkpoint import resolve_model_dir
+from inference_core.model.paths import DATA_DIR
 
 # Published configurations (the models' config.json), the fields our loader and transformers read.
 PRESETS = {
@@ -92,10 +93,9 @@ CHATML_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] 
 def write_word_level_tokenizer(out_dir: Path, vocab_size: int) -> None:
     """A stand-in tokenizer: ChatML's special tokens, every word and punctuation mark of the packaged benchmark
     prompts, then `<r{id}>` up to `vocab_size`; an unknown word becomes `<|endoftext|>`'s neighbour `<unk>`."""
-    from inference_core.bench.prompts import load_prompts  # the packaged prompts' words
-
     splitter = pre_tokenizers.Whitespace()
-    words = sorted({word for row in load_prompts() for text in (row["prompt"], row.get("system") or "")
+    rows = [json.loads(line) for line in (DATA_DIR / "bench_prompts.jsonl").read_text().splitlines() if line.strip()]
+    words = sorted({word for row in rows for text in (row["prompt"], row.get("system") or "")
                     for word, _ in splitter.pre_tokenize_str(text)})
     names = [*SPECIAL_TOKENS, "<unk>", *words]
     names += [f"<r{i}>" for i in range(len(names), vocab_size)]

@@ -10,7 +10,7 @@ import torch
 
 from inference_core import SamplingParams
 from inference_core.config import ConfigError
-from inference_core.engine.request import FinishEvent, TokenEvent
+from inference_core.engine.request import TokenEvent
 from inference_core.logits import RowContext, shape_logits
 from inference_core.sampling import make_generator, probabilities, sample
 from inference_core.spec.decoding import SpecConfig
@@ -161,9 +161,3 @@ def test_penalised_greedy_ids_are_the_same_with_speculation(tiny, spec):
     assert [e.token_id for e in unpenalised] != [e.token_id for e in plain]  # the penalties changed the output
 
 
-def test_tree_verification_refuses_shaping(tiny):
-    engine = make_engine(tiny)
-    with pytest.raises(ConfigError, match="need a chain: set the tree width to 1"):
-        engine.make_request(PROMPT, SamplingParams(repetition_penalty=1.2), spec=SpecConfig("medusa", k=2,
-                                                                                            tree_width=2))
-    assert isinstance(run(engine, PROMPT, SamplingParams(max_new_tokens=3))[1], FinishEvent)

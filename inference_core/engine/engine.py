@@ -126,10 +126,6 @@ class Engine:
         """Validate and tokenize a request without queueing it (`submit` queues it). Raises ConfigError, saying what
         to change, for a request that could never run on this engine."""
         params, spec = params or SamplingParams(), spec or SpecConfig()
-        if spec.tree_width > 1 and params.shapes_logits:
-            raise ConfigError("tree verification ({spec_tree_width} > 1) scores every branch with one set of logits; "
-                              "penalties, logit bias, min_tokens and a constraint need a chain: set the tree width to "
-                              "1.")
         spec = self.resolve_spec(spec)
         if spec.tree_width > 1 and not params.greedy:
             raise ConfigError("tree verification ({spec_tree_width} > 1) keeps greedy decoding's tokens only; set the "
@@ -389,7 +385,8 @@ class Engine:
             tokens = []
             if k > 0 and width > 1:
                 tokens = tree_speculative_step(self.runner, seq, request.drafter, k, width, request.spec_stats,
-                                               request.eos_ids, request.params.logprobs)
+                                               request.eos_ids, request.params,
+                                               request if request.reads_logits else None)
             elif k > 0:
                 tokens = speculative_step(self.runner, seq, request.drafter, k, request.spec_stats, request.params,
                                           request.generator, request.eos_ids,

@@ -208,6 +208,47 @@ class Request:
         return legal, [RowContext(params, seq.token_ids + list(drafts[:i]) if shaping else [], seq.num_prompt_tokens,
                                   self.ending_ids, allowed[i] if allowed else None) for i in range(legal + 1)]
 
+    def legal_candidates(self, candidates: list[list[int]]) -> list[list[int]]:
+        """A draft tree's candidates (`candidates[d]`: position d's tokens, best first) without the tokens the grammar
+        forbids, so the target never sees them: position d keeps the candidates allowed after the best kept ones
+        before it (the best of those becomes the chain's token), and the tree ends at a position with none left."""
+        if self.grammar is None:
+            return candidates
+        started = time.perf_counter()
+        kept: list[list[int]] = []
+        for ranked in candidates:
+            allowed = []
+            for token in ranked:
+                if self.grammar.accept(token):
+                    allowed.append(token)
+                    self.grammar.rollback(1)
+            if not allowed or not self.grammar.accept(allowed[0]):  # the chain goes on through the best one
+                break
+            kept.append(allowed)
+        self.grammar.rollback(len(kept))
+        self.grammar_s += time.perf_counter() - started
+        return kept
+
+    def tree_contexts(self, tokens: list[int], parents: list[int]) -> list[RowContext]:
+        """Shaping contexts for every node of a draft tree (node 0, the last token: the text so far; node i: after
+        the path from the root down to it, `tokens[i - 1]` its token, `parents[i]` its parent), every node allowed by
+        the grammar (`legal_candidates`). The grammar's state is left as it was."""
+        paths: list[list[int]] = [[]]
+        for node in range(1, len(parents)):
+            paths.append(paths[parents[node]] + [tokens[node - 1]])
+        allowed: list = [None] * len(paths)
+        if self.grammar is not None:
+            started = time.perf_counter()
+            for node, path in enumerate(paths):
+                accepted = sum(1 for _ in itertools.takewhile(self.grammar.accept, path))
+                if accepted == len(path) and not self.grammar.is_terminated():
+                    allowed[node] = self.grammar.allowed_ids()
+                self.grammar.rollback(accepted)
+            self.grammar_s += time.perf_counter() - started
+        seq, shaping = self.seq, self.params.shapes_logits
+        return [RowContext(self.params, seq.token_ids + path if shaping else [], seq.num_prompt_tokens,
+                           self.ending_ids, allowed[node]) for node, path in enumerate(paths)]
+
     def record(self, token: int, step_s: float, batch_size: int, draft: str | None = None,
                rejected_ids: tuple[int, ...] = (), logprobs: TokenLogprobs | None = None,
                rejected_logprobs: tuple[float, ...] = ()) -> TokenEvent:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference_core.config import ConfigError
-from inference_core.logits import logprobs_of, shape_logits, token_logprobs
+from inference_core.logits import shape_logits, token_logprobs
 from inference_core.sampling import SamplingParams, probabilities, sample_with_probabilities
 from inference_core.sequence import Sequence
 
@@ -399,25 +399,33 @@ class DraftTree:
 
 
 def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int, stats: SpecStats,
-                          eos_ids, num_logprobs: int | None = None) -> list[tuple]:
+                          eos_ids, params: SamplingParams, shaping=None) -> list[tuple]:
     """A greedy verification step over a draft tree (`DraftTree`): the drafter ranks `width` candidates at each of
     `depth` positions; one forward scores every node under a tree attention mask (`ModelRunner.run_tree`); the
     longest path the target's argmax follows is kept, the KV of a leaf that ends it moved next to its parent, and
     the rest rolled back. Emits exactly plain greedy decoding's tokens, like the chain (`speculative_step`), with more
-    chances at each position for one wider forward. Returns the tokens as `speculative_step` does (raw
-    log-probabilities with `num_logprobs`), or [] when the drafter proposed nothing."""
+    chances at each position for one wider forward. Returns the tokens as `speculative_step` does, or [] when the
+    drafter proposed nothing.
+
+    `shaping` (the request, for one that shapes its logits or asks for log-probabilities) first drops the candidates
+    its grammar forbids (`legal_candidates`), then gives every node its shaping context (`tree_contexts`: the text
+    so far and the path down to the node), so greedy ids equal plain greedy's under penalties and constraints too."""
     started = time.perf_counter()
     candidates = drafter.propose_tree(seq, depth, width)
+    if shaping is not None:
+        candidates = shaping.legal_candidates(candidates)
     drafted_at = time.perf_counter()
     stats.draft_ms += (drafted_at - started) * 1e3
     if not candidates:
         return []
     tree = DraftTree.from_candidates(candidates, eos_ids)
+    rows = shaping.tree_contexts(tree.tokens, tree.parents) if shaping is not None else None
     root = len(seq) - 1  # node 0: the last token, its KV not yet written
     seq.token_ids.extend(tree.tokens)
     try:
         logits, hidden = runner.run_tree(seq, tree.depths, tree.mask())
-        target_ids = logits.argmax(dim=-1).tolist()
+        shaped = shape_logits(logits, rows) if rows is not None else logits
+        target_ids = shaped.argmax(dim=-1).tolist()
         path = tree.accept_greedy(target_ids)
         if path and path[-1] > len(tree.chain):  # a leaf ended the path: its KV goes to its depth's chain slot
             runner.kv_cache.copy_token(seq, root + path[-1], root + len(path))
@@ -434,10 +442,11 @@ def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int
     # The target's token after the path replaces the chain's drafts from there on (a leaf took the place of the
     # chain's token at its depth, and the chain's later drafts followed that token).
     tokens = step_tokens([tree.tokens[node - 1] for node in path], target_ids[path[-1] if path else 0], tree.chain)
-    if num_logprobs is None:
+    if params.logprobs is None:
         return [(*token, None, ()) for token in tokens]
     # Token j was predicted by node 0 (j = 0) or by the path's node j - 1.
-    logprobs = logprobs_of(logits[[0, *path]], [token for token, _, _ in tokens], num_logprobs)
+    nodes, emitted = [0, *path], [token for token, _, _ in tokens]
+    logprobs = token_logprobs(logits[nodes], shaped[nodes], [rows[node] for node in nodes], emitted)
     return [(*token, lp, ()) for token, lp in zip(tokens, logprobs)]
 
 

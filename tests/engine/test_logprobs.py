@@ -103,6 +103,19 @@ def test_speculative_decoding_matches_transformers(bundled, prompts, hf_model, s
                                                                   abs=TOLERANCE)
 
 
+def test_penalised_greedy_is_the_same_with_a_tree(bundled, prompts):
+    """A Medusa tree shapes every node as plain decoding would after the path down to it: penalised greedy ids and
+    their processed log-probabilities equal plain decoding's."""
+    engine = make_engine(bundled, "paged")
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4,
+                            presence_penalty=0.2, logit_bias={13: 1.5}, logprobs=2, logprobs_mode="processed")
+    plain = tokens_of(engine.generate(prompts[0], params))
+    tree = tokens_of(engine.generate(prompts[0], params, spec=SpecConfig("medusa", k=3, tree_width=2)))
+    assert [e.token_id for e in tree] == [e.token_id for e in plain]
+    assert [e.logprob for e in tree] == pytest.approx([e.logprob for e in plain], abs=1e-3)
+    assert {"accepted", "replaced"} <= {e.draft for e in tree}
+
+
 def test_prompt_logprobs_match_transformers(bundled, prompts, hf_model):
     ids = prompts[1]
     engine = make_engine(bundled, "paged")

@@ -1,7 +1,7 @@
 """Structured outputs in the engine, on the bundled model: every output of 24 JSON schemas (closed as OpenAI's strict
 mode closes them) parses and validates (jsonschema), greedy and sampled, decoded in one continuously batched engine
-beside unconstrained requests, which come out exactly as they do alone; constrained greedy with speculation (early exit)
-equals constrained greedy without it; a regex and a list of choices hold; a bad schema is refused
+beside unconstrained requests, which come out exactly as they do alone; constrained greedy with speculation (early exit,
+and a Medusa tree) equals constrained greedy without it; a regex and a list of choices hold; a bad schema is refused
 when the request is made."""
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ def test_every_output_validates_greedy_and_sampled_beside_unconstrained_requests
         assert request.events[-1].token_ids == alone.complete(prompt, free_params).token_ids
 
 
-def test_constrained_greedy_is_the_same_with_speculation(bundled):
-    """Early exit drafts freely (its first layers know nothing of the grammar), so some drafts are cut by it."""
-    spec = SpecConfig("early-exit", k=3)
+@pytest.mark.parametrize("spec", [SpecConfig("early-exit", k=3), SpecConfig("medusa", k=3, tree_width=3)],
+                         ids=["early-exit", "medusa-tree"])
+def test_constrained_greedy_is_the_same_with_speculation(bundled, spec):
+    """Early exit drafts freely (its first layers know nothing of the grammar), so some drafts are cut by it; a
+    Medusa tree loses the candidates the grammar forbids before the target sees them and shapes every node."""
     engine = make_engine(bundled, "paged")
     for schema, _ in SCHEMAS[1:2]:  # nested objects: 40 tokens
         params = SamplingParams(max_new_tokens=NEW_TOKENS, constraint=Constraint("json_schema", json.dumps(schema)))

@@ -5,7 +5,9 @@ Element ids that tests and scripts rely on: race-setup, race-setup-about, race-p
 lane-a-output, lane-b-output, race-chart, race-acceptance, race-summary (a table, a row per figure), race-summary-notes
 (the speed-up line and notes under it), race-identical, kv-view, race-colour (the lanes' colour mode), lens (the
 logit lens's accordion, with lens-lane, lens-token, lens-run, lens-summary, lens-chart and lens-table), chat-input,
-chat-send, chat-stop, chat-log (plus race-status, chat-status, chat-stats (a table, a row per turn), chat-kv-view).
+chat-send, chat-stop, chat-log (plus race-status, chat-status, chat-stats (a table, a row per turn), chat-kv-view),
+chat-answers (answers per turn), chat-colour (the colour mode of chat-tokens, the latest answer token by token, a
+tooltip per token) and chat-other-answers (a turn's answers after the first).
 Each settings group has ids with its prefix (lane-a, lane-b, chat): -kv, -block-size, -prefix-cache, -temperature,
 -top-p, -seed, -spec (the draft source), -spec-k, -spec-layers, and -sampling (the folded sampling and constraint
 settings). A setting that does not apply to the chosen mode is disabled (block size and prefix cache without the
@@ -33,7 +35,8 @@ from serving.cost import duration, new_tokens_that_fit
 from serving.pool import EnginePool
 from ui.api import add_api
 from ui.batching import build_batching_tab
-from ui.chat import CHAT_OUTPUTS, STATS_LABEL, arm_chat, chat_turn, clear_chat, stats_frame, stop_chat
+from ui.chat import CHAT_OUTPUTS, STATS_LABEL, arm_chat, clear_chat, run_remembered_chat, stats_frame, stop_chat
+from ui.chat_answers import DEFAULT_MODE, MAX_ANSWERS, TOKENS_EMPTY, ChatMemory, recolour_chat
 from ui.control import RunControl
 from ui.figures import speed_figure
 from ui.lane_widgets import settings_widgets
@@ -208,9 +211,14 @@ def _build_chat_tab(pool: EnginePool) -> None:
     history = gr.State([])
     turn_stats = gr.State([])
     control = gr.State(RunControl())
+    memory = gr.State(ChatMemory())  # the visitor's latest turn: its colour mode and its answers' tokens
     with gr.Accordion("Chat settings", open=False):
         system = gr.Textbox("", label="System message (optional)")
-        max_new_tokens = gr.Slider(8, 512, value=DEFAULT_NEW_TOKENS, step=8, label="max new tokens")
+        with gr.Row():
+            max_new_tokens = gr.Slider(8, 512, value=DEFAULT_NEW_TOKENS, step=8, label="max new tokens")
+            answers = gr.Slider(1, MAX_ANSWERS, value=1, step=1, label="answers per turn (n)", elem_id="chat-answers",
+                                info="sampled answers to compare, sharing the prompt's KV blocks; above 1 needs a "
+                                     "temperature above 0 (greedy answers are all the same)")
         with gr.Row():
             settings = settings_widgets(pool, LaneSettings(kv_mode="paged"), "Chat", "chat")
     # No label and no toolbar buttons: they were drawn over the messages. The one icon Gradio always shows, the
@@ -224,20 +232,28 @@ def _build_chat_tab(pool: EnginePool) -> None:
         clear = gr.Button("New chat", scale=1)
     status = gr.Markdown("Later turns reuse the earlier turns' KV blocks through the prefix cache (paged KV mode).",
                          elem_id="chat-status")
+    # The latest answer token by token, with CSS-only tooltips (a Chatbot cannot take them; `ui.chat_answers`).
+    colour = gr.Radio([(label, mode) for mode, label in COLOUR_MODES.items()], value=DEFAULT_MODE,
+                      label="Colour the answer's tokens by", elem_id="chat-colour")
+    with gr.Row(equal_height=False):
+        tokens = gr.HTML(TOKENS_EMPTY, elem_id="chat-tokens", min_width=320, css_template=TOKEN_CSS)
+        other_answers = gr.HTML("", elem_id="chat-other-answers", min_width=320, css_template=TOKEN_CSS)
     stats_table = gr.DataFrame(stats_frame([]), label=STATS_LABEL, elem_id="chat-stats", **TABLE)
     kv_view = gr.HTML(elem_id="chat-kv-view")
 
     outputs = {"chat_log": chat_log, "history": history, "turn_stats": turn_stats, "stats_table": stats_table,
-               "kv_view": kv_view, "input": message, "status": status}
-    handler = _gpu_task(partial(chat_turn, pool))
-    inputs = [control, message, history, turn_stats, system, max_new_tokens] + settings
+               "kv_view": kv_view, "tokens": tokens, "other_answers": other_answers, "input": message,
+               "status": status}
+    handler = _gpu_task(partial(run_remembered_chat, pool))
+    inputs = [control, memory, message, history, turn_stats, system, max_new_tokens, answers] + settings
     chat_outputs = [outputs[name] for name in CHAT_OUTPUTS]
     events = [trigger(arm_chat, control, status, **QUICK).then(handler, inputs, chat_outputs, **GENERATION, **PRIVATE)
               for trigger in (send.click, message.submit)]
     stop.click(stop_chat, control, None, **QUICK, **_stop_cancels(events))
+    colour.change(recolour_chat, [memory, colour], [tokens, other_answers], **QUICK)
+    cleared = [chat_log, history, turn_stats, stats_table, kv_view, tokens, other_answers, status]
     for trigger in (clear.click, chat_log.clear):
-        trigger(clear_chat, None, [chat_log, history, turn_stats, stats_table, kv_view, status], cancels=events,
-                **QUICK)
+        trigger(clear_chat, memory, cleared, cancels=events, **QUICK)
 
 
 def build_demo(pool: EnginePool) -> gr.Blocks:

@@ -11,6 +11,7 @@
     awq            [--model M] [--quant-group 32] [--out PATH]
     verify-cache   [--model bundled|FILE.gguf]
     random-weights --preset qwen3-0.6b --out DIR [--dtype bfloat16] [--tokenizer DIR]
+    memory-plan    [--kv paged] [--kv-dtype int8] [--quant int4] [--context N] [--check] [--json] ...
     gpu-report     --out DIR [--budget-s 480] [--device cuda] [--smoke] [--parts device,tests,decode,...]
     train-draft    --kind medusa|eagle [--model M] [--data FILE] [--steps N] [--out PATH] ...
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from inference_core import generate
+from inference_core import generate, planner
 from inference_core.bench import (
     batching,
     compile_options,
@@ -64,6 +65,8 @@ COMMANDS = {
             awq_file.add_awq_arguments, awq_file.run_awq),
     "verify-cache": ("re-hash a GGUF's converted cache against its manifest and convert again if a file differs",
                      bundled.add_verify_cache_arguments, bundled.run_verify_cache),
+    "memory-plan": ("what a configuration weighs in memory, and how many sequences fit; --check: beside what the "
+                    "engine allocates", planner.add_memory_plan_arguments, planner.run_memory_plan),
     "gpu-report": ("the whole stack on a GPU in one prepared run: tests, decode rows, batching, the serving path",
                    gpu_report.add_gpu_report_arguments, gpu_report.run_gpu_report),
     "random-weights": ("write a random-weight checkpoint at a real model's shapes, for speed benchmarks",

@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from inference_core.bench.batching import ROW_KEYS, parse_arrivals, percentile, run_engine
+from inference_core.bench.batching import ROW_KEYS, parse_arrivals, percentile, rate_sweep, run_engine
+from inference_core.bench.latency import LatencyTargets
 from inference_core.cli import main
 from inference_core.config import EngineConfig
 from inference_core.engine.engine import Engine
@@ -126,6 +127,9 @@ def test_generate_streams_text(bundled, capsys):
      "the JSON schema is not valid JSON"),
     (["batch-bench", "--arrival", "poisson:0"], "use burst or poisson:RATE with RATE > 0"),
     (["batch-bench", "--modes", "none,fast"], "unknown batch-bench row 'fast'"),
+    (["batch-bench", "--rates", "1,0"], "bad --rates '1,0'; give request rates per second above 0"),
+    (["batch-bench", "--rates", "1,2", "--arrival", "poisson:2"], "--rates sets the arrivals"),
+    (["batch-bench", "--slo-tpot-ms", "-1"], "the TPOT target must be a number of milliseconds above 0"),
     (["bench", "--repeats", "0", "--no-hf"], "--repeats >= 1"),
     (["bench", "--prompts", "no-such-prompts.jsonl", "--no-hf"], "prompt file no-such-prompts.jsonl does not exist"),
 ])
@@ -217,19 +221,38 @@ def test_batched_generate_prints_texts_in_prompt_order(in_turn, capsys):
 def test_batch_bench_json_rows(bundled, one_torch_thread, tmp_path, capsys):
     path = tmp_path / "batch.json"
     assert main(["batch-bench", "--requests", "3", "--max-new-tokens", "4", "--modes", "none,continuous", "--peers",
-                 "hf-sequential", *CPU, "--json", str(path)]) == 0
+                 "hf-sequential", *CPU, "--slo-ttft-ms", "600000", "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert [row["name"] for row in report["rows"]] == ["none", "continuous", "hf-sequential"]
     for row in report["rows"]:
         assert tuple(row) == ROW_KEYS
         assert row["requests"] == 3 and row["preemptions"] == 0 and row["output_tokens"] > 0
         assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p95"] and row["ttft_ms_p50"] <= row["latency_ms_p50"]
+        # Every request meets a 10-minute TTFT target: goodput is the requests over the throughput's wall clock.
+        assert row["slo_attainment_pct"] == 100.0 and 0 < row["tpot_ms_p50"] <= row["tpot_ms_p95"]
+        wall_s = row["output_tokens"] / row["throughput_tokens_per_s"]
+        assert row["goodput_requests_per_s"] == pytest.approx(3 / wall_s, rel=0.01)
     none, continuous = report["rows"][:2]
     assert none["output_tokens"] == continuous["output_tokens"]  # greedy: batching changes speed, not tokens
     assert [row["mean_batch_size"] for row in report["rows"]] == [1.0, 3.0, 1.0]
     assert report["arrivals_s"] == [0.0, 0.0, 0.0] and report["arguments"]["requests"] == 3
+    assert (report["arguments"]["slo_ttft_ms"], report["arguments"]["slo_tpot_ms"]) == (600000.0, None)
     assert {"processor", "cpu_capability", "torch"} <= set(report["machine"])
     assert "| continuous | 3 |" in capsys.readouterr().out
+
+
+def test_batch_bench_rate_sweep(bundled, one_torch_thread, capsys):
+    """--rates runs the bench once per Poisson rate (arrivals from the one seed) and lists each row at each rate."""
+    prompts = [{"prompt": "Say hello.", "kind": "chat"}]
+    report = rate_sweep(bundled, None, prompts, [100.0, 50.0], 3, [2, 2], ["continuous"], [], 2,
+                        targets=LatencyTargets(600000, 600000))
+    assert [(row["name"], row["rate_requests_per_s"]) for row in report["sweep"]] == [
+        ("continuous", 50.0), ("continuous", 100.0)]
+    assert all(row["slo_attainment_pct"] == 100.0 and row["output_tokens"] == 4 for row in report["sweep"])
+    assert [run["arrivals_s"] for run in report["runs"]] == [
+        [round(s, 4) for s in parse_arrivals(f"poisson:{rate}", 2, seed=3)] for rate in (100, 50)]
+    assert report["arguments"]["rates"] == [100.0, 50.0] and report["arguments"]["arrival"] is None
+    assert "| continuous | 50 |" in capsys.readouterr().out
 
 
 def test_static_batches_wait_for_a_full_batch(bundled, one_torch_thread):

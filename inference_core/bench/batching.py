@@ -17,6 +17,10 @@ arrival -> first token, latency = arrival -> last token (ours: when the engine e
 stopping criterion after every forward, so a row's last token is the forward that produced it, not the end of its
 batch). Throughput = all output tokens / (last completion - first arrival). `mean_batch_size`: ours, sequences per
 engine step; transformers, rows per forward (finished rows of a batch included: transformers keeps computing them).
+TPOT, goodput and SLO attainment come from the same per-request records, under the targets --slo-ttft-ms and
+--slo-tpot-ms (definitions in `inference_core.bench.latency`). `--rates` runs the whole bench once per Poisson rate
+and lists every row at every rate in `sweep`: throughput against p95 latency per mode, the frontier on which a
+person picks a mode and a rate (drawn by `ui.frontier`).
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ import os
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from inference_core.bench.latency import (SLO_KEYS, LatencyTargets, Timing, parse_rates, percentile,
+                                          slo_summary)
+from inference_core.bench.batch_table import format_header, format_row, format_sweep
 from inference_core.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from inference_core.bench.speed import forward_clock, load_hf_model, machine_info, write_report
 from inference_core.config import BATCHING_MODES, ConfigError, EngineConfig
@@ -43,19 +49,8 @@ from inference_core.sampling import SamplingParams
 
 PEERS = ("hf-sequential", "hf-static")
 ROW_KEYS = ("name", "requests", "output_tokens", "throughput_tokens_per_s", "ttft_ms_p50", "ttft_ms_p95",
-            "latency_ms_p50", "latency_ms_p95", "preemptions", "mean_batch_size")
+            "latency_ms_p50", "latency_ms_p95", "preemptions", "mean_batch_size") + SLO_KEYS
 WARMUP_TOKENS = 4
-
-
-@dataclass(slots=True)
-class Timing:
-    """One request's wall-clock times (time.perf_counter values) and what it produced."""
-
-    arrival: float
-    first_token: float = math.nan
-    last_token: float = math.nan
-    output_tokens: int = 0
-    preemptions: int = 0
 
 
 def parse_arrivals(arrival: str, count: int, seed: int) -> list[float]:
@@ -194,7 +189,9 @@ def run_hf(peer: HFPeer, name: str, prompts: list[list[int]], offsets: list[floa
     return timings, batch_sizes
 
 
-def summarize(name: str, timings: list[Timing], batch_sizes: list[int]) -> dict:
+def summarize(name: str, timings: list[Timing], batch_sizes: list[int], targets: LatencyTargets | None = None) -> dict:
+    """A row, by ROW_KEYS, from the row's per-request records: every figure, goodput included, from the same
+    `timings` (goodput over the throughput's wall clock; see `inference_core.bench.latency`)."""
     ttft = [(t.first_token - t.arrival) * 1e3 for t in timings]
     latency = [(t.last_token - t.arrival) * 1e3 for t in timings]
     output_tokens = sum(t.output_tokens for t in timings)
@@ -204,16 +201,8 @@ def summarize(name: str, timings: list[Timing], batch_sizes: list[int]) -> dict:
             "ttft_ms_p50": round(percentile(ttft, 50), 1), "ttft_ms_p95": round(percentile(ttft, 95), 1),
             "latency_ms_p50": round(percentile(latency, 50), 1), "latency_ms_p95": round(percentile(latency, 95), 1),
             "preemptions": sum(t.preemptions for t in timings),
-            "mean_batch_size": round(statistics.mean(batch_sizes), 2) if batch_sizes else 0.0}
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+            "mean_batch_size": round(statistics.mean(batch_sizes), 2) if batch_sizes else 0.0,
+            **slo_summary(ttft, latency, [t.output_tokens for t in timings], wall_s, targets)}
 
 
 def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -239,6 +228,12 @@ def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="our modes decode through the compiled step (CUDA "
                         "graphs on a GPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times and output lengths")
+    parser.add_argument("--slo-ttft-ms", type=float, help="TTFT target: with --slo-tpot-ms, a request meeting both "
+                        "counts toward goodput_requests_per_s and slo_attainment_pct (without targets they are null)")
+    parser.add_argument("--slo-tpot-ms", type=float, help="time-per-output-token target: (latency - TTFT) / (output "
+                        "tokens - 1); a one-token answer meets it")
+    parser.add_argument("--rates", help="a request-rate sweep: the whole bench once per Poisson rate, like "
+                        "0.5,1,2,4 (requests/s, arrivals poisson:RATE from --seed); the JSON gets a `sweep` list")
     parser.add_argument("--json", dest="json_path", help="write the results here")
 
 
@@ -253,25 +248,56 @@ def run_batch_bench(args) -> int:
     if args.requests < 1 or args.max_new_tokens < 1 or args.max_num_seqs < 1 or (args.peer_requests or 1) < 1:
         raise ConfigError("batch-bench needs --requests, --max-new-tokens, --max-num-seqs and --peer-requests of at "
                           "least 1.")
+    if args.rates is not None and args.arrival != "burst":
+        raise ConfigError("--rates sets the arrivals (poisson:RATE for each rate); drop --arrival.")
+    rates = parse_rates(args.rates) if args.rates is not None else None
     offsets = parse_arrivals(args.arrival, args.requests, args.seed)
     lengths = parse_output_lengths(args.output_lengths, args.requests, args.max_new_tokens, args.seed)
+    targets = LatencyTargets(args.slo_ttft_ms, args.slo_tpot_ms)
     rows = load_prompts(args.prompts or DEFAULT_PROMPTS)  # a bad file fails before the model loads
     loaded = load_model(args.model, args.device, args.dtype)
-    report = batch_bench(loaded, resolve_model_dir(args.model), rows, offsets, lengths, modes, peers,
-                         args.max_num_seqs, args.kv_cache_tokens, compile=args.compile,
-                         peer_requests=args.peer_requests, settings={"arrival": args.arrival, "seed": args.seed,
-                                                                     "prompts": str(args.prompts or DEFAULT_PROMPTS),
-                                                                     "output_lengths": args.output_lengths})
+    settings = {"arrival": args.arrival, "seed": args.seed, "prompts": str(args.prompts or DEFAULT_PROMPTS),
+                "output_lengths": args.output_lengths}
+    common = dict(kv_cache_tokens=args.kv_cache_tokens, compile=args.compile, peer_requests=args.peer_requests,
+                  settings=settings, targets=targets)
+    model_dir = resolve_model_dir(args.model)
+    if rates is None:
+        report = batch_bench(loaded, model_dir, rows, offsets, lengths, modes, peers, args.max_num_seqs, **common)
+    else:
+        report = rate_sweep(loaded, model_dir, rows, rates, args.seed, lengths, modes, peers, args.max_num_seqs,
+                            **common)
     write_report(report, args.json_path)
     return 0
+
+
+def rate_sweep(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], rates: list[float], seed: int,
+               lengths: list[int], modes: list[str], peers: list[str], max_num_seqs: int,
+               settings: dict | None = None, **options) -> dict:
+    """`--rates`: the whole bench once per Poisson rate (the same seed, so a higher rate packs the same gaps
+    closer), then one `sweep` row per row and rate: the frontier of throughput against p95 latency."""
+    runs = []
+    for rate in rates:
+        arrival = f"poisson:{rate:g}"
+        offsets = parse_arrivals(arrival, len(lengths), seed)
+        runs.append(batch_bench(loaded, model_dir, prompt_rows, offsets, lengths, modes, peers, max_num_seqs,
+                                settings={**(settings or {}), "arrival": arrival}, **options))
+    sweep = [{"rate_requests_per_s": rate, **row} for rate, run in zip(rates, runs) for row in run["rows"]]
+    sweep.sort(key=lambda row: ((modes + peers).index(row["name"]), row["rate_requests_per_s"]))
+    report = {"arguments": {**runs[0]["arguments"], "arrival": None, "rates": rates}, "machine": runs[0]["machine"],
+              "prompt_tokens": runs[0]["prompt_tokens"], "output_lengths": lengths, "sweep": sweep,
+              "runs": [{"rate_requests_per_s": rate, "arrivals_s": run["arrivals_s"], "rows": run["rows"],
+                        "left_out": run["left_out"]} for rate, run in zip(rates, runs)]}
+    print(format_sweep(report), flush=True)
+    return report
 
 
 def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], offsets: list[float],
                 lengths: list[int], modes: list[str], peers: list[str], max_num_seqs: int,
                 kv_cache_tokens: int | None = None, compile: bool = False, peer_requests: int | None = None,
-                settings: dict | None = None, deadline: float = math.inf) -> dict:
+                settings: dict | None = None, deadline: float = math.inf,
+                targets: LatencyTargets | None = None) -> dict:
     """Every row of one batch-bench run on a loaded model; prints each row as it is measured. A row not started
-    by `deadline` (time.perf_counter) is listed in `left_out`."""
+    by `deadline` (time.perf_counter) is listed in `left_out`. `targets`: the latency targets goodput counts."""
     tokenizing = Engine(loaded, EngineConfig(kv_mode="none"))  # holds no KV memory
     distinct = [tokenizing.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion")
                 for row in prompt_rows]
@@ -286,7 +312,9 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
     arguments = {**(settings or {}), "requests": len(prompts), "max_new_tokens": max(lengths), "modes": modes,
                  "peers": peers, "peer_requests": peer_count, "max_num_seqs": max_num_seqs,
                  "kv_cache_tokens": kv_cache_tokens, "compile": compile, "model": loaded.name,
-                 "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")}
+                 "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+                 "slo_ttft_ms": targets.ttft_ms if targets else None,
+                 "slo_tpot_ms": targets.tpot_ms if targets else None}
     report = {"arguments": arguments, "machine": machine, "arrivals_s": [round(s, 4) for s in offsets],
               "prompt_tokens": [len(ids) for ids in prompts], "output_lengths": lengths, "rows": [], "left_out": []}
     print(format_header(report), flush=True)
@@ -301,7 +329,7 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
             for bucket in engine.decoder.buckets:
                 engine.decoder.warm_up(bucket)
         run_engine(engine, *warmup)
-        report["rows"].append(summarize(mode, *run_engine(engine, prompts, offsets, lengths)))
+        report["rows"].append(summarize(mode, *run_engine(engine, prompts, offsets, lengths), targets))
         print(format_row(report["rows"][-1]), flush=True)
         del engine  # its KV pool goes before the next one is made
     # 2. transformers: one model for both peers, a warm-up per row, the first `peer_count` requests.
@@ -312,28 +340,6 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
             continue
         run_hf(peer, name, *warmup, max_num_seqs)
         timed = run_hf(peer, name, prompts[:peer_count], offsets[:peer_count], lengths[:peer_count], max_num_seqs)
-        report["rows"].append(summarize(name, *timed))
+        report["rows"].append(summarize(name, *timed, targets))
         print(format_row(report["rows"][-1]), flush=True)
     return report
-
-
-def format_row(row: dict) -> str:
-    return (f"| {row['name']} | {row['requests']} | {row['output_tokens']} | {row['throughput_tokens_per_s']:.1f} | "
-            f"{row['ttft_ms_p50']:.0f} | {row['ttft_ms_p95']:.0f} | {row['latency_ms_p50']:.0f} | "
-            f"{row['latency_ms_p95']:.0f} | {row['preemptions']} | {row['mean_batch_size']:.2f} |")
-
-
-def format_header(report: dict) -> str:
-    """The run's settings and machine, then the table's header; rows follow as they are measured."""
-    arguments, machine = report["arguments"], report["machine"]
-    gpu = f", {machine['gpu']}" if "gpu" in machine else ""
-    return "\n".join([
-        f"batch-bench: {arguments['model']} on {arguments['device']} in {arguments['dtype']}; {arguments['requests']} "
-        f"requests ({arguments.get('arrival', 'burst')}), up to {arguments['max_new_tokens']} new tokens"
-        f"{' (' + arguments['output_lengths'] + ')' if arguments.get('output_lengths') else ''}, max-num-seqs "
-        f"{arguments['max_num_seqs']}, KV pool {arguments['kv_cache_tokens']} tokens",
-        f"machine: {machine['processor']} ({machine['cpu_capability']}), {machine['cpu_count']} CPUs, "
-        f"{machine['threads']} torch threads, torch {machine['torch']}{gpu}",
-        "| row | requests | output tokens | tok/s | TTFT p50 ms | TTFT p95 ms | latency p50 ms | latency p95 ms | "
-        "preemptions | mean batch |",
-        "|---|---|---|---|---|---|---|---|---|---|"])

@@ -31,6 +31,7 @@ from inference_core.model.dtype_choice import cpu_name
 from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
 from inference_core.quant.linear import QuantConfig, weight_bytes
 from inference_core.quant.quantize import quantize
+from inference_core.roofline import weights_read_per_step
 from inference_core.sampling import SamplingParams
 
 DEFAULT_PROMPT_IDS = ("chat-short-1", "code-2", "grounded-1", "long-2")
@@ -51,15 +52,9 @@ def measure_read_bandwidth(device: torch.device, size_bytes: int = 1 << 30, repe
 
 
 def decode_bytes_per_step(loaded: LoadedModel, context_len: float) -> float:
-    """Bytes one decode step reads: every weight matrix once (the embedding table only as the LM head, when tied;
-    an untied table is read one row at a time) plus K and V of the context in every layer."""
-    model = loaded.model
-    embedding = model.embed_tokens.weight
-    total = weight_bytes(model)  # quantized projections at their stored size
-    if getattr(model.lm_head, "weight", None) is None or model.lm_head.weight.data_ptr() != embedding.data_ptr():
-        # Untied, tied but stored transposed for speed, or quantized: the table itself is read only by rows.
-        total -= embedding.numel() * embedding.element_size()
-    return total + context_len * loaded.config.kv_bytes_per_token(loaded.dtype)
+    """Bytes one decode step reads: the weights (`roofline.weights_read_per_step`) plus K and V of the context in
+    every layer."""
+    return weights_read_per_step(loaded.model) + context_len * loaded.config.kv_bytes_per_token(loaded.dtype)
 
 
 def _synchronize(device: torch.device) -> None:

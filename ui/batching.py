@@ -29,6 +29,7 @@ from functools import partial
 import gradio as gr
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams, TokenEvent
+from inference_core.bench.latency import LatencyTargets
 from inference_core.bench.prompts import load_prompts
 from serving.cost import duration
 from serving.pool import EnginePool
@@ -58,9 +59,10 @@ MODE_ABOUT = {"continuous": "requests join the running batch at any step and lea
 ARRIVALS = {"all at once (burst)": "burst", "Poisson arrivals": "poisson"}
 LENGTHS = {"varied (1/8 to all of max new tokens, seeded)": "varied", "max new tokens for every request": "same"}
 TYPED = "your prompts (one per line, in the settings)"
-# The results table's column widths in pixels, one per RESULT_COLUMNS: at 1440 px the 13 columns fit (1204 px) with no
-# header broken inside a word (the two long words get more); on a phone the table scrolls sideways with the mode
-# pinned. (Widths in % of the table squeezed each column to 25 px on a phone, headers letter by letter.)
+# The results table's column widths in pixels, one per RESULT_COLUMNS, with no header broken inside a word (the two
+# long words get more). At 1440 px the table has 1214 px: since TPOT, goodput and 'SLO met' joined, its 16 columns
+# (1468 px) scroll sideways there, with the mode pinned and the last two columns (padding, device time) beyond the
+# edge, as on a phone. (Widths in % of the table squeezed each column to 25 px on a phone, headers letter by letter.)
 WIDE_RESULT_COLUMNS = {"mode": 100, "throughput (tok/s)": 112, "preemptions": 112}  # px; the others 88 px
 RESULT_WIDTHS = [f"{WIDE_RESULT_COLUMNS.get(column, 88)}px" for column in RESULT_COLUMNS]
 log = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ class LabPlan:
     max_num_seqs: int
     kv_cache_tokens: int
     about: str  # the settings in words
+    targets: LatencyTargets = LatencyTargets()  # the latency targets goodput counts (none: no goodput)
 
     def engine(self, pool: EnginePool, mode: str) -> tuple[Engine, list]:
         """A fresh engine in `mode` and this run's requests made (and so checked) by it."""
@@ -144,8 +147,16 @@ def _number(value, name: str, low: float, high: float, whole: bool = True):
     return int(number) if whole else number
 
 
+def latency_targets(slo_ttft_ms, slo_tpot_ms) -> LatencyTargets:
+    """The two target boxes, checked: empty is no target; else a number of milliseconds from 1 to 10^6."""
+    values = [None if value is None or str(value).strip() == "" else _number(value, name, 1, 10 ** 6, whole=False)
+              for value, name in ((slo_ttft_ms, "TTFT target (ms)"), (slo_tpot_ms, "TPOT target (ms)"))]
+    return LatencyTargets(*values)
+
+
 def plan_run(pool: EnginePool, preset: str, mode: str, num_requests, max_new_tokens, lengths: str, max_num_seqs,
-             kv_pool_tokens, arrival: str, rate, seed, typed_prompts: str = "") -> LabPlan:
+             kv_pool_tokens, arrival: str, rate, seed, typed_prompts: str = "", slo_ttft_ms=None,
+             slo_tpot_ms=None) -> LabPlan:
     """Check the settings (ConfigError, in the page's words, for one to change) and tokenize the prompts."""
     if preset not in LAB_PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; pick one from the list.")
@@ -161,6 +172,7 @@ def plan_run(pool: EnginePool, preset: str, mode: str, num_requests, max_new_tok
         raise ConfigError(f"unknown arrival pattern {arrival!r}; pick one from the list.")
     rate = _number(rate, "Poisson rate (requests/s)", 0.01, 100, whole=False) if arrival == "poisson" else 1.0
     seed = _number(seed, "seed", 0, 2 ** 31)
+    targets = latency_targets(slo_ttft_ms, slo_tpot_ms)
     lengths = LENGTHS.get(lengths, lengths)
     if lengths not in LENGTHS.values():
         raise ConfigError(f"unknown output lengths {lengths!r}; pick one from the list.")
@@ -198,9 +210,9 @@ def plan_run(pool: EnginePool, preset: str, mode: str, num_requests, max_new_tok
     length_words = (f"{new_tokens} new tokens each" if lengths == "same"
                     else f"{min(limits)} to {max(limits)} new tokens")
     about = (f"{count} requests of up to {length_words} (greedy), {arrivals}, at most {seqs} sequences per step, "
-             f"{pool_words}")
+             f"{pool_words}" + (f"; goodput counts {targets.describe()}" if targets.given else ""))
     return LabPlan(modes, tuple(prompts), tuple(arrival_offsets(count, arrival, rate, seed)),
-                   tuple(SamplingParams(max_new_tokens=limit) for limit in limits), seqs, kv_tokens, about)
+                   tuple(SamplingParams(max_new_tokens=limit) for limit in limits), seqs, kv_tokens, about, targets)
 
 
 class StepTokenSink(queue.Queue):
@@ -209,19 +221,21 @@ class StepTokenSink(queue.Queue):
 
     def __init__(self):
         super().__init__()
-        self._tokens, self._first_tokens = 0, []
+        self._tokens, self._first_tokens, self._by_request = 0, [], {}
 
     def put(self, item, block=True, timeout=None):
         handle, event = item
         if isinstance(event, TokenEvent):
             self._tokens += 1
+            self._by_request[handle.request_id] = self._by_request.get(handle.request_id, 0) + 1
             if event.index == 0:
                 self._first_tokens.append(handle.request_id)
         super().put(item, block, timeout)
 
-    def take_step(self) -> tuple[int, tuple[int, ...]]:
-        counts = self._tokens, tuple(self._first_tokens)
-        self._tokens, self._first_tokens = 0, []
+    def take_step(self) -> tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """The step's tokens, whose first token each was, and (request id, tokens) per request."""
+        counts = self._tokens, tuple(self._first_tokens), tuple(self._by_request.items())
+        self._tokens, self._first_tokens, self._by_request = 0, [], {}
         return counts
 
 
@@ -286,12 +300,13 @@ def _device_s(records: list[RunRecord]) -> float:
 
 def run_batching(pool: EnginePool, control: RunControl | None, preset: str, mode: str, num_requests,
                  max_new_tokens, lengths: str, max_num_seqs, kv_pool_tokens, arrival: str, rate, seed,
-                 typed_prompts: str = ""):
-    """Streaming handler; `control`: the visitor's Stop switch (None: no Stop). Yields LAB_OUTPUTS tuples."""
+                 typed_prompts: str = "", slo_ttft_ms=None, slo_tpot_ms=None):
+    """Streaming handler; `control`: the visitor's Stop switch (None: no Stop); the latency targets in ms (None or
+    empty: none). Yields LAB_OUTPUTS tuples."""
     control = control if control is not None else RunControl()
     try:
         yield from _lab(pool, control, (preset, mode, num_requests, max_new_tokens, lengths, max_num_seqs,
-                                        kv_pool_tokens, arrival, rate, seed, typed_prompts))
+                                        kv_pool_tokens, arrival, rate, seed, typed_prompts, slo_ttft_ms, slo_tpot_ms))
     finally:
         control.end()
 
@@ -320,7 +335,8 @@ def _lab(pool: EnginePool, control: RunControl, settings: tuple):
         for index, mode in enumerate(plan.modes):
             if index:
                 engine, requests = plan.engine(pool, mode)
-            record = RunRecord(mode, plan.max_num_seqs, engine.config.num_kv_blocks(pool.loaded.config), 0.0)
+            record = RunRecord(mode, plan.max_num_seqs, engine.config.num_kv_blocks(pool.loaded.config), 0.0,
+                               targets=plan.targets)
             records.append(record)
             yield from _run_mode(pool, control, plan, engine, requests, records, pools)
             if control.stop_requested or _device_s(records) > pool.max_run_s:
@@ -352,8 +368,8 @@ def _run_mode(pool: EnginePool, control: RunControl, plan: LabPlan, engine: Engi
     sink, pictures = StepTokenSink(), {"engine": engine, "peak": None, "live": None, "live_at": 0.0}
 
     def on_step(report) -> None:  # in the loop thread, between steps: the engine may be read
-        tokens, first_tokens = sink.take_step()
-        record.steps.append(StepRecord(report, tokens, first_tokens))
+        tokens, first_tokens, request_tokens = sink.take_step()
+        record.steps.append(StepRecord(report, tokens, first_tokens, request_tokens))
         peak = pictures["peak"]
         if peak is None or report.blocks_in_use > peak[0].blocks_in_use:
             pictures["peak"] = (report, pictures["engine"].kv_snapshot())
@@ -491,6 +507,12 @@ def build_batching_tab(pool: EnginePool) -> None:
             arrival = gr.Radio(list(ARRIVALS), value=arrival_label, label="arrivals", elem_id="batching-arrival")
             rate = gr.Slider(0.5, 20, value=4.0, step=0.5, label="Poisson rate (requests/s)", elem_id="batching-rate")
             seed = gr.Number(0, precision=0, minimum=0, label="seed (arrivals, lengths)", elem_id="batching-seed")
+        with gr.Row():
+            slo_ttft = gr.Number(None, minimum=1, label="TTFT target (ms; empty = none)", elem_id="batching-slo-ttft",
+                                 info="goodput counts the requests whose first token came within this")
+            slo_tpot = gr.Number(None, minimum=1, label="TPOT target (ms; empty = none)", elem_id="batching-slo-tpot",
+                                 info="and whose later tokens came this often on average: (latency - TTFT) / "
+                                      "(tokens - 1)")
         typed = gr.Textbox("", lines=3, label=f"Your prompts, one per line (preset '{TYPED}')",
                            elem_id="batching-prompts")
     status = gr.Markdown(f"Each mode runs on a fresh engine of its own; a run may use up to "
@@ -518,7 +540,7 @@ def build_batching_tab(pool: EnginePool) -> None:
     # The same concurrency group as the playground's other generations: they only hand requests to the engine loop.
     run.click(arm_batching, control, [status, run], **quick).then(
         partial(run_batching, pool), [control, preset, mode, num_requests, max_new_tokens, lengths, max_num_seqs,
-                                      kv_pool, arrival, rate, seed, typed],
+                                      kv_pool, arrival, rate, seed, typed, slo_ttft, slo_tpot],
         [outputs[name] for name in LAB_OUTPUTS], show_progress="hidden", concurrency_limit=8,
         concurrency_id="engine", api_visibility="private")
     stop.click(stop_batching, control, None, **quick)

@@ -15,6 +15,7 @@ one's end); "preempted" from the start of the step that took its KV back to its 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +23,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from inference_core.bench.latency import LatencyTargets, slo_summary
 from inference_core.engine.engine import StepReport
 
 STATE_COLOURS = {"queued": "#cbd5e1", "prefill": "#f59e0b", "decode": "#2563eb", "preempted": "#dc2626",
@@ -30,15 +32,19 @@ STATE_LABELS = {"queued": "queued", "prefill": "prefill (prompt or recompute)", 
                 "preempted": "preempted (KV taken back)", "finished": "finished"}
 MODE_COLOURS = {"continuous": "#2563eb", "dynamic": "#9333ea", "static": "#ea580c", "none": "#475569"}
 RESULT_COLUMNS = ("mode", "requests", "output tokens", "wall time (s)", "throughput (tok/s)", "TTFT p50 (ms)",
-                  "TTFT p95 (ms)", "latency p50 (s)", "latency p95 (s)", "preemptions", "mean batch size",
-                  "padding tokens", "device time (s)")
+                  "TTFT p95 (ms)", "latency p50 (s)", "latency p95 (s)", "TPOT p95 (ms)", "goodput (req/s)",
+                  "SLO met (%)", "preemptions", "mean batch size", "padding tokens", "device time (s)")
 # What each column measures (the note under the table).
 RESULT_NOTES = (
     "TTFT and latency are wall clock from a request's arrival (its submission) to the end of the engine step that "
     "produced its first token / its last token; throughput is all output tokens over the wall time from the run's "
     "start to its last token; mean batch size is the sequences per engine step; padding tokens are what a static "
     "batch computes and throws away (prompts padded to the batch's longest, finished members' rows); device time is "
-    "the sum of the engine's step times. p95 is over this run's requests (linear interpolation).")
+    "the sum of the engine's step times. p95 is over this run's requests (linear interpolation). TPOT, time per "
+    "output token, is (latency - TTFT) / (output tokens - 1) (one-token answers left out); with latency targets set, "
+    "goodput is the requests whose TTFT and TPOT both met them per second of the same wall time (a one-token answer "
+    "meets any TPOT target, an unfinished one none), and 'SLO met' their share of the requests; '-' without targets "
+    "or before the mode has ended.")
 
 
 def mode_name(mode: str) -> str:
@@ -57,6 +63,7 @@ class StepRecord:
     report: StepReport
     output_tokens: int  # tokens this step emitted (a decode, or a prefill that completed its text, emits one)
     first_tokens: tuple[int, ...] = ()  # request ids whose first token this step produced
+    request_tokens: tuple[tuple[int, int], ...] = ()  # (request id, tokens this step emitted for it)
 
 
 @dataclass
@@ -70,6 +77,7 @@ class RunRecord:
     arrivals: list[Arrival] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     ended: bool = False  # every request has ended (or the run was stopped)
+    targets: LatencyTargets = field(default_factory=LatencyTargets)  # what goodput counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,27 +246,37 @@ def activity_figure(records: list[RunRecord]) -> go.Figure:
 
 
 def run_numbers(record: RunRecord, now: float) -> dict:
-    """The results row of one run, by RESULT_COLUMNS; None where nothing is measured yet."""
+    """The results row of one run, by RESULT_COLUMNS; None where nothing is measured yet (goodput: until the mode has
+    ended, as a running request has not yet met or missed its targets)."""
     arrivals, steps = list(record.arrivals), list(record.steps)
     arrived = {a.request_id: a.at for a in arrivals}
-    first_token_at, finished_at = {}, {}
+    first_token_at, finished_at, tokens_of = {}, {}, dict.fromkeys(arrived, 0)
     for step in steps:
         end = step_end(step.report)
         for request_id in step.first_tokens:
             first_token_at.setdefault(request_id, end)
         for request_id in step.report.finished:
             finished_at.setdefault(request_id, end)
+        for request_id, count in step.request_tokens:
+            tokens_of[request_id] = tokens_of.get(request_id, 0) + count
     ttft_ms = [(first_token_at[r] - arrived[r]) * 1e3 for r in first_token_at if r in arrived]
     latency_s = [finished_at[r] - arrived[r] for r in finished_at if r in arrived and r in first_token_at]
     tokens = sum(step.output_tokens for step in steps)
     last = step_end(steps[-1].report) if record.ended and steps else now
     wall_s = max(last - record.started_at, 0.0)
     batches = [step.report.batch_size for step in steps if step.report.work]
+    # Every arrived request, in the same order in each list; NaN for a time it never reached.
+    slo = slo_summary([(first_token_at.get(r, math.nan) - at) * 1e3 for r, at in arrived.items()],
+                      [(finished_at[r] - at) * 1e3 if r in finished_at and r in first_token_at else math.nan
+                       for r, at in arrived.items()], [tokens_of[r] for r in arrived], wall_s,
+                      record.targets if record.ended else None)
     return {
         "mode": record.mode, "requests": len(arrivals), "output tokens": tokens,
         "wall time (s)": round(wall_s, 2), "throughput (tok/s)": round(tokens / wall_s, 1) if wall_s > 0 else None,
         "TTFT p50 (ms)": _percentile(ttft_ms, 50, 0), "TTFT p95 (ms)": _percentile(ttft_ms, 95, 0),
         "latency p50 (s)": _percentile(latency_s, 50, 2), "latency p95 (s)": _percentile(latency_s, 95, 2),
+        "TPOT p95 (ms)": slo["tpot_ms_p95"], "goodput (req/s)": slo["goodput_requests_per_s"],
+        "SLO met (%)": slo["slo_attainment_pct"],
         "preemptions": sum(len(step.report.preempted) for step in steps),
         "mean batch size": round(sum(batches) / len(batches), 2) if batches else None,
         "padding tokens": sum(step.report.prompt_padding_tokens + step.report.padding_rows for step in steps),
@@ -297,6 +315,11 @@ def verdict(records: list[RunRecord], now: float) -> str:
             parts.append(f"Median latency: {fast['mode']} {fast['latency p50 (s)']} s vs {slow['mode']} "
                          f"{slow['latency p50 (s)']} s; median TTFT {a['mode']} {a['TTFT p50 (ms)']} ms vs "
                          f"{b['mode']} {b['TTFT p50 (ms)']} ms.")
+    judged = [(row, record) for row, record in zip(rows, records) if row["SLO met (%)"] is not None]
+    if judged:
+        parts.append(f"Under {judged[0][1].targets.describe()}: " + "; ".join(
+            f"{row['mode']} {row['SLO met (%)']:g}% of requests met them, a goodput of {row['goodput (req/s)']:g} "
+            "requests/s" for row, _ in judged) + ".")
     for row, record in zip(rows, records):
         if len(rows) == 1:
             speed = f" ({row['throughput (tok/s)']} tok/s)" if row["throughput (tok/s)"] else ""

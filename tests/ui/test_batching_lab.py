@@ -10,12 +10,14 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
+from inference_core.bench.latency import LatencyTargets
 from inference_core.engine.engine import StepReport
 from ui.batching import (LAB_OUTPUTS, LAB_PRESETS, TYPED, arrival_offsets, output_limits, preset_values,
                          run_batching)
 from ui.batching_view import (RESULT_COLUMNS, Arrival, RunRecord, Segment, StepRecord, activity_figure,
                               request_timelines, results_frame, run_numbers, timeline_figure, verdict)
 from ui.control import RunControl
+from ui.frontier import frontier_figure
 from serving.pool import EnginePool
 
 SMALL_POOL = next(name for name in LAB_PRESETS if name.startswith("small KV pool"))
@@ -50,10 +52,12 @@ def _idle(pool) -> bool:
 
 
 def test_small_continuous_run_fills_every_panel(lab_pool):
-    updates = _run(lab_pool)
+    updates = _run(lab_pool, slo_ttft_ms=60000, slo_tpot_ms="")  # an empty box: no TPOT target
     assert updates[0]["run_button"]["interactive"] is False and updates[-1]["run_button"]["interactive"] is True
     last = updates[-1]
-    assert last["status"].startswith("Finished. continuous batching: 4 requests, 32 output tokens")
+    assert last["status"].startswith("Finished. Under TTFT <= 60000 ms: continuous 100% of requests met them, a "
+                                     "goodput of ")
+    assert "continuous batching: 4 requests, 32 output tokens" in last["status"]
     table = last["results"]
     assert isinstance(table, pd.DataFrame) and list(table.columns) == list(RESULT_COLUMNS)
     row = table.iloc[0]
@@ -62,6 +66,8 @@ def test_small_continuous_run_fills_every_panel(lab_pool):
     assert 1 <= row["mean batch size"] <= 4 and row["TTFT p50 (ms)"] <= row["TTFT p95 (ms)"]
     assert row["latency p50 (s)"] <= row["latency p95 (s)"] <= row["wall time (s)"]
     assert row["throughput (tok/s)"] == pytest.approx(32 / row["wall time (s)"], rel=0.01)
+    assert row["SLO met (%)"] == 100.0 and row["goodput (req/s)"] == pytest.approx(4 / row["wall time (s)"], rel=0.01)
+    assert row["TPOT p95 (ms)"] > 0  # 8 tokens each, counted per request as the engine delivered them
     timeline = last["timeline"]
     assert isinstance(timeline, go.Figure)
     by_name = {trace.name: trace for trace in timeline.data}
@@ -121,6 +127,8 @@ def test_closing_the_handler_cancels_every_request(lab_pool):
     (dict(arrival="Poisson arrivals", rate=0), "'Poisson rate (requests/s)' must be a number from 0.01 to 100"),
     (dict(seed="abc"), "'seed' must be a whole number from 0 to 2.14748e+09, got 'abc'"),
     (dict(mode="round robin"), "unknown batching mode"),
+    (dict(slo_tpot_ms=0), "'TPOT target (ms)' must be a number from 1 to 1e+06, got 0"),
+    (dict(slo_ttft_ms="soon"), "'TTFT target (ms)' must be a number"),
 ])
 def test_bad_settings_get_a_message(lab_pool, overrides, message):
     updates = _run(lab_pool, **overrides)
@@ -192,13 +200,55 @@ def test_results_are_computed_from_the_steps():
     assert numbers == {
         "mode": "continuous", "requests": 2, "output tokens": 8, "wall time (s)": 2.62,
         "throughput (tok/s)": round(8 / 2.625, 1), "TTFT p50 (ms)": 1000, "TTFT p95 (ms)": 1112,
-        "latency p50 (s)": 2.12, "latency p95 (s)": 2.12, "preemptions": 1, "mean batch size": round(9 / 7, 2),
+        "latency p50 (s)": 2.12, "latency p95 (s)": 2.12, "TPOT p95 (ms)": None, "goodput (req/s)": None,
+        "SLO met (%)": None, "preemptions": 1, "mean batch size": round(9 / 7, 2),
         "padding tokens": 0, "device time (s)": 0.88}
-    assert list(results_frame([record], 99.0).iloc[0]) == [numbers[c] for c in RESULT_COLUMNS]
+    assert list(results_frame([record], 99.0).iloc[0]) == ["-" if numbers[c] is None else numbers[c]
+                                                           for c in RESULT_COLUMNS]  # no targets: "-"
     # A static batch's padding: prompt padding tokens plus finished members' rows, summed over the steps.
     record.steps[0] = StepRecord(dataclasses.replace(record.steps[0].report, prompt_padding_tokens=9), 1)
     record.steps[1] = StepRecord(dataclasses.replace(record.steps[1].report, padding_rows=2), 1)
     assert run_numbers(record, now=99.0)["padding tokens"] == 11
+
+
+def test_goodput_is_computed_from_the_same_steps():
+    """Tokens per request as the engine delivered them: request 1 got 1 in step 1 and 1 in each of steps 2-5 (5),
+    request 2 one in steps 2, 3 and 7 (its recompute in step 6 emits none): 3."""
+    record = _record()
+    per_step = [((1, 1),), ((1, 1), (2, 1)), ((1, 1), (2, 1)), ((1, 1),), ((1, 1),), (), ((2, 1),)]
+    record.steps = [dataclasses.replace(step, request_tokens=tokens) for step, tokens in zip(record.steps, per_step)]
+    record.targets = LatencyTargets(ttft_ms=1000, tpot_ms=700)
+    # Request 1: TTFT 1125 ms, latency 2125 ms, TPOT (2125 - 1125) / 4 = 250 ms: misses the TTFT target.
+    # Request 2: TTFT 1375 - 500 = 875 ms, latency 2625 - 500 = 2125 ms, TPOT (2125 - 875) / 2 = 625 ms: meets both.
+    live = run_numbers(record, now=99.0)
+    assert (live["goodput (req/s)"], live["SLO met (%)"]) == (None, None)  # not judged while the mode runs
+    record.ended = True
+    numbers = run_numbers(record, now=99.0)
+    assert (numbers["goodput (req/s)"], numbers["SLO met (%)"]) == (0.381, 50.0)  # 1 request / 2.625 s; 1 of 2
+    assert numbers["TPOT p95 (ms)"] == pytest.approx(606.25, abs=0.05)  # 250 + 0.95 * (625 - 250)
+    record.targets = LatencyTargets(tpot_ms=250)  # request 1 at the target exactly; request 2 over it
+    assert run_numbers(record, now=99.0)["SLO met (%)"] == 50.0
+    other = _record()
+    other.ended, other.mode = True, "static"
+    text = verdict([record, other], now=99.0)
+    assert "Under TPOT <= 250 ms: continuous 50% of requests met them, a goodput of 0.381 requests/s." in text
+
+
+def test_frontier_draws_each_mode_through_its_rates():
+    def row(name, rate, tokens_per_s, p95_ms, goodput):
+        return {"name": name, "rate_requests_per_s": rate, "throughput_tokens_per_s": tokens_per_s,
+                "latency_ms_p95": p95_ms, "ttft_ms_p95": 100.0, "tpot_ms_p95": 80.0,
+                "goodput_requests_per_s": goodput, "slo_attainment_pct": 50.0}
+    sweep = [row("continuous", 2, 60.0, 4000.0, 1.5), row("continuous", 0.5, 20.0, 2500.0, 0.5),
+             row("static", 0.5, 15.0, 9000.0, 0.0), row("hf-static", 0.5, 14.0, 9500.0, None)]
+    figure = frontier_figure(sweep)
+    assert [trace.name for trace in figure.data] == ["continuous", "static", "hf-static"]
+    continuous, static, peer = figure.data
+    assert list(continuous.x) == [2.5, 4.0] and list(continuous.y) == [20.0, 60.0]  # in order of rate
+    assert list(continuous.text) == ["0.5/s", "2/s"] and "goodput 1.5 requests/s" in continuous.hovertext[1]
+    assert static.line.dash == "solid" and peer.line.dash == "dash" and "no latency target" in peer.hovertext[0]
+    assert figure.layout.xaxis.title.text.startswith("p95 latency")
+    assert "A request-rate sweep" in frontier_figure([]).layout.annotations[0].text
 
 
 def test_figures_draw_every_state_and_step():

@@ -178,12 +178,14 @@ def others_html(trails: list[TokenTrail] | None, texts: list[str], mode: str, en
     items = []
     for index in range(1, len(texts)):
         body = trails[index].html(mode, tips=ended) if trails is not None else html.escape(texts[index])
-        items.append(f'<div class="chat-other" data-answer="{index + 1}" style="margin:6px 0;padding-left:8px;'
+        items.append(f'<div class="chat-other" data-answer="{index + 1}" style="flex:1 1 260px;padding-left:8px;'
                      f'border-left:3px solid #94a3b8"><b>Answer {index + 1}</b> (sampled with the seed + {index})'
-                     f'<div style="white-space:pre-wrap;margin-top:4px;max-height:200px;overflow-y:auto">{body}'
+                     f'<div style="white-space:pre-wrap;margin-top:4px;max-height:240px;overflow-y:auto">{body}'
                      "</div></div>")
+    # Side by side, to compare; each at least 260 px wide, so they wrap one under the other on a phone.
     return (f'<details class="chat-others" open><summary>Other answers ({len(texts) - 1}): the conversation keeps '
-            f"answer 1</summary>{''.join(items)}</details>")
+            f'answer 1</summary><div style="display:flex;flex-wrap:wrap;gap:12px;margin-top:6px">{"".join(items)}'
+            "</div></details>")
 
 
 def remembered_others(memory: ChatMemory) -> str:

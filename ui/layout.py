@@ -45,6 +45,7 @@ from ui.race import (LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_remembered
 from ui.race_inspect import build_lens_panel, lens_choices, recolour
 from ui.race_panels import RaceMemory
 from ui.race_table import SUMMARY_COLUMNS
+from ui.roofline_view import build_roofline_panel
 from ui.session_state import keep_replacement_ids
 from ui.setups import DEFAULT_LANES, RACE_SETUPS, presets, setup_values
 from ui.stack import build_stack_tab
@@ -153,6 +154,7 @@ def _build_race_tab(pool: EnginePool) -> None:
         chart = gr.Plot(speed_figure({}), label="tokens/s over each lane's own device time", elem_id="race-chart",
                         min_width=320)
     lens_lane, lens_token = build_lens_panel(memory, TABLE, {**GENERATION, **PRIVATE})
+    build_roofline_panel(pool, memory, {**GENERATION, **PRIVATE})
     summary = gr.DataFrame(pd.DataFrame(columns=SUMMARY_COLUMNS), label="Each lane's measured numbers",
                            elem_id="race-summary", column_widths=["36%", "32%", "32%"], max_height=1200, **TABLE)
     with gr.Row(equal_height=False):
@@ -235,9 +237,10 @@ def _build_chat_tab(pool: EnginePool) -> None:
     # The latest answer token by token, with CSS-only tooltips (a Chatbot cannot take them; `ui.chat_answers`).
     colour = gr.Radio([(label, mode) for mode, label in COLOUR_MODES.items()], value=DEFAULT_MODE,
                       label="Colour the answer's tokens by", elem_id="chat-colour")
-    with gr.Row(equal_height=False):
-        tokens = gr.HTML(TOKENS_EMPTY, elem_id="chat-tokens", min_width=320, css_template=TOKEN_CSS)
-        other_answers = gr.HTML("", elem_id="chat-other-answers", min_width=320, css_template=TOKEN_CSS)
+    # One above the other: the kept answer takes the width when it is the only one (the other answers' panel is then
+    # empty), and the other answers sit side by side inside their panel, wrapping on a phone.
+    tokens = gr.HTML(TOKENS_EMPTY, elem_id="chat-tokens", css_template=TOKEN_CSS)
+    other_answers = gr.HTML("", elem_id="chat-other-answers", css_template=TOKEN_CSS)
     stats_table = gr.DataFrame(stats_frame([]), label=STATS_LABEL, elem_id="chat-stats", **TABLE)
     kv_view = gr.HTML(elem_id="chat-kv-view")
 

@@ -312,6 +312,15 @@ def test_two_chat_turns_reuse_the_prefix_cache(served, browser):
     assert second_cached < second_prompt
     expect(page.locator("#chat-log")).to_contain_text("Which of them is warmest?")
     expect(page.locator("#chat-kv-view .kv-cell")).to_have_count(2048 // 16)
+    # The answer under the chat log, token by token: a token's tooltip gives its probability and five alternatives.
+    token = page.locator('#chat-tokens .tok[data-i="0"]')
+    tip = token.locator(".tok-tip")
+    expect(tip).to_be_hidden()
+    token.hover()
+    expect(tip).to_be_visible()
+    head, *alternatives = tip.inner_text().splitlines()
+    assert f"p {float(token.get_attribute('data-p')):.3f}" in head, head
+    assert [line.split(".")[0] for line in alternatives] == ["1", "2", "3", "4", "5"], alternatives
     if os.environ.get("UPDATE_DOCS_SCREENSHOT"):
         page.screenshot(path=str(DOCS / "chat-tab.png"), full_page=True)
     page.close()

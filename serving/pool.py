@@ -24,6 +24,7 @@ from inference_core.model.loader import LoadedModel
 from inference_core.quant.awq_file import default_path
 from inference_core.quant.linear import GROUP_SIZES, SCHEMES, QuantConfig
 from inference_core.quant.quantize import quantize
+from inference_core.roofline import Ceilings, measure_ceilings
 from inference_core.sampling import SamplingParams
 from inference_core.settings import SPEC_METHOD_LABELS, LaneSettings
 from inference_core.spec.decoding import SpecConfig
@@ -149,6 +150,11 @@ class EnginePool:
         """Compile `engine`'s batch-1 decode graph now, in the loop thread (the device is busy meanwhile); returns the
         seconds it took, which the race and the chat report apart from decode speed."""
         return self.loop.call(engine.warm_up_compiled)
+
+    def ceilings(self) -> Ceilings:
+        """The device's roofline ceilings in the model's dtype (measured once per host and kept; the probe runs
+        between the engine loop's steps, alone on the device)."""
+        return self.loop.call(measure_ceilings, self.loaded.device, self.loaded.dtype)
 
     def active_requests(self) -> int:
         """Requests queued or running right now, over every engine (0 whenever nothing is generating)."""

@@ -28,7 +28,7 @@ from typing import Iterator
 from inference_core.config import ConfigError, EngineConfig
 from inference_core.engine.compiled import CompiledDecoder, compile_unavailable
 from inference_core.engine.lens import prompt_logprobs
-from inference_core.engine.request import FinishEvent, Request, StopGeneration, TokenEvent
+from inference_core.engine.request import FinishEvent, GenerationStats, Request, StopGeneration, TokenEvent
 from inference_core.engine.runner import ModelRunner
 from inference_core.engine.scheduler import ScheduledWork, Scheduler
 from inference_core.kv.block_manager import FREED
@@ -36,6 +36,7 @@ from inference_core.kv.cache import ContiguousKVCache, PagedKVCache, RecomputeKV
 from inference_core.logits import shape_logits, token_logprobs
 from inference_core.model.loader import LoadedModel, check_draft_model
 from inference_core.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from inference_core.roofline import run_points, weights_read_per_step
 from inference_core.sampling import SamplingParams, sample_batch
 from inference_core.spec.decoding import (MAX_K, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, SpecConfig, next_k,
                                           speculative_step, tree_speculative_step)
@@ -519,6 +520,15 @@ class Engine:
     def _compile_seconds(self) -> float:
         """Seconds this engine has spent compiling decode graphs so far (0 for an eager engine)."""
         return self.decoder.stats.warmup_s if self.decoder is not None else 0.0
+
+    def roofline_points(self, stats: GenerationStats) -> list[dict]:
+        """A finished request's prefill and decode as roofline points (`inference_core.roofline.run_points`): FLOPs
+        and bytes from this engine's model and KV cache, its measured times, its decode steps' mean batch."""
+        decode_s = (stats.generated_tokens - 1) / stats.decode_tokens_per_s if stats.decode_tokens_per_s else 0.0
+        return run_points(self.loaded.config, weights_read_per_step(self.loaded.model),
+                          getattr(self.kv_cache, "bytes_per_token", 0), stats.prompt_tokens,
+                          stats.cached_prompt_tokens, stats.generated_tokens, stats.ttft_ms / 1e3, decode_s,
+                          max(stats.batch_size_mean, 1.0))
 
     def compile_stats(self) -> dict | None:
         """Compiled decode's totals (`compiled.CompileStats`: options, warm-up seconds, graphs, recompiles); None

@@ -1,0 +1,87 @@
+"""The race's roofline: the device's two roofs (memory bandwidth, matmul throughput, measured once per host by
+`EnginePool.ceilings`) and each finished lane's prefill and decode as points (`Engine.roofline_points`: FLOPs and
+bytes from the model's configuration over the lane's measured times). Decode sits far left, against the memory roof;
+prefill climbs toward the compute roof; a batched or quantized lane moves its decode point. Drawn on request, from
+the visitor's last race (`RaceMemory`), so it costs nothing while a race streams.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+import plotly.graph_objects as go
+
+from serving.pool import EnginePool
+from ui.figures import LANE_COLOURS
+from ui.race_panels import RaceMemory
+
+PHASE_SYMBOLS = {"prefill": "triangle-up", "decode": "circle"}
+EMPTY_NOTE = "Run a race, then draw it here: each lane's prefill and decode become points under the device's roofs."
+
+
+def roofline_figure(ceilings: dict, lanes: dict[str, list[dict]]) -> go.Figure:
+    """`ceilings`: {"bandwidth_bytes_per_s", "peak_flops_per_s", "device", "dtype"}; `lanes`: lane label -> its
+    points ({"phase", "intensity", "flops_per_s"}). Log-log: intensity (FLOPs per byte) against GFLOP/s."""
+    bandwidth, peak = ceilings["bandwidth_bytes_per_s"], ceilings["peak_flops_per_s"]
+    intensities = [point["intensity"] for points in lanes.values() for point in points]
+    ridge = peak / bandwidth
+    low = min([ridge / 100, *intensities]) / 2
+    high = max([ridge * 10, *intensities]) * 2
+    xs = [low, ridge, high]
+    figure = go.Figure()
+    figure.add_trace(go.Scatter(
+        x=xs, y=[min(bandwidth * x, peak) / 1e9 for x in xs], mode="lines", name="roofs", showlegend=False,
+        line={"color": "#475569", "width": 2},
+        hovertemplate="the roof at %{x:.2f} FLOP/byte: %{y:.1f} GFLOP/s<extra></extra>"))
+    figure.add_annotation(x=0.02, y=0.98, xref="paper", yref="paper", xanchor="left", yanchor="top", showarrow=False,
+                          text=f"{ceilings['device']} ({ceilings['dtype']}): memory {bandwidth / 1e9:.1f} GB/s, "
+                               f"matmul {peak / 1e9:.0f} GFLOP/s, ridge at {ridge:.1f} FLOP/byte",
+                          font={"size": 11})
+    for index, (label, points) in enumerate(lanes.items()):
+        colour = LANE_COLOURS.get(label.split(":")[0], "#64748b")
+        for point in points:
+            figure.add_trace(go.Scatter(
+                x=[point["intensity"]], y=[point["flops_per_s"] / 1e9], mode="markers",
+                name=f"{label} {point['phase']}",
+                marker={"color": colour, "size": 12, "symbol": PHASE_SYMBOLS.get(point["phase"], "circle")},
+                hovertemplate=(f"{label} {point['phase']}: %{{x:.2f}} FLOP/byte, %{{y:.2f}} GFLOP/s, "
+                               f"{point['bytes_per_s'] / 1e9:.1f} GB/s<extra></extra>")))
+    figure.update_xaxes(type="log", title="arithmetic intensity (FLOPs per byte moved)")
+    figure.update_yaxes(type="log", title="achieved GFLOP/s")
+    figure.update_layout(height=360, margin={"l": 60, "r": 20, "t": 30, "b": 50}, legend={"orientation": "h"})
+    return figure
+
+
+def race_points(memory: RaceMemory) -> dict[str, list[dict]]:
+    """Each finished local lane of the visitor's last race -> its roofline points."""
+    lanes = {}
+    for trace in memory.traces or []:
+        if trace.engine is not None and trace.stats is not None:
+            lanes[f"{trace.name}: {trace.settings.describe()}"] = trace.engine.roofline_points(trace.stats)
+    return lanes
+
+
+def draw_roofline(pool: EnginePool, memory: RaceMemory):
+    """The roofline of the visitor's last race, and a sentence on where its points sit."""
+    lanes = race_points(memory)
+    if not lanes:
+        return gr.skip(), EMPTY_NOTE
+    ceilings = pool.ceilings()
+    figure = roofline_figure(vars(ceilings), lanes)
+    notes = []
+    for label, points in lanes.items():
+        for point in points:
+            roof = min(ceilings.bandwidth_bytes_per_s * point["intensity"], ceilings.peak_flops_per_s)
+            bound = "memory" if point["intensity"] < ceilings.ridge else "compute"
+            notes.append(f"{label.split(':')[0]} {point['phase']}: {100 * point['flops_per_s'] / roof:.0f}% of its "
+                         f"roof ({bound}-bound side)")
+    return figure, "; ".join(notes) + "."
+
+
+def build_roofline_panel(pool: EnginePool, memory: gr.State, listener: dict) -> None:
+    """A closed accordion under the race: a button draws the last race on the device's roofline."""
+    with gr.Accordion("Roofline: is each lane bound by memory or by arithmetic?", open=False,
+                      elem_id="race-roofline-panel"):
+        draw = gr.Button("Draw the last race on the roofline", elem_id="race-roofline-draw", size="sm")
+        note = gr.Markdown(EMPTY_NOTE, elem_id="race-roofline-note")
+        plot = gr.Plot(label="roofline", elem_id="race-roofline")
+    draw.click(lambda state: draw_roofline(pool, state), memory, [plot, note], **listener)

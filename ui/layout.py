@@ -237,9 +237,10 @@ def _build_chat_tab(pool: EnginePool) -> None:
     # The latest answer token by token, with CSS-only tooltips (a Chatbot cannot take them; `ui.chat_answers`).
     colour = gr.Radio([(label, mode) for mode, label in COLOUR_MODES.items()], value=DEFAULT_MODE,
                       label="Colour the answer's tokens by", elem_id="chat-colour")
-    with gr.Row(equal_height=False):
-        tokens = gr.HTML(TOKENS_EMPTY, elem_id="chat-tokens", min_width=320, css_template=TOKEN_CSS)
-        other_answers = gr.HTML("", elem_id="chat-other-answers", min_width=320, css_template=TOKEN_CSS)
+    # One above the other: the kept answer takes the width when it is the only one (the other answers' panel is then
+    # empty), and the other answers sit side by side inside their panel, wrapping on a phone.
+    tokens = gr.HTML(TOKENS_EMPTY, elem_id="chat-tokens", css_template=TOKEN_CSS)
+    other_answers = gr.HTML("", elem_id="chat-other-answers", css_template=TOKEN_CSS)
     stats_table = gr.DataFrame(stats_frame([]), label=STATS_LABEL, elem_id="chat-stats", **TABLE)
     kv_view = gr.HTML(elem_id="chat-kv-view")
 

@@ -18,9 +18,13 @@ PHASE_SYMBOLS = {"prefill": "triangle-up", "decode": "circle"}
 EMPTY_NOTE = "Run a race, then draw it here: each lane's prefill and decode become points under the device's roofs."
 
 
+PALETTE = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#dc2626", "#0891b2", "#ca8a04", "#db2777", "#475569")
+
+
 def roofline_figure(ceilings: dict, lanes: dict[str, list[dict]]) -> go.Figure:
-    """`ceilings`: {"bandwidth_bytes_per_s", "peak_flops_per_s", "device", "dtype"}; `lanes`: lane label -> its
-    points ({"phase", "intensity", "flops_per_s"}). Log-log: intensity (FLOPs per byte) against GFLOP/s."""
+    """`ceilings`: {"bandwidth_bytes_per_s", "peak_flops_per_s", "device", "dtype"}; `lanes`: a label (a race
+    lane's starts with its name, "A: ...") -> its points ({"phase", "intensity", "flops_per_s", "bytes_per_s"}).
+    Log-log: intensity (FLOPs per byte) against GFLOP/s."""
     bandwidth, peak = ceilings["bandwidth_bytes_per_s"], ceilings["peak_flops_per_s"]
     intensities = [point["intensity"] for points in lanes.values() for point in points]
     ridge = peak / bandwidth
@@ -37,7 +41,7 @@ def roofline_figure(ceilings: dict, lanes: dict[str, list[dict]]) -> go.Figure:
                                f"matmul {peak / 1e9:.0f} GFLOP/s, ridge at {ridge:.1f} FLOP/byte",
                           font={"size": 11})
     for index, (label, points) in enumerate(lanes.items()):
-        colour = LANE_COLOURS.get(label.split(":")[0], "#64748b")
+        colour = LANE_COLOURS.get(label.split(":")[0], PALETTE[index % len(PALETTE)])
         for point in points:
             figure.add_trace(go.Scatter(
                 x=[point["intensity"]], y=[point["flops_per_s"] / 1e9], mode="markers",

@@ -4,11 +4,12 @@ Each rung is one configuration of the playground's own engine (`LaneSettings`, r
 like a race lane): no KV cache, a KV cache, paged with the prefix cache, then each further technique alone on top of
 the paged cache (compiled decode, int8 weights, int4 weights, speculative decoding by prompt lookup), and everything
 together. Every rung generates the same number of tokens for the same prompt (greedy, end of text ignored) and
-reports what its request measured: decode tokens/s, TTFT, the weights' stored size, the KV memory it reserved, and
-the quality delta, the perplexity of the first QUALITY_TOKENS tokens of the shipped evaluation text with the rung's
-weights and KV dtype against the model as loaded (`inference_core.bench.quality`, measured once per weight setting).
-Rungs the device cannot run (compiled decode or quantized weights where unavailable) are left out and the tab says so.
-`climb` is a plain generator: the page streams its bars and table after each rung; tests drive it without a browser.
+reports what its request measured: decode tokens/s, TTFT, the weights' stored size, the KV memory it reserved, its
+prefill and decode on the device's roofline (`ui.roofline_view`), and the quality delta, the perplexity of the first
+QUALITY_TOKENS tokens of the shipped evaluation text with the rung's weights and KV dtype against the model as loaded
+(`inference_core.bench.quality`, measured once per weight setting). Rungs the device cannot run (compiled decode or
+quantized weights where unavailable) are left out and the tab says so. `climb` is a plain generator: the page streams
+its bars and table after each rung; tests drive it without a browser.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from serving.admission import Job, Run
 from serving.cost import duration
 from serving.pool import EnginePool
 from ui.control import RunControl
+from ui.roofline_view import roofline_figure
 from ui.setups import presets
 from ui.words import PAGE_WORDS, refusal
 
 QUALITY_TOKENS = 1024  # tokens of the evaluation text each weight setting's perplexity is measured on
 SPEC_K = 5
-STACK_OUTPUTS = ("figure", "table", "status", "run_button")
+STACK_OUTPUTS = ("figure", "table", "status", "run_button", "roofline")
 BAR_HEADROOM = 1.18  # a chart's height over its tallest bar: room for the value written above that bar
 EMPTY_STACK_TEXT = "Each rung's bar<br>appears here as<br>the ladder is climbed."  # either chart before the climb
 TABLE_COLUMNS = ("rung", "adds", "decode tokens/s", "vs no KV cache (x)", "TTFT (ms)", "weights (MiB)",
@@ -159,6 +161,7 @@ def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str
             raise ConfigError("the prompt is empty; type some text.")
         rungs, left_out = ladder(pool, bool(with_compiled))
         rows: list[dict] = []
+        points: dict[str, list[dict]] = {}  # rung -> its prefill and decode on the roofline
         yield _frame(figure=stack_figure(rows), table=pd.DataFrame(columns=TABLE_COLUMNS), run_button=gr.update(
             interactive=False), status=f"Climbing {len(rungs)} rungs, {new_tokens} tokens each...")
         for index, rung in enumerate(rungs):
@@ -178,7 +181,9 @@ def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str
             if final is None or final.stats.finish_reason == "stopped":
                 break
             rows.append(_row(pool, rung, run, final.stats, rows, command(rung.settings, prompt, system, new_tokens)))
-            yield _frame(figure=stack_figure(rows), table=pd.DataFrame(rows, columns=TABLE_COLUMNS))
+            points[rung.name] = run.engines["rung"].roofline_points(final.stats)
+            yield _frame(figure=stack_figure(rows), table=pd.DataFrame(rows, columns=TABLE_COLUMNS),
+                         roofline=roofline_figure(vars(pool.ceilings()), points))
         stopped = " Stopped before the last rungs." if len(rows) < len(rungs) else ""
         missing = f" Left out here: {'; '.join(left_out)}." if left_out else ""
         yield _frame(status=f"Finished: {len(rows)} rungs measured on {pool.loaded.device} in "
@@ -238,12 +243,14 @@ def build_stack_tab(pool: EnginePool) -> None:
     table = gr.DataFrame(pd.DataFrame(columns=TABLE_COLUMNS), elem_id="stack-table", wrap=True, interactive=False,
                          buttons=["copy", "fullscreen"], column_widths=TABLE_WIDTHS, pinned_columns=1,
                          max_chars=MAX_CELL_CHARS)
+    roofline = gr.Plot(label="each rung's prefill (triangle) and decode (circle) under this device's roofs",
+                       elem_id="stack-roofline")
     prompt = gr.State(prompts[grounded]["prompt"])
     system = gr.State(prompts[grounded].get("system", ""))
     quick = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}  # the page's own events
     preset.change(lambda key: (prompts[key]["prompt"], prompts[key].get("system", "")), preset, [prompt, system],
                   **quick)
-    outputs = {"figure": figure, "table": table, "status": status, "run_button": run}
+    outputs = {"figure": figure, "table": table, "status": status, "run_button": run, "roofline": roofline}
     run.click(RunControl.arm, control, None, **quick).then(
         partial(climb, pool), [control, prompt, system, new_tokens, with_compiled],
         [outputs[name] for name in STACK_OUTPUTS], show_progress="hidden", concurrency_limit=1,

@@ -503,3 +503,7 @@ def test_stack_climbs_every_rung_and_reports_measured_rows(pool):
     assert frames[-1]["status"].startswith("Finished: 7 rungs") and "compiled decode (unticked)" in frames[-1]["status"]
     assert len(pool.perplexities) == 3
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0
+    roofline = [frame["roofline"] for frame in frames if hasattr(frame["roofline"], "data")][-1]
+    decode = {trace.name.rsplit(" ", 1)[0]: trace.x[0] for trace in roofline.data if trace.name.endswith(" decode")}
+    assert set(decode) == set(table["rung"])  # every rung a point
+    assert decode["int4 weights"] > decode["KV cache"]  # fewer bytes per FLOP moved: the point moves right

@@ -531,7 +531,7 @@ def test_external_lane_races_this_apps_own_api_in_a_second_process(served, brows
 def test_hovering_a_token_shows_its_alternatives_and_the_logit_lens_opens(served, browser):
     """A finished lane's token shows its probability and top alternatives on hover (and on focus, as a tap gives it),
     drawn whole over the lane's scrolling box; the colour mode redraws the lanes without a new race; the logit lens
-    draws a token's probability after each layer."""
+    draws a token's probability after each layer; the roofline panel draws both lanes under the device's roofs."""
     from playwright.sync_api import expect
 
     pool, url = served
@@ -572,5 +572,11 @@ def test_hovering_a_token_shows_its_alternatives_and_the_logit_lens_opens(served
     expect(page.locator("#lens-chart .js-plotly-plot .scatterlayer .trace")).to_have_count(2)
     rows = _table(page, "lens-table")
     assert rows[0]["layer"] == "1" and rows[0]["rank"].isdigit()
+    # The roofline: both lanes' prefill and decode as points under the device's two roofs.
+    _unfold(page, "race-roofline-panel")
+    page.click("#race-roofline-draw")
+    expect(page.locator("#race-roofline-note")).to_contain_text("B decode", timeout=60_000)
+    expect(page.locator("#race-roofline-note")).to_contain_text("A decode")
+    expect(page.locator("#race-roofline .js-plotly-plot .scatterlayer .trace")).to_have_count(5)
     page.close()
     _wait_idle(pool)

@@ -23,6 +23,7 @@ from inference_core.engine.runner import wake_device
 from inference_core.model.loader import LoadedModel
 from inference_core.quant.awq_file import default_path
 from inference_core.quant.linear import GROUP_SIZES, SCHEMES, QuantConfig
+from inference_core.planner import engine_figures, plan_memory
 from inference_core.quant.quantize import quantize
 from inference_core.roofline import Ceilings, measure_ceilings
 from inference_core.sampling import SamplingParams
@@ -150,6 +151,12 @@ class EnginePool:
         """Compile `engine`'s batch-1 decode graph now, in the loop thread (the device is busy meanwhile); returns the
         seconds it took, which the race and the chat report apart from decode speed."""
         return self.loop.call(engine.warm_up_compiled)
+
+    def plan(self, settings: LaneSettings, context_len: int, engine: Engine | None = None) -> dict:
+        """The memory plan of a lane's settings on this pool's model for sequences of `context_len` tokens
+        (`inference_core.planner`), with what `engine` (the lane's, when it ran) allocated beside it."""
+        plan = plan_memory(self.loaded, settings.engine_config(self.max_seq_len), settings.quant(), context_len)
+        return {"plan": plan.as_dict(), "engine": engine_figures(engine) if engine is not None else None}
 
     def ceilings(self) -> Ceilings:
         """The device's roofline ceilings in the model's dtype (measured once per host and kept; the probe runs

@@ -2,12 +2,14 @@
 `warm_up` readies the engines the page's first race will use before the app serves.
 
 Element ids that tests and scripts rely on: race-setup, race-setup-about, race-prompt, race-run, race-stop,
-lane-a-output, lane-b-output, race-chart, race-acceptance, race-summary (a table, a row per figure), race-summary-notes
-(the speed-up line and notes under it), race-identical, kv-view, race-colour (the lanes' colour mode), lens (the
-logit lens's accordion, with lens-lane, lens-token, lens-run, lens-summary, lens-chart and lens-table), chat-input,
-chat-send, chat-stop, chat-log (plus race-status, chat-status, chat-stats (a table, a row per turn), chat-kv-view),
-chat-answers (answers per turn), chat-colour (the colour mode of chat-tokens, the latest answer token by token, a
-tooltip per token) and chat-other-answers (a turn's answers after the first).
+lane-a-output, lane-b-output, race-chart, race-acceptance, race-summary (a table, a row per figure),
+race-summary-notes (the speed-up line and notes under it), race-identical, kv-view, race-colour (the lanes' colour
+mode), lens (the logit lens's accordion, with lens-lane, lens-token, lens-run, lens-summary, lens-chart and
+lens-table), race-roofline-panel (race-roofline-draw, race-roofline-note, race-roofline), race-memory-panel
+(race-memory-draw, race-memory-note, race-memory-table), chat-input, chat-send, chat-stop, chat-log (plus
+race-status, chat-status, chat-stats (a table, a row per turn), chat-kv-view), chat-answers (answers per turn),
+chat-colour (the colour mode of chat-tokens, the latest answer token by token, a tooltip per token) and
+chat-other-answers (a turn's answers after the first).
 Each settings group has ids with its prefix (lane-a, lane-b, chat): -kv, -block-size, -prefix-cache, -temperature,
 -top-p, -seed, -spec (the draft source), -spec-k, -spec-layers, and -sampling (the folded sampling and constraint
 settings). A setting that does not apply to the chosen mode is disabled (block size and prefix cache without the
@@ -40,6 +42,7 @@ from ui.chat_answers import DEFAULT_MODE, MAX_ANSWERS, TOKENS_EMPTY, ChatMemory,
 from ui.control import RunControl
 from ui.figures import speed_figure
 from ui.lane_widgets import settings_widgets
+from ui.memory_view import build_memory_panel
 from ui.race import (LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_remembered_race, settings_from_values, stop_race,
                      warm_up_race)
 from ui.race_inspect import build_lens_panel, lens_choices, recolour
@@ -155,6 +158,7 @@ def _build_race_tab(pool: EnginePool) -> None:
                         min_width=320)
     lens_lane, lens_token = build_lens_panel(memory, TABLE, {**GENERATION, **PRIVATE})
     build_roofline_panel(pool, memory, {**GENERATION, **PRIVATE})
+    build_memory_panel(pool, memory, TABLE, {**GENERATION, **PRIVATE})
     summary = gr.DataFrame(pd.DataFrame(columns=SUMMARY_COLUMNS), label="Each lane's measured numbers",
                            elem_id="race-summary", column_widths=["36%", "32%", "32%"], max_height=1200, **TABLE)
     with gr.Row(equal_height=False):

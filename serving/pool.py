@@ -22,6 +22,7 @@ from inference_core.engine.loop import EngineLoop
 from inference_core.engine.runner import wake_device
 from inference_core.model.loader import LoadedModel
 from inference_core.quant.awq_file import default_path
+from inference_core.quant.kernels import DEVICES as QUANT_DEVICES
 from inference_core.quant.linear import GROUP_SIZES, SCHEMES, QuantConfig
 from inference_core.planner import engine_figures, plan_memory
 from inference_core.quant.quantize import quantize
@@ -82,9 +83,9 @@ class EnginePool:
         return self.weight_variants[quant]
 
     def weight_schemes(self) -> list[str]:
-        """The weight settings this model can use: quantization on the CPU only, AWQ where a calibrated file
-        exists."""
-        if self.loaded.device.type != "cpu":
+        """The weight settings this model can use: quantization on the CPU and on CUDA (the devices with weight-only
+        kernels), AWQ where a calibrated file exists."""
+        if self.loaded.device.type not in QUANT_DEVICES:
             return ["none"]
         return [scheme for scheme in SCHEMES
                 if scheme != "awq" or any(default_path(self.loaded, group).exists() for group in GROUP_SIZES)]

@@ -78,7 +78,7 @@ def ladder(pool: EnginePool, with_compiled: bool = True) -> tuple[list[Rung], li
             rungs.append(Rung(f"{scheme} weights", f"{scheme} weight-only quantization",
                               replace(paged, weights=scheme)))
         else:
-            left_out.append(f"{scheme} weights (weight quantization runs on the CPU only so far)")
+            left_out.append(f"{scheme} weights (weight quantization runs on the CPU and on CUDA only)")
     rungs.append(Rung("speculative", f"prompt lookup drafts, k={SPEC_K}", replace(paged, **spec)))
     best_weights = "int4" if "int4" in schemes else "none"
     rungs.append(Rung("everything together", "all of the above that runs here",

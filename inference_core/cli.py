@@ -6,6 +6,7 @@
     spec-bench     [--source ngram,early-exit,draft,medusa,eagle] [--spec-k 3,5] [--kinds chat,code] ...
     race           [--lanes paged,none] [--prompt-id ID] [--repeats R] [--json PATH] ...
     sampling-bench [--max-new-tokens N] [--rounds R] [--json PATH]
+    profile        --prompt TEXT [generate's flags] [--steps N] [--trace PATH] [--json]
     quality        [--quant none,int8,int4] [--kv-dtype auto,int8] [--window N] [--no-agreement] [--json PATH] ...
     compile-options [--dtype D] [--options a,b] [--steps N] [--json PATH]
     awq            [--model M] [--quant-group 32] [--out PATH]
@@ -30,6 +31,7 @@ from inference_core.bench import (
     batching,
     compile_options,
     gpu_report,
+    profile,
     quality,
     race,
     sampling_cost,
@@ -53,6 +55,8 @@ COMMANDS = {
                    speculation.run_spec_bench),
     "sampling-bench": ("what log-probabilities and a JSON schema constraint cost per decoded token",
                        sampling_cost.add_sampling_bench_arguments, sampling_cost.run_sampling_bench),
+    "profile": ("where an engine step's time goes: N steps under the torch profiler, by category, and a trace",
+                profile.add_profile_arguments, profile.run_profile),
     "train-draft": ("train Medusa heads or an EAGLE draft layer on the model's own answers",
                     train_draft.add_train_draft_arguments, train_draft.run_train_draft),
     "race": ("fairness of a race: each KV mode alone vs all of them interleaved", race.add_race_bench_arguments,

@@ -34,6 +34,7 @@ from inference_core.engine.scheduler import ScheduledWork, Scheduler
 from inference_core.kv.block_manager import FREED
 from inference_core.kv.cache import ContiguousKVCache, PagedKVCache, RecomputeKVCache
 from inference_core.logits import shape_logits, token_logprobs
+from inference_core.model.llama import profile_range
 from inference_core.model.loader import LoadedModel, check_draft_model
 from inference_core.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from inference_core.roofline import run_points, weights_read_per_step
@@ -349,10 +350,11 @@ class Engine:
     def _choose(self, logits, requests: list[Request]) -> tuple[list[int], list]:
         """logits: [len(requests), vocab] fp32, a row per request. Shape the rows that ask, choose each token with its
         request's settings and generator, and compute the log-probabilities asked for."""
-        rows = [request.row_contexts()[1][0] if request.reads_logits else None for request in requests]
-        shaped = shape_logits(logits, rows)
-        tokens = sample_batch(shaped, [r.params for r in requests], [r.generator for r in requests])
-        return tokens, token_logprobs(logits, shaped, rows, tokens)
+        with profile_range("ic::sampling"):
+            rows = [request.row_contexts()[1][0] if request.reads_logits else None for request in requests]
+            shaped = shape_logits(logits, rows)
+            tokens = sample_batch(shaped, [r.params for r in requests], [r.generator for r in requests])
+            return tokens, token_logprobs(logits, shaped, rows, tokens)
 
     def _reserve_prompt_padding(self, work: ScheduledWork) -> int:
         """Static batching: the padding (up to the batch's longest prompt) that rides with a prompt's last chunk, its

@@ -1,0 +1,272 @@
+"""`python -m inference_core profile`: where an engine step's time goes.
+
+It takes `generate`'s flags (the lane settings, the model, the prompts and the batching flags), submits the prompts
+to one `Engine`, steps it until every running request has its first token and `--warmup-steps` more (a compiled
+engine compiles or loads its graph there), times `--steps` steps without the profiler, then records `--steps` more
+with the torch profiler (CPU activities, and CUDA where the model is on a GPU) and prints a breakdown of the mean
+step by category; `--trace PATH` writes the recorded steps as a Chrome trace that Perfetto (ui.perfetto.dev) and
+chrome://tracing open, and `--json`
+prints `{"steps", "step_ms", "breakdown": [{"category", "ms", "share"}], ...}` (`step_ms`: the mean step, `ms`: per
+step; also `profiled_ms`, the mean step as the profiler's own events span it, `unprofiled_step_ms`, the mean of as
+many steps just before, without the profiler (what its recording adds: a few microseconds per op), `model`, `dtype`,
+`device`, `compiled`, `batch_size` and `work`, the recorded steps' kinds of work).
+End-of-sequence is ignored, so that the recorded steps run.
+
+How time is attributed (`breakdown`). The forward and the engine mark their parts with ranges that exist only while
+the profiler records (`model.llama.profile_range`: `ic::projection`, `ic::attention` with the gathered KV reads,
+`ic::norm_rope`, `ic::kv_write`, `ic::sampling`, `ic::forward`); each recorded step is wrapped in `ic::step`, and a
+compiled engine's graph call in `ic::compiled_graph` (a compiled graph is one opaque call: inductor fused its norms,
+RoPE and attention into C++ or Triton kernels and the profiler sees none of them). Walking each step's events, a
+torch op's whole time (its children included, so nothing is counted twice) goes to the innermost named range around
+it; an op outside any named range goes by its name (matmuls to projections, SDPA to attention, softmax or argmax
+outside the forward to sampling, `index_copy_` to KV writes: the compiled step writes its KV after the graph), else
+to "Python" outside the forward and to "other" inside it; the time between ops goes to the innermost range (the
+Python of the scheduler, the runner and the engine's bookkeeping outside every range). "other" is then the step's
+measured wall time (a clock read around each step, after a device synchronize) less every named category: the
+forward's unnamed ops (embedding, residual adds, the MLP's activation, casts) and what the profiler saw of no step.
+On CUDA the categories are the device time of the kernels their ops launched, and "device idle" is the wall time the
+device spent waiting for the host (not yet run on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+from inference_core.config import ConfigError
+from inference_core.engine.engine import Engine
+from inference_core.generate import add_generate_arguments, generate_config
+from inference_core.model.loader import load_model
+from inference_core.quant.quantize import quantize
+from inference_core.settings import LaneSettings
+
+PROJECTIONS, ATTENTION, NORMS, SAMPLING, KV_WRITES = "projections", "attention", "norms and RoPE", "sampling", \
+    "KV writes"
+COMPILED, PYTHON, IDLE, OTHER = "compiled graph", "Python (scheduler, runner)", "device idle", "other"
+CATEGORIES = (PROJECTIONS, ATTENTION, NORMS, SAMPLING, KV_WRITES, COMPILED, PYTHON, OTHER)
+STEP = "ic::step"
+# Named ranges: everything inside goes to their category.
+RANGES = {"ic::projection": PROJECTIONS, "ic::attention": ATTENTION, "ic::norm_rope": NORMS,
+          "ic::kv_write": KV_WRITES, "ic::sampling": SAMPLING, "ic::compiled_graph": COMPILED}
+# Context ranges: ops inside go by their name, else to the context's category (so does the time between ops).
+CONTEXTS = {STEP: PYTHON, "ic::forward": OTHER}
+# An op outside every named range, by its name without the namespace: (names, category), first match wins.
+OP_NAMES = (
+    ({"mm", "addmm", "bmm", "matmul", "linear", "_linear_pointwise", "_weight_int8pack_mm", "_weight_int4pack_mm",
+      "_weight_int4pack_mm_for_cpu"}, PROJECTIONS),
+    ({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+      "_scaled_dot_product_cudnn_attention", "flex_attention"}, ATTENTION),
+    ({"rms_norm", "_fused_rms_norm"}, NORMS),
+    ({"index_copy_", "index_put_"}, KV_WRITES),
+)
+SAMPLING_OPS = {"softmax", "_softmax", "log_softmax", "_log_softmax", "argmax", "multinomial", "topk", "sort",
+                "cumsum", "exponential_"}  # outside the forward only (inside it softmax is attention's)
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    """`generate`'s flags, and what to record."""
+    add_generate_arguments(parser)
+    parser.add_argument("--steps", type=int, default=8, help="engine steps to record after the warm-up (default 8)")
+    parser.add_argument("--warmup-steps", type=int, default=3,
+                        help="untimed steps after every request has its first token (default 3)")
+    parser.add_argument("--trace", help="write the recorded steps here as a Chrome trace (opens in Perfetto)")
+
+
+def op_category(name: str, context: str) -> str:
+    """The category of an op outside every named range, inside `context` (PYTHON: outside the forward)."""
+    short = name.rsplit("::", 1)[-1]
+    for names, category in OP_NAMES:
+        if short in names:
+            return category
+    if context == PYTHON and short in SAMPLING_OPS:
+        return SAMPLING
+    return context
+
+
+def attribute(event, totals: Counter, context: str = PYTHON, named: str | None = None, device: bool = False) -> None:
+    """Add `event`'s time (us) to `totals` by category: see the module docstring. `named`: the innermost named range
+    around it; `device`: count ops' kernel time (CUDA) instead of their host time."""
+    name = event.name
+    if name in RANGES:
+        named = RANGES[name]
+    elif name in CONTEXTS:
+        context, named = CONTEXTS[name], None
+    else:  # a torch op: all of it, children included, to one category
+        totals[named or op_category(name, context)] += event.device_time_total if device else _duration(event)
+        return
+    children = event.cpu_children
+    for child in children:
+        attribute(child, totals, context, named, device)
+    if not device:
+        totals[named or context] += _duration(event) - sum(_duration(child) for child in children)
+
+
+def _duration(event) -> float:
+    return event.time_range.end - event.time_range.start
+
+
+def breakdown(step_events: list, step_ms: float, device: bool = False) -> list[dict]:
+    """The mean step's categories: [{category, ms, share}] (ms per step, share of `step_ms`), each named category
+    from the events of the `ic::step` ranges in `step_events` and "other" the rest of `step_ms`, so that they sum
+    to it. `device` (CUDA): kernel time per category, and the device's idle time in place of Python."""
+    totals: Counter = Counter()
+    for event in step_events:
+        attribute(event, totals, device=device)
+    per_step = {category: totals[category] / 1e3 / len(step_events) for category in CATEGORIES}
+    if device:
+        per_step[IDLE] = max(0.0, step_ms - sum(per_step.values()))
+        del per_step[PYTHON]
+    named = {category: ms for category, ms in per_step.items() if category != OTHER and (ms or category != COMPILED)}
+    rows = [{"category": category, "ms": ms} for category, ms in named.items()]
+    rows.append({"category": OTHER, "ms": step_ms - sum(named.values())})
+    for row in rows:
+        row["share"] = row["ms"] / step_ms
+    return rows
+
+
+def run_profile(args) -> int:
+    if not 1 <= args.steps <= 10_000:
+        raise ConfigError(f"--steps is the number of engine steps to record: from 1 to 10000, got {args.steps}.")
+    if not 0 <= args.warmup_steps <= 1_000:
+        raise ConfigError(f"--warmup-steps must be from 0 to 1000, got {args.warmup_steps}.")
+    needed = 2 + args.warmup_steps + 2 * args.steps
+    if args.max_new_tokens < needed:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} ends the requests before the recorded steps: the "
+                          f"prefill, {args.warmup_steps} warm-up steps, {args.steps} unrecorded and 1 + {args.steps} "
+                          f"recorded steps need at least {needed}; raise --max-new-tokens or lower --steps.")
+    settings = LaneSettings.from_args(args)
+    engine = _build_engine(args, settings)
+    params = settings.sampling(args.max_new_tokens, top_k=args.top_k, stop=tuple(args.stop), ignore_eos=True,
+                               min_tokens=args.min_tokens, stop_token_ids=tuple(args.stop_token_id),
+                               logprobs=args.logprobs)
+    copies = [params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+              for i in range(args.n)]
+    options = {"system": args.system, "chat": not args.no_chat, "spec": settings.spec()}
+    for prompt, priority in zip(args.prompt, args.priority or [0] * len(args.prompt)):
+        for request in engine.make_copies(prompt, copies, priority=priority, **options):
+            engine.enqueue(request)
+    engine.drain()
+    report = record_steps(engine, args.steps, args.warmup_steps, args.trace)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_table(report))
+    return 0
+
+
+def _build_engine(args, settings: LaneSettings) -> Engine:
+    """The engine `generate` would build from these flags."""
+    config = generate_config(args, settings)
+    loaded = quantize(load_model(args.model, args.device, args.dtype), settings.quant(args.quant_lm_head))
+    draft = load_model(args.draft_model, args.device, loaded.dtype_name) if args.draft_model else None
+    engine = Engine(loaded, config, draft_model=draft)
+    if args.draft_heads:
+        engine.load_draft_heads(args.spec_method, args.draft_heads)
+    return engine
+
+
+def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | None = None) -> dict:
+    """Warm up (every running request past its first token, then `warmup_steps` more), record `steps` steps and
+    return the report (see the module docstring)."""
+    # 1. Warm-up: prefill, then steps that compile or load a graph, fill caches and let the clock settle.
+    while engine.has_work() and not (engine.scheduler.running and all(
+            request.seq.num_generated_tokens > 0 for request in engine.scheduler.running)):
+        engine.step()
+    for _ in range(warmup_steps):
+        if engine.has_work():
+            engine.step()
+    # 2. As many steps again without the profiler: what its recording adds to a step.
+    unprofiled = [_timed_step(engine) for _ in range(steps) if engine.has_work()]
+    cuda = engine.loaded.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    walls, reports, step_events = [], [], []
+
+    def collect(profiler) -> None:  # the end of the recorded steps (the profiler clears its events after this)
+        step_events.extend(event for event in profiler.events() if event.name == STEP)
+        if trace:
+            Path(trace).parent.mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(trace)
+
+    # 3. One untimed step with the profiler on (its first events cost more), then the recorded steps.
+    with _graph_call_ranged(engine), profile(activities=activities, on_trace_ready=collect, acc_events=True,
+                                             schedule=schedule(wait=0, warmup=1, active=steps)) as profiler:
+        for index in range(1 + steps):
+            if not engine.has_work():
+                break
+            wall, report = _timed_step(engine, record_function(STEP))
+            if index > 0:
+                walls.append(wall)
+                reports.append(report)
+            profiler.step()
+    if not walls or not step_events:
+        raise ConfigError("the requests ended before any step was recorded; raise --max-new-tokens.")
+    if len(walls) < steps:
+        print(f"[the requests ended after {len(walls)} of {steps} recorded steps]", file=sys.stderr)
+    step_ms = statistics.mean(walls) * 1e3
+    loaded = engine.loaded
+    return {"steps": len(walls), "step_ms": step_ms, "breakdown": breakdown(step_events, step_ms, device=cuda),
+            "profiled_ms": statistics.mean(_duration(event) for event in step_events) / 1e3,
+            "unprofiled_step_ms": statistics.mean(wall for wall, _ in unprofiled) * 1e3 if unprofiled else None,
+            "model": loaded.display_name, "dtype": loaded.dtype_name, "device": str(loaded.device),
+            "compiled": engine.decoder is not None,
+            "batch_size": statistics.mean(report.batch_size for report in reports),
+            "work": dict(Counter(kind for report in reports for _, kind, _ in report.work))}
+
+
+@contextlib.contextmanager
+def _graph_call_ranged(engine: Engine):
+    """A compiled engine's graph call as one range, `ic::compiled_graph`, while this lasts: the profiler sees no
+    kernel inside the call (the range is set on the decoder object here, so that compiled.py pays nothing)."""
+    decoder = engine.decoder
+    if decoder is None:
+        yield
+        return
+    call = decoder._call
+
+    def ranged_call(*args):
+        with record_function("ic::compiled_graph"):
+            return call(*args)
+
+    decoder._call = ranged_call
+    try:
+        yield
+    finally:
+        del decoder._call  # the class's method again
+
+
+def _timed_step(engine: Engine, inside=contextlib.nullcontext()):
+    """(wall seconds, StepReport) of one engine step run inside `inside` (a range, for the recorded steps), the
+    device synchronized before the clock is read."""
+    started = time.perf_counter()
+    with inside:
+        report = engine.step()
+    if engine.loaded.device.type == "cuda":
+        torch.cuda.synchronize(engine.loaded.device)
+    return time.perf_counter() - started, report
+
+
+def format_table(report: dict) -> str:
+    work = ", ".join(f"{count} {kind}" for kind, count in report["work"].items())
+    lines = [f"{report['model']} ({report['dtype']}) on {report['device']}, "
+             f"{'compiled' if report['compiled'] else 'eager'}: {report['steps']} steps of mean batch "
+             f"{report['batch_size']:.1f} ({work}), {report['step_ms']:.2f} ms per step recorded"
+             + (f" ({report['unprofiled_step_ms']:.2f} ms per step just before, unrecorded)"
+                if report["unprofiled_step_ms"] is not None else ""),
+             "| category | ms per step | share |", "|---|---|---|"]
+    for row in report["breakdown"]:
+        lines.append(f"| {row['category']} | {row['ms']:.3f} | {100 * row['share']:.1f}% |")
+    if report["compiled"]:
+        lines.append("(the compiled graph holds the decode forward's projections, attention, norms and RoPE, fused by "
+                     "inductor: the profiler sees no kernel inside it)")
+    return "\n".join(lines)

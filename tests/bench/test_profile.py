@@ -1,0 +1,124 @@
+"""The step profiler (`python -m inference_core profile`): the attribution rules on hand-made events (exact values:
+the innermost named range wins, an op's children are not counted twice, an op outside every range goes by its name,
+the time between ops goes to the range around it), and the command on a tiny model: its breakdown sums to the
+measured step time and the profiler's own span of a step is within 10% of it, `--json`'s shape, a trace that
+Perfetto opens, and bad flags."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+
+from inference_core.bench.profile import (ATTENTION, CATEGORIES, KV_WRITES, NORMS, OTHER, PROJECTIONS, PYTHON,
+                                          SAMPLING, attribute, breakdown)
+from inference_core.cli import main
+from tiny_models import build_tiny_model
+
+
+@dataclass
+class TimeRange:
+    start: float
+    end: float
+
+
+@dataclass
+class Event:
+    """The fields of torch's FunctionEvent that the attribution reads (times in us)."""
+
+    name: str
+    start: float
+    end: float
+    cpu_children: list = field(default_factory=list)
+    device_time_total: float = 0.0
+
+    @property
+    def time_range(self) -> TimeRange:
+        return TimeRange(self.start, self.end)
+
+
+def hand_made_step() -> Event:
+    """A 100 us step: 10 us of scheduling, a forward (60 us: 49 in its children, 11 between them), sampling (20 us),
+    then an argmax outside every range (2 us), a bookkeeping op (1 us) and 7 us of Python between them."""
+    matmul = Event("aten::matmul", 12, 30, [Event("aten::mm", 13, 29)])  # 18 us, its child inside it
+    forward = Event("ic::forward", 10, 70, [
+        Event("ic::projection", 11, 31, [matmul]),  # 20 us: 18 in the op, 2 between
+        Event("ic::attention", 31, 45, [Event("aten::softmax", 32, 40)]),  # softmax inside attention: attention
+        Event("aten::rms_norm", 45, 50),  # no range: by its name
+        Event("aten::add", 50, 55),  # no range, no rule: the forward's other
+        Event("aten::index_copy_", 55, 60),  # a KV write by its name
+    ])  # 11 us between its children: other
+    sampling = Event("ic::sampling", 70, 90, [Event("aten::argmax", 71, 75)])
+    after = [Event("aten::argmax", 92, 94), Event("aten::lift_fresh", 95, 96)]  # sampling by name; Python
+    return Event("ic::step", 0, 100, [forward, sampling, *after])
+
+
+def test_each_microsecond_goes_to_one_category():
+    totals = Counter()
+    attribute(hand_made_step(), totals)
+    assert dict(totals) == {PROJECTIONS: 20, ATTENTION: 14, NORMS: 5, OTHER: 5 + 11, KV_WRITES: 5,
+                            SAMPLING: 20 + 2, PYTHON: 17 + 1}
+    assert sum(totals.values()) == 100
+
+
+def test_other_is_what_the_named_categories_leave_of_the_wall_time():
+    rows = breakdown([hand_made_step(), hand_made_step()], step_ms=0.120)  # 20 us of the step the events missed
+    by_category = {row["category"]: row for row in rows}
+    assert [row["category"] for row in rows] == [c for c in CATEGORIES if c != "compiled graph"]
+    assert by_category[PROJECTIONS]["ms"] == pytest.approx(0.020)
+    assert by_category[OTHER]["ms"] == pytest.approx(0.016 + 0.020)
+    assert by_category[PYTHON]["share"] == pytest.approx(0.018 / 0.120)
+    assert sum(row["ms"] for row in rows) == pytest.approx(0.120)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(directory)
+    return directory
+
+
+def profile_args(tiny_dir, *extra) -> list[str]:
+    return ["profile", "--model", str(tiny_dir), "--prompt", "t5 t6 t7 t8 t9", "--no-chat", "--device", "cpu",
+            "--dtype", "float32", "--kv", "paged", "--max-new-tokens", "24", "--steps", "6", *extra]
+
+
+def test_json_breakdown_sums_to_the_measured_step_and_the_trace_opens(tiny_dir, tmp_path, capsys):
+    trace = tmp_path / "trace" / "steps.json"
+    assert main(profile_args(tiny_dir, "--json", "--trace", str(trace))) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"steps", "step_ms", "breakdown"} <= set(report)
+    assert report["steps"] == 6 and report["work"] == {"decode": 6} and report["batch_size"] == 1
+    assert all(set(row) == {"category", "ms", "share"} for row in report["breakdown"])
+    categories = [row["category"] for row in report["breakdown"]]
+    assert categories == [PROJECTIONS, ATTENTION, NORMS, SAMPLING, KV_WRITES, PYTHON, OTHER]
+    named = [row["ms"] for row in report["breakdown"] if row["category"] != OTHER]
+    assert all(ms > 0 for ms in named)  # every part of a decode step was seen
+    # The issue's acceptance: the breakdown sums to the measured step time; the events span at least 90% of it (the
+    # rest, outside every event, is "other"), and never more than it (nothing counted twice).
+    assert sum(row["ms"] for row in report["breakdown"]) == pytest.approx(report["step_ms"])
+    assert 0.9 * report["step_ms"] <= report["profiled_ms"] <= report["step_ms"]
+    assert sum(named) <= report["profiled_ms"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {event["name"] for event in events}
+    assert sum(event["name"] == "ic::step" for event in events) == 6
+    assert {"ic::forward", "ic::attention", "ic::projection", "ic::sampling"} <= names
+
+
+def test_the_table_names_what_was_profiled(tiny_dir, capsys):
+    assert main(profile_args(tiny_dir, "--steps", "2")) == 0
+    out = capsys.readouterr().out
+    assert "(float32) on cpu, eager: 2 steps of mean batch 1.0 (2 decode)" in out and "just before, unrecorded" in out
+    assert "| projections |" in out and "| other |" in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "--steps is the number of engine steps to record: from 1 to 10000, got 0."),
+    (["--max-new-tokens", "12"], "--max-new-tokens 12 ends the requests before the recorded steps"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be from 0 to 1000, got -1."),
+])
+def test_bad_flags_say_what_to_change(tiny_dir, capsys, flags, message):
+    assert main(profile_args(tiny_dir, *flags)) == 2
+    assert message in capsys.readouterr().err

@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
         return 2
     arguments = report["arguments"]
     title = (f"{arguments['model']} on {arguments['device']} ({arguments['dtype']}), {arguments['requests']} "
-             f"requests, max-num-seqs {arguments['max_num_seqs']}: throughput against p95 latency per request rate")
+             f"requests: throughput against p95 latency by request rate")
     frontier_figure(report["sweep"], title).write_html(argv[1], include_plotlyjs="cdn", full_html=True)
     print(f"wrote {argv[1]}")
     return 0

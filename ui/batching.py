@@ -148,8 +148,10 @@ def _number(value, name: str, low: float, high: float, whole: bool = True):
 
 
 def latency_targets(slo_ttft_ms, slo_tpot_ms) -> LatencyTargets:
-    """The two target boxes, checked: empty is no target; else a number of milliseconds from 1 to 10^6."""
-    values = [None if value is None or str(value).strip() == "" else _number(value, name, 1, 10 ** 6, whole=False)
+    """The two target boxes, checked: empty or 0 is no target (the browser sends an emptied number box as 0); else a
+    number of milliseconds from 1 to 10^6."""
+    values = [None if value is None or str(value).strip() in ("", "0", "0.0") else
+              _number(value, name, 1, 10 ** 6, whole=False)
               for value, name in ((slo_ttft_ms, "TTFT target (ms)"), (slo_tpot_ms, "TPOT target (ms)"))]
     return LatencyTargets(*values)
 
@@ -508,9 +510,10 @@ def build_batching_tab(pool: EnginePool) -> None:
             rate = gr.Slider(0.5, 20, value=4.0, step=0.5, label="Poisson rate (requests/s)", elem_id="batching-rate")
             seed = gr.Number(0, precision=0, minimum=0, label="seed (arrivals, lengths)", elem_id="batching-seed")
         with gr.Row():
-            slo_ttft = gr.Number(None, minimum=1, label="TTFT target (ms; empty = none)", elem_id="batching-slo-ttft",
+            # No `minimum`: Gradio checks it against the 0 an empty box arrives as, and refuses the whole run.
+            slo_ttft = gr.Number(None, label="TTFT target (ms; empty or 0 = none)", elem_id="batching-slo-ttft",
                                  info="goodput counts the requests whose first token came within this")
-            slo_tpot = gr.Number(None, minimum=1, label="TPOT target (ms; empty = none)", elem_id="batching-slo-tpot",
+            slo_tpot = gr.Number(None, label="TPOT target (ms; empty or 0 = none)", elem_id="batching-slo-tpot",
                                  info="and whose later tokens came this often on average: (latency - TTFT) / "
                                       "(tokens - 1)")
         typed = gr.Textbox("", lines=3, label=f"Your prompts, one per line (preset '{TYPED}')",

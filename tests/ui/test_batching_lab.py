@@ -127,7 +127,7 @@ def test_closing_the_handler_cancels_every_request(lab_pool):
     (dict(arrival="Poisson arrivals", rate=0), "'Poisson rate (requests/s)' must be a number from 0.01 to 100"),
     (dict(seed="abc"), "'seed' must be a whole number from 0 to 2.14748e+09, got 'abc'"),
     (dict(mode="round robin"), "unknown batching mode"),
-    (dict(slo_tpot_ms=0), "'TPOT target (ms)' must be a number from 1 to 1e+06, got 0"),
+    (dict(slo_tpot_ms=0.5), "'TPOT target (ms)' must be a number from 1 to 1e+06, got 0.5"),
     (dict(slo_ttft_ms="soon"), "'TTFT target (ms)' must be a number"),
 ])
 def test_bad_settings_get_a_message(lab_pool, overrides, message):
@@ -135,6 +135,14 @@ def test_bad_settings_get_a_message(lab_pool, overrides, message):
     assert len(updates) == 1
     assert updates[0]["status"].startswith("**Cannot start the run:**") and message in updates[0]["status"]
     assert updates[0]["run_button"]["interactive"] is True
+
+
+def test_an_emptied_target_box_is_no_target():
+    """The browser sends an emptied number box as 0."""
+    from ui.batching import latency_targets
+
+    assert not latency_targets(0, None).given and not latency_targets("", 0).given
+    assert latency_targets(0, 120).given
 
 
 def test_typed_prompts_repeat_up_to_n(lab_pool):

@@ -61,30 +61,40 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, refresh: bool = F
     return ceilings
 
 
-def _best_seconds(device: torch.device, work, repeats: int) -> float:
-    work()  # warm-up
-    best = float("inf")
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a CUDA device; the CPU works synchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_runs(device: torch.device, work, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` runs of `work` after one untimed warm-up, the device synchronized around each."""
+    work()
+    times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         started = time.perf_counter()
         work()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
-    return best
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def read_bandwidth(device: torch.device, size_bytes: int, repeats: int) -> float:
+    """Bytes per second a full read of a `size_bytes` fp32 buffer achieves (a sum of it, the best of `repeats`)."""
+    buffer = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
+    return size_bytes / min(timed_runs(device, buffer.sum, repeats))
 
 
 def _bandwidth(device: torch.device, repeats: int) -> float:
-    buffer = torch.ones(PROBE_BYTES // 4, dtype=torch.float32, device=device)
-    return PROBE_BYTES / _best_seconds(device, buffer.sum, repeats)
+    return read_bandwidth(device, PROBE_BYTES, repeats)
 
 
 def _matmul_flops(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
     size = 8192 if device.type == "cuda" else MATMUL_SIZE
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    return 2 * size**3 / _best_seconds(device, lambda: a @ b, repeats)
+    return 2 * size**3 / min(timed_runs(device, lambda: a @ b, repeats))
 
 
 def weights_read_per_step(model) -> int:

@@ -54,6 +54,7 @@ from inference_core.model.loader import load_model
 from inference_core.model.random_weights import STAND_IN, write_random_checkpoint
 from inference_core.quant.linear import QuantConfig
 from inference_core.quant.quantize import quantize
+from inference_core.roofline import timed_runs
 from inference_core.sampling import SamplingParams
 
 # part -> share of the budget (of the parts asked for, scaled to add up to the whole); a part's deadline is the run's
@@ -153,19 +154,7 @@ def copy_bandwidth(device: torch.device, size_bytes: int, repeats: int = 10) -> 
     """Bytes read plus bytes written per second by a device-to-device copy (median of `repeats`, after one)."""
     source = torch.randn(size_bytes // 4, device=device)
     target = torch.empty_like(source)
-    times = []
-    for _ in range(repeats + 1):
-        sync(device)
-        begun = time.perf_counter()
-        target.copy_(source)
-        sync(device)
-        times.append(time.perf_counter() - begun)
-    return 2 * size_bytes / statistics.median(times[1:])
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return 2 * size_bytes / statistics.median(timed_runs(device, lambda: target.copy_(source), repeats))
 
 
 def free_device() -> None:
@@ -230,7 +219,7 @@ def decode_shape(report: Report, shape: str, device: torch.device, work: Path, a
     context = len(prompt) + new_tokens / 2
     bandwidth = report.data.get("copy_bandwidth_gb_s", 0) * 1e9
     scale = loaded.config.num_layers * loaded.config.hidden_size / (32 * 4096)  # of the 8B shape's compile
-    measured = {}
+    measured, peers = {}, {}
     for name in (name for name in ROW_ORDER if name in args.rows.split(",")):
         compiled = ROWS[name] is None or ROWS[name][0].get("compile")
         need = 0 if args.smoke else COMPILED_ROW_S * max(scale, 0.25) * (1 if compiled else 0.25)
@@ -239,7 +228,10 @@ def decode_shape(report: Report, shape: str, device: torch.device, work: Path, a
             continue
         try:
             if ROWS[name] is None:
-                rate, row_loaded = hf_decode(loaded, directory, prompt, new_tokens, repeats, name != "hf"), loaded
+                if "hf" not in peers:  # one transformers model for both of its rows
+                    peers["hf"] = load_hf_model(loaded, directory)
+                rate, row_loaded = hf_decode(peers["hf"], loaded.device, prompt, new_tokens, repeats,
+                                             name != "hf"), loaded
             else:
                 rate, row_loaded = ours_decode(loaded, name, prompt, new_tokens, repeats)
         except Exception as error:
@@ -261,7 +253,7 @@ def decode_shape(report: Report, shape: str, device: torch.device, work: Path, a
             row = measured[name]
             row["speedup_vs_hf"] = round(row["decode_tokens_per_s"] / hf, 2) if hf else None
             report.data["rows"].append(row)
-    del loaded
+    del loaded, peers
 
 
 def ours_decode(loaded, name: str, prompt: list[int], new_tokens: int, repeats: int):
@@ -282,11 +274,10 @@ def ours_decode(loaded, name: str, prompt: list[int], new_tokens: int, repeats: 
     return statistics.median(rates), model
 
 
-def hf_decode(loaded, directory: Path, prompt: list[int], new_tokens: int, repeats: int, static: bool) -> float:
-    """transformers `generate`, greedy, batch 1: eager with its dynamic cache, or with a static cache (which it
-    compiles with CUDA graphs itself on a GPU); the median decode tokens/s after two warm-ups."""
-    model = load_hf_model(loaded, directory)
-    ids = torch.tensor([prompt], device=loaded.device)
+def hf_decode(model, device: torch.device, prompt: list[int], new_tokens: int, repeats: int, static: bool) -> float:
+    """transformers `generate` on `model`, greedy, batch 1: eager with its dynamic cache, or with a static cache
+    (which it compiles with CUDA graphs itself on a GPU); the median decode tokens/s after two warm-ups."""
+    ids = torch.tensor([prompt], device=device)
     times: list[float] = []
     clock = forward_clock(times)
     extra = {"cache_implementation": "static"} if static else {}
@@ -297,7 +288,6 @@ def hf_decode(loaded, directory: Path, prompt: list[int], new_tokens: int, repea
                        eos_token_id=None, pad_token_id=0, stopping_criteria=[clock], **extra)
         if attempt >= 2:
             rates.append((len(times) - 1) / (times[-1] - times[0]))
-    del model
     return statistics.median(rates)
 
 

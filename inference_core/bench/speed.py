@@ -31,7 +31,7 @@ from inference_core.model.dtype_choice import cpu_name
 from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
 from inference_core.quant.linear import QuantConfig, weight_bytes
 from inference_core.quant.quantize import quantize
-from inference_core.roofline import weights_read_per_step
+from inference_core.roofline import read_bandwidth, synchronize, weights_read_per_step
 from inference_core.sampling import SamplingParams
 
 DEFAULT_PROMPT_IDS = ("chat-short-1", "code-2", "grounded-1", "long-2")
@@ -40,26 +40,13 @@ HF_ROW = "hf-transformers"
 
 def measure_read_bandwidth(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes per second that a full read of a large fp32 buffer achieves (best of `repeats`)."""
-    buffer = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        _synchronize(device)
-        start = time.perf_counter()
-        buffer.sum()
-        _synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return size_bytes / best
+    return read_bandwidth(device, size_bytes, repeats)
 
 
 def decode_bytes_per_step(loaded: LoadedModel, context_len: float) -> float:
     """Bytes one decode step reads: the weights (`roofline.weights_read_per_step`) plus K and V of the context in
     every layer."""
     return weights_read_per_step(loaded.model) + context_len * loaded.config.kv_bytes_per_token(loaded.dtype)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def load_hf_model(loaded: LoadedModel, model_dir: Path):
@@ -76,7 +63,7 @@ def forward_clock(times: list[float]):
 
     class Clock(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
-            _synchronize(input_ids.device)
+            synchronize(input_ids.device)
             times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -95,7 +82,7 @@ class _HFRunner:
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
         ids = torch.tensor([prompt_ids], device=self.device)
         self.token_times.clear()
-        _synchronize(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                             eos_token_id=None, pad_token_id=0, stopping_criteria=[self.clock])

@@ -10,6 +10,7 @@ import torch
 
 from browser_setup import CHROMIUM_ARGS, ensure_chromium
 from inference_core import Engine, EngineConfig, load_model
+from inference_core.model.checkpoint import resolve_model_dir
 from inference_core.sequence import Sequence
 from inference_core.bench.prompts import load_prompts
 
@@ -43,6 +44,21 @@ def bench_prompt_ids(loaded, bench_prompts: dict[str, dict], ids) -> list[list[i
     """The token ids of benchmark prompts `ids`, as a request gets them (the chat template, except completion rows)."""
     rows = [bench_prompts[i] for i in ids]
     return [loaded.tokenizer.prompt_ids(row["prompt"], row.get("system"), row["kind"] != "completion") for row in rows]
+
+
+def transformers_greedy_ids(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy ids on the bundled model's weights (fp32), end-of-sequence ignored: the outside oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir("bundled")), dtype=torch.float32)
+    outputs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        # An explicit mask: otherwise transformers masks every prompt token equal to pad_token_id (<|im_end|> here).
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        outputs.append(out[0, len(ids):].tolist())
+    return outputs
 
 
 def make_engine(loaded, kv_mode: str = "paged", **settings) -> Engine:

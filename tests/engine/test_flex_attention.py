@@ -23,12 +23,11 @@ from torch.nn.attention.flex_attention import flex_attention
 from inference_core import Engine, EngineConfig, SamplingParams, load_model
 from inference_core.config import ConfigError
 from inference_core.kv import flex
-from inference_core.model.checkpoint import resolve_model_dir
 from inference_core.sequence import Sequence
 from inference_core.settings import LaneSettings, words
 from inference_core.spec.decoding import SpecConfig
 
-from conftest import assert_nothing_held, bench_prompt_ids
+from conftest import assert_nothing_held, bench_prompt_ids, transformers_greedy_ids
 from tiny_models import build_tiny_model, greedy, paged, prompt
 
 NEW_TOKENS = 64
@@ -198,17 +197,8 @@ BUNDLED_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def bundled_reference(bundled, bench_prompts):
-    from transformers import AutoModelForCausalLM
-
     prompts = bench_prompt_ids(bundled, bench_prompts, BUNDLED_PROMPTS)
-    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir("bundled")), dtype=torch.float32)
-    outputs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=BUNDLED_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        outputs.append(out[0, len(ids):].tolist())
-    return prompts, outputs
+    return prompts, transformers_greedy_ids(prompts, BUNDLED_TOKENS)
 
 
 def test_bundled_batched_flex_equals_transformers(bundled, bundled_reference):

@@ -6,12 +6,10 @@ time to show."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from inference_core import SamplingParams
-from inference_core.model.checkpoint import resolve_model_dir
 
-from conftest import bench_prompt_ids, make_engine
+from conftest import bench_prompt_ids, make_engine, transformers_greedy_ids
 
 PROMPT_IDS = ("plain-1", "chat-short-3", "code-2", "grounded-1", "long-2")  # 12, 36, 106, 145, 277 tokens
 NEW_TOKENS = 128
@@ -28,17 +26,7 @@ def prompts(bundled, bench_prompts) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(prompts) -> list[list[int]]:
     """transformers greedy ids, end-of-sequence ignored so every prompt yields the full 128 tokens."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir("bundled")), dtype=torch.float32)
-    outputs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        # An explicit mask: otherwise transformers masks every prompt token equal to pad_token_id (<|im_end|> here).
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        outputs.append(out[0, len(ids):].tolist())
-    return outputs
+    return transformers_greedy_ids(prompts, NEW_TOKENS)
 
 
 def test_prompts_span_many_blocks(prompts):

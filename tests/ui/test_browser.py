@@ -83,6 +83,20 @@ def _unfold(page, elem_id: str) -> None:
     page.locator(f"#{elem_id} > button").first.click()
 
 
+def _hover_token(page, selector: str):
+    """Hover a finished text's token: its tooltip, hidden before, shows. Returns the token, the tooltip, the tooltip's
+    first line and its lines of alternatives."""
+    from playwright.sync_api import expect
+
+    token = page.locator(selector)
+    tip = token.locator(".tok-tip")
+    expect(tip).to_be_hidden()
+    token.hover()
+    expect(tip).to_be_visible()
+    head, *alternatives = tip.inner_text().splitlines()
+    return token, tip, head, alternatives
+
+
 def _set_race_tokens(page, count: int) -> None:
     _unfold(page, "race-options")
     page.fill("#race-max-new-tokens input[type=number]", str(count))
@@ -313,12 +327,7 @@ def test_two_chat_turns_reuse_the_prefix_cache(served, browser):
     expect(page.locator("#chat-log")).to_contain_text("Which of them is warmest?")
     expect(page.locator("#chat-kv-view .kv-cell")).to_have_count(2048 // 16)
     # The answer under the chat log, token by token: a token's tooltip gives its probability and five alternatives.
-    token = page.locator('#chat-tokens .tok[data-i="0"]')
-    tip = token.locator(".tok-tip")
-    expect(tip).to_be_hidden()
-    token.hover()
-    expect(tip).to_be_visible()
-    head, *alternatives = tip.inner_text().splitlines()
+    token, tip, head, alternatives = _hover_token(page, '#chat-tokens .tok[data-i="0"]')
     assert f"p {float(token.get_attribute('data-p')):.3f}" in head, head
     assert [line.split(".")[0] for line in alternatives] == ["1", "2", "3", "4", "5"], alternatives
     if os.environ.get("UPDATE_DOCS_SCREENSHOT"):
@@ -539,12 +548,7 @@ def test_hovering_a_token_shows_its_alternatives_and_the_logit_lens_opens(served
     _set_race_tokens(page, 16)
     page.click("#race-run")
     expect(page.locator("#race-status")).to_contain_text("Finished.", timeout=RACE_TIMEOUT_MS)
-    token = page.locator('#lane-a-output .lane-text .tok[data-i="1"]')
-    tip = token.locator(".tok-tip")
-    expect(tip).to_be_hidden()
-    token.hover()
-    expect(tip).to_be_visible()
-    head, *alternatives = tip.inner_text().splitlines()
+    token, tip, head, alternatives = _hover_token(page, '#lane-a-output .lane-text .tok[data-i="1"]')
     probability = float(token.get_attribute("data-p"))
     assert re.fullmatch(rf"('.*') {{2}}p {probability:.3f} {{2}}entropy \d+\.\d\d nats", head), head
     ranks = [re.fullmatch(r"(\d)\. ('.*?')\s+(\S+)", line) for line in alternatives]

@@ -22,6 +22,10 @@ budget (a row not started in time is listed in `left_out`):
 5. `tests`: the CUDA tests (`pytest -m cuda` over the files that hold them), each test's outcome recorded.
 6. `decode-1.7b`: the decode rows at Qwen3-1.7B's shape.
 
+A row that compiles (ours with CUDA graphs, transformers' static-compiled) and our batching modes run in processes
+of their own, stopped at their cap: a compile that runs away costs those rows, not the rest of the report (on an
+H100, the first runs of the compiled step spent the whole budget compiling again and again).
+
 The report is rewritten after every part, so a run stopped from outside still leaves `DIR/gpu-report.json` (rows with
 `shape`, `name`, `batch`, `decode_tokens_per_s`, `roofline_pct`, `speedup_vs_hf`; `device` and `torch` at the top)
 and `DIR/gpu-report.md`. `--device cpu --smoke` runs the same code on a tiny model of each shape's family in seconds
@@ -66,7 +70,8 @@ ROWS = {"gather": (dict(attention="gather"), "none"), "flex": (dict(attention="f
         "graphs": (dict(compile=True), "none"), "graphs+int8": (dict(compile=True), "int8"),
         "graphs+int4": (dict(compile=True), "int4"), "hf": None, "hf-static-compiled": None}
 ROW_ORDER = ("graphs", "hf-static-compiled", "graphs+int4", "gather", "flex", "graphs+int8", "hf")  # by priority
-COMPILED_ROW_S = 60.0  # a compiled row at an 8B shape takes about this long (its compile); eager rows a fraction
+COMPILED_ROW_S = 60.0  # a compiled row of 32 layers takes about this long (its compile; on an H100 one compile of
+# the 8B shape's step took about 50 s); eager rows a quarter of it
 CUDA_TEST_FILES = ("tests/engine/test_cuda.py", "tests/quant", "tests/kv", "tests/engine/test_compiled.py",
                    "tests/engine/test_flex_attention.py")
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -208,45 +213,46 @@ def prompt_text() -> str:
 
 
 def decode_shape(report: Report, shape: str, device: torch.device, work: Path, args, deadline: float) -> None:
-    """Every decode row of one shape that fits before `deadline`, in priority order, listed in table order."""
+    """Every decode row of one shape that fits before `deadline`, in priority order, listed in table order. A row
+    that compiles runs in a process of its own, stopped at its cap (three times what its compile should take) or the
+    deadline, whichever comes first: a compile that runs away costs that row, not the report."""
     if time.perf_counter() > deadline:
         report.leave_out(f"{shape} decode")
         return
     directory = checkpoint(shape, work, device, args.smoke)
     loaded = load_model(str(directory), device=str(device), dtype="bfloat16")
-    prompt = Engine(loaded, EngineConfig(kv_mode="none")).prompt_ids(prompt_text(), chat=True)
     new_tokens, repeats = (8, 1) if args.smoke else (args.new_tokens, 3)
-    context = len(prompt) + new_tokens / 2
-    bandwidth = report.data.get("copy_bandwidth_gb_s", 0) * 1e9
-    scale = loaded.config.num_layers * loaded.config.hidden_size / (32 * 4096)  # of the 8B shape's compile
+    compile_s = 0 if args.smoke else COMPILED_ROW_S * loaded.config.num_layers / 32  # compile time follows depth
     measured, peers = {}, {}
     for name in (name for name in ROW_ORDER if name in args.rows.split(",")):
-        compiled = ROWS[name] is None or ROWS[name][0].get("compile")
-        need = 0 if args.smoke else COMPILED_ROW_S * max(scale, 0.25) * (1 if compiled else 0.25)
+        compiled = name == "hf-static-compiled" or (ROWS[name] is not None and bool(ROWS[name][0].get("compile")))
+        need = compile_s if compiled else compile_s / 4
         if time.perf_counter() + need > deadline:
             report.leave_out(f"{shape} {name}")
             continue
         try:
-            if ROWS[name] is None:
-                if "hf" not in peers:  # one transformers model for both of its rows
-                    peers["hf"] = load_hf_model(loaded, directory)
-                rate, row_loaded = hf_decode(peers["hf"], loaded.device, prompt, new_tokens, repeats,
-                                             name != "hf"), loaded
+            if compiled:
+                cap = min(deadline - time.perf_counter(), max(3 * need, 60.0))
+                row = row_in_child(directory, name, device, new_tokens, repeats, cap)
             else:
-                rate, row_loaded = ours_decode(loaded, name, prompt, new_tokens, repeats)
+                row = measure_row(loaded, directory, name, new_tokens, repeats, peers)
+        except RowStopped as stopped:
+            report.leave_out(f"{shape} {name}", str(stopped))
+            continue
         except Exception as error:
             report.error(f"{shape} {name}", error)
             continue
         finally:
             free_device()
-        limit = bandwidth / decode_bytes_per_step(row_loaded, context) if bandwidth else 0
+        bandwidth = report.data.get("copy_bandwidth_gb_s", 0) * 1e9
+        limit = bandwidth / row.pop("bytes_per_step") if bandwidth else 0
+        rate = row.pop("rate")
         measured[name] = {"shape": shape, "name": name, "batch": 1, "decode_tokens_per_s": round(rate, 1),
                           "roofline_pct": round(100 * rate / limit, 1) if limit else None,
                           "roofline_tokens_per_s": round(limit, 1), "new_tokens": new_tokens, "runs": repeats,
-                          "prompt_tokens": len(prompt)}
+                          **row}
         print(f"  {shape} {name}: {rate:.1f} tok/s ({measured[name]['roofline_pct']}% of the bandwidth limit)",
               flush=True)
-        del row_loaded
     hf = next((measured[name]["decode_tokens_per_s"] for name in HF_BEST if name in measured), None)
     for name in ROWS:
         if name in measured:
@@ -256,8 +262,50 @@ def decode_shape(report: Report, shape: str, device: torch.device, work: Path, a
     del loaded, peers
 
 
+class RowStopped(Exception):
+    """A row's process ran past its cap and was stopped."""
+
+
+def row_in_child(directory: Path, name: str, device: torch.device, new_tokens: int, repeats: int,
+                 cap: float) -> dict:
+    """`measure_row` in a process of its own (its output, and dynamo's recompile reasons, go to this log)."""
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "row.json"
+        command = [sys.executable, "-m", "inference_core.bench.gpu_report", "--row", name, "--checkpoint",
+                   str(directory), "--device", str(device), "--new-tokens", str(new_tokens), "--repeats",
+                   str(repeats), "--result", str(result)]
+        env = dict(os.environ, TORCH_LOGS=os.environ.get("TORCH_LOGS", "recompiles"))
+        started = time.perf_counter()
+        try:
+            done = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], env=env, timeout=cap)
+        except subprocess.TimeoutExpired:
+            raise RowStopped(f"stopped after {time.perf_counter() - started:.0f} s (its cap)") from None
+        if done.returncode != 0 or not result.is_file():
+            raise RuntimeError(f"the row's process exited {done.returncode} (its output is in the log above)")
+        return json.loads(result.read_text())
+
+
+def measure_row(loaded, directory: Path, name: str, new_tokens: int, repeats: int, peers: dict) -> dict:
+    """Row `name` at batch 1: its median decode tokens/s (`rate`), the bytes one of its steps reads at the mean
+    context (`bytes_per_step`), the prompt's length and, for our compiled rows, what compiling cost."""
+    prompt = Engine(loaded, EngineConfig(kv_mode="none")).prompt_ids(prompt_text(), chat=True)
+    row: dict = {"prompt_tokens": len(prompt)}
+    if ROWS[name] is None:
+        if "hf" not in peers:  # one transformers model for both of its rows
+            peers["hf"] = load_hf_model(loaded, directory)
+        row["rate"], row_loaded = hf_decode(peers["hf"], loaded.device, prompt, new_tokens, repeats,
+                                            name != "hf"), loaded
+    else:
+        row["rate"], row_loaded, compile_stats = ours_decode(loaded, name, prompt, new_tokens, repeats)
+        if compile_stats:
+            row["compile"] = compile_stats
+    row["bytes_per_step"] = decode_bytes_per_step(row_loaded, len(prompt) + new_tokens / 2)
+    return row
+
+
 def ours_decode(loaded, name: str, prompt: list[int], new_tokens: int, repeats: int):
-    """Median decode tokens/s of our engine as row `name` has it, batch 1, after a warm-up (and its compile)."""
+    """Median decode tokens/s of our engine as row `name` has it, batch 1, after a warm-up (and its compile); the
+    model it ran (quantized where the row is) and its compile statistics (None: eager)."""
     settings, scheme = ROWS[name]
     if "attention" not in {field.name for field in dataclasses.fields(EngineConfig)}:  # an engine without the switch
         if settings["attention"] != "gather":
@@ -271,7 +319,7 @@ def ours_decode(loaded, name: str, prompt: list[int], new_tokens: int, repeats: 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.complete(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
     rates = [engine.complete(prompt, params).stats.decode_tokens_per_s for _ in range(repeats)]
-    return statistics.median(rates), model
+    return statistics.median(rates), model, engine.compile_stats() if engine.decoder else None
 
 
 def hf_decode(model, device: torch.device, prompt: list[int], new_tokens: int, repeats: int, static: bool) -> float:
@@ -292,16 +340,36 @@ def hf_decode(model, device: torch.device, prompt: list[int], new_tokens: int, r
 
 
 def batch_part(report: Report, device: torch.device, work: Path, args, deadline: float) -> dict:
+    """Our three modes in a process of their own (`batch-bench`, compiled decode on a GPU; stopped at the deadline:
+    a compile that runs away costs those rows, and the rows it printed are in the log), then transformers' rows here
+    on the same requests."""
     directory = checkpoint("qwen3-0.6b", work, device, args.smoke)
-    loaded = load_model(str(directory), device=str(device), dtype="bfloat16")
     requests, seqs, peer_requests = (16, 8, 2) if args.smoke else (256, 128, 4)
     spec = "uniform:4-16" if args.smoke else "uniform:16-256"
     lengths = parse_output_lengths(spec, requests, 0, seed=0)
     rows = [row for row in load_prompts() if row["kind"] != "completion"]
-    result = batch_bench(loaded, directory, rows, [0.0] * requests, lengths, ["continuous", "dynamic", "static"],
-                         ["hf-static", "hf-sequential"], seqs, compile=device.type == "cuda",
-                         peer_requests=peer_requests, settings={"arrival": "burst", "output_lengths": spec},
-                         deadline=deadline)
+    with tempfile.TemporaryDirectory() as folder:
+        prompts, result = Path(folder) / "prompts.jsonl", Path(folder) / "ours.json"
+        prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        command = [sys.executable, "-m", "inference_core", "batch-bench", "--model", str(directory), "--device",
+                   str(device), "--dtype", "bfloat16", "--prompts", str(prompts), "--requests", str(requests),
+                   "--output-lengths", spec, "--seed", "0", "--max-num-seqs", str(seqs), "--modes",
+                   "continuous,dynamic,static", "--peers", "", "--json", str(result)]
+        command += ["--compile"] if device.type == "cuda" else []
+        ours = {"rows": [], "left_out": ["continuous", "dynamic", "static"]}  # not started, or stopped
+        if time.perf_counter() < deadline:
+            try:
+                subprocess.run(command, cwd=Path(__file__).resolve().parents[2], check=True,
+                               timeout=max(10.0, deadline - time.perf_counter()))
+                ours = json.loads(result.read_text())
+            except subprocess.TimeoutExpired:
+                pass
+    loaded = load_model(str(directory), device=str(device), dtype="bfloat16")
+    peers = batch_bench(loaded, directory, rows, [0.0] * requests, lengths, [], ["hf-static", "hf-sequential"],
+                        seqs, peer_requests=peer_requests, settings={"arrival": "burst", "output_lengths": spec},
+                        deadline=deadline)
+    result = {**peers, "rows": ours["rows"] + peers["rows"], "left_out": ours["left_out"] + peers["left_out"]}
+    result["arguments"]["compile"] = device.type == "cuda"  # our rows'
     report.data["left_out"] += [f"batch {name}: budget" for name in result["left_out"]]
     by_name = {row["name"]: row["throughput_tokens_per_s"] for row in result["rows"]}
     if "continuous" in by_name and "hf-sequential" in by_name:
@@ -378,3 +446,21 @@ def add_gpu_report_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode shapes")
     parser.add_argument("--work", help="folder for the random-weight checkpoints (default: gpu-report-checkpoints "
                         "in the temporary folder; an 8B one takes 16 GB)")
+
+
+def _row_main(argv: list[str] | None = None) -> int:
+    """A compiled row in a process of its own (`row_in_child`)."""
+    parser = argparse.ArgumentParser(prog="python -m inference_core.bench.gpu_report")
+    for flag in ("--row", "--checkpoint", "--device", "--result"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--new-tokens", type=int, required=True)
+    parser.add_argument("--repeats", type=int, required=True)
+    args = parser.parse_args(argv)
+    loaded = load_model(args.checkpoint, device=args.device, dtype="bfloat16")
+    row = measure_row(loaded, Path(args.checkpoint), args.row, args.new_tokens, args.repeats, {})
+    Path(args.result).write_text(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_row_main())

@@ -100,11 +100,15 @@ class DecodeGraph(nn.Module):
     """The decode step as a pure function of its inputs (see the module docstring). `paged` selects how the KV pool is
     read; `attention_dtype` is the model's (fp32 on the CPU)."""
 
-    def __init__(self, model: CausalLM, paged: bool, block_size: int):
+    def __init__(self, model: CausalLM, paged: bool, block_size: int, opaque_attention: bool = False):
         super().__init__()
         self.model = model
         self.paged = paged
         self.block_size = block_size
+        # Attention as one custom op the compiler does not look into (`decode_attention`): the key width, the only
+        # size that changes from step to step, then reaches no kernel inductor generates, so no lowering decision
+        # can specialize it (on CUDA inductor split the softmax over the width and fixed the width to a constant).
+        self.opaque_attention = opaque_attention
 
     def forward(self, input_ids, positions, read_index, key_mask, k_pool, v_pool):
         """input_ids, positions: [B]; read_index: contiguous [B] slots, paged [B, blocks] int32 block table;
@@ -121,17 +125,40 @@ class DecodeGraph(nn.Module):
             q, k, v = attn.project(layer.input_layernorm.forward(x), cos, sin)
             new_k.append(k)
             new_v.append(v)
-            if self.paged:  # [blocks, block_size, kv_heads, d] gathered -> [B, kv_heads, width, d]
-                k_ctx = k_pool[index][read_index].flatten(1, 2).transpose(1, 2)
-                v_ctx = v_pool[index][read_index].flatten(1, 2).transpose(1, 2)
-            else:  # [slots, kv_heads, max_seq_len, d] -> [B, kv_heads, width, d]
-                k_ctx = k_pool[index][:, :, :width].index_select(0, read_index)
-                v_ctx = v_pool[index][:, :, :width].index_select(0, read_index)
-            out = _attend_one(q, k, v, k_ctx, v_ctx, key_mask, attn.scale, attn.attention_dtype)
+            if self.opaque_attention:
+                dtype = attn.attention_dtype
+                out = decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), k_pool[index], v_pool[index],
+                                       read_index, key_mask, attn.scale, self.paged)
+            else:
+                k_ctx, v_ctx = _read_context(k_pool[index], v_pool[index], read_index, width, self.paged)
+                out = _attend_one(q, k, v, k_ctx, v_ctx, key_mask, attn.scale, attn.attention_dtype)
             x = x + attn.o_proj.forward(out.reshape(x.shape[0], attn.q_size).to(x.dtype))
             x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
         logits = model.lm_head.forward(model.norm.forward(x)).float()
         return logits, torch.stack(new_k), torch.stack(new_v)
+
+
+def _read_context(k_pool, v_pool, read_index, width: int, paged: bool):
+    """One layer's cached keys and values of each sequence, [B, kv_heads, width, d]: paged, the blocks of each row of
+    the block table `read_index` ([blocks, block_size, kv_heads, d] pool); contiguous, the first `width` positions of
+    each slot in `read_index` ([slots, kv_heads, max_seq_len, d] pool)."""
+    if paged:
+        return (k_pool[read_index].flatten(1, 2).transpose(1, 2), v_pool[read_index].flatten(1, 2).transpose(1, 2))
+    return k_pool[:, :, :width].index_select(0, read_index), v_pool[:, :, :width].index_select(0, read_index)
+
+
+@torch.library.custom_op("inference_core::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     read_index: torch.Tensor, key_mask: torch.Tensor, scale: float, paged: bool) -> torch.Tensor:
+    """`_attend_one` over the context `_read_context` reads, as one op (q, k, v already in the attention dtype)."""
+    k_ctx, v_ctx = _read_context(k_pool, v_pool, read_index, key_mask.shape[1], paged)
+    return _attend_one(q, k, v, k_ctx, v_ctx, key_mask, scale, q.dtype)
+
+
+@decode_attention.register_fake
+def _decode_attention_shape(q, k, v, k_pool, v_pool, read_index, key_mask, scale, paged):
+    batch, kv_heads, head_dim = k.shape
+    return q.new_empty(batch, kv_heads, q.shape[1] // kv_heads, head_dim)
 
 
 def _attend_one(q, k, v, k_ctx, v_ctx, key_mask, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -180,15 +207,17 @@ class CompiledDecoder:
         self.max_width = (min(kv_cache.manager.num_blocks, -(-max_seq_len // self.block_size)) if self.paged
                           else kv_cache.max_seq_len)
         self.buckets = batch_buckets(max_num_seqs)
-        self.width_buckets = device.type == "cuda"  # a CUDA graph per shape: round widths up to powers of two
         self.backend = backend or default_backend(device)
+        # torch.compile (CUDA's backend) records a CUDA graph per shape: widths are rounded up to powers of two.
+        self.width_buckets = self.backend == "torch.compile"
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown compile backend {self.backend!r}; one of {', '.join(BACKENDS)}")
         self.options = dict(options if options is not None else default_options(device))
         self.stats = CompileStats(mode=describe_options(device, self.options, self.backend))
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir() / "inductor"))
         model.rope_tables(model.embed_tokens.weight.dtype)  # built now: a graph traced before would be rebuilt after
-        self.step = DecodeGraph(model, self.paged, self.block_size).eval()
+        self.step = DecodeGraph(model, self.paged, self.block_size,
+                                opaque_attention=self.backend == "torch.compile").eval()
         # Inductor options are applied as a config patch around each call, not through torch.compile(options=...):
         # freezing (weights as constants, prepacked for oneDNN) is decided outside what `options` patches, and
         # measured no faster than no freezing when passed that way.

@@ -169,3 +169,26 @@ def test_the_package_key_follows_the_weights(tiny):
         assert model_fingerprint(model) != before
         weight[0, 0] = original
     assert model_fingerprint(model) == before
+
+
+@pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
+def test_torch_compile_backend_compiles_once_for_every_width(tiny, kv_mode, monkeypatch):
+    """CUDA's backend (torch.compile, attention as an op the compiler does not look into, widths rounded up to powers
+    of two and marked dynamic, the batch dynamic above bucket 1) run on the CPU without CUDA graphs: ids equal eager
+    while contexts grow through widths 2 to 16 blocks and batches shrink from 4 to 1, with two compiles in all (bucket
+    1, and one for every bucket above it) and none again."""
+    monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
+    monkeypatch.setattr(compiled_module, "default_options", lambda device: {})
+    settings = dict(kv_mode=kv_mode, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_seq_len=96)
+    prompts = [prompt(length, seed) for seed, length in enumerate([3, 9, 17, 30, 5, 12])]
+    lengths = [20, 24, 28, 12, 16, 40]
+    eager = Engine(tiny, EngineConfig(**settings))
+    compiled = Engine(tiny, EngineConfig(**settings, compile=True))
+    assert compiled.decoder.step.opaque_attention and compiled.decoder.width_buckets
+    want = [eager.complete(p, greedy(n)).token_ids for p, n in zip(prompts, lengths)]
+    requests = [compiled.submit(p, greedy(n)) for p, n in zip(prompts, lengths)]
+    run_to_end(compiled)
+    for p, w, request in zip(prompts, want, requests):
+        assert_same_or_near_tie(tiny, p, w, request.events[-1].token_ids)
+    stats = compiled.compile_stats()
+    assert stats["recompiles"] == 0 and stats["graphs"] <= 2 and stats["compiled_steps"] > 0

@@ -148,6 +148,23 @@ def run_points(config: ModelConfig, weights_bytes: float, kv_bytes_per_token: fl
     return points
 
 
+def steps_point(config: ModelConfig, weights_bytes: float, kv_bytes_per_token: float, steps: list[tuple], phase: str,
+                ) -> dict | None:
+    """A run of engine steps as one roofline point: `steps` is [(seconds, [(context, tokens, logits_rows), ...])],
+    each step's sequences with the tokens already in their cache, the tokens the step forwarded for them and the rows
+    they sent through the LM head. Every step reads the weights once, whatever its batch. None without a step."""
+    flops = moved = seconds = 0.0
+    for step_s, work in steps:
+        if not work:
+            continue
+        new_tokens = sum(tokens for _, tokens, _ in work)
+        keys = sum(tokens * context + tokens * (tokens + 1) // 2 for context, tokens, _ in work)
+        step_flops, step_bytes = forward_work(config, weights_bytes, kv_bytes_per_token, new_tokens, keys,
+                                              sum(rows for _, _, rows in work))
+        flops, moved, seconds = flops + step_flops, moved + step_bytes, seconds + step_s
+    return _point(phase, flops, moved, seconds) if seconds > 0 else None
+
+
 def _point(phase: str, flops: float, moved: float, seconds: float) -> dict:
     return {"phase": phase, "flops": flops, "bytes": moved, "seconds": seconds, "intensity": flops / moved,
             "flops_per_s": flops / seconds, "bytes_per_s": moved / seconds}

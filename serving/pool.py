@@ -15,7 +15,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 
+from inference_core.bench.profile import profile_requests, tokens_needed
 from inference_core.config import EngineConfig
 from inference_core.engine.engine import Engine
 from inference_core.engine.loop import EngineLoop
@@ -38,6 +40,7 @@ from serving.policy import CallerLimits, ServePolicy
 MAX_WEIGHT_VARIANTS = 3  # quantized copies of the model kept at once (each lane may pick its own)
 DEFAULT_MAX_RUN_S = 180.0  # device time one race (both lanes) or one chat turn may take
 SETTLE_S = 0.3  # see EnginePool.settle_before_timed_work
+PROFILE_WARMUP_STEPS = 3  # steps a profile lets pass after every request's first token before it records
 
 
 class EnginePool:
@@ -158,6 +161,17 @@ class EnginePool:
         (`inference_core.planner`), with what `engine` (the lane's, when it ran) allocated beside it."""
         plan = plan_memory(self.loaded, settings.engine_config(self.max_seq_len), settings.quant(), context_len)
         return {"plan": plan.as_dict(), "engine": engine_figures(engine) if engine is not None else None}
+
+    def profile(self, config: EngineConfig, quant: QuantConfig, prompts: list[list[int]], params: SamplingParams,
+                steps: int, trace: str, spec: SpecConfig | None = None) -> dict:
+        """Where a step's time goes (`inference_core.bench.profile`): a fresh engine with `config` (not one that
+        serves visitors) takes `prompts` at once with `params`, lengthened to outlast the recording, and `steps` of
+        its steps are recorded with the torch profiler in the loop thread, the device its own meanwhile. Returns the
+        profile's report; the steps' Chrome trace goes to `trace`."""
+        engine = self._engine(config, quant)
+        params = replace(params, max_new_tokens=tokens_needed(steps, PROFILE_WARMUP_STEPS), ignore_eos=True)
+        requests = [engine.make_request(list(ids), params, spec=spec) for ids in prompts]
+        return self.loop.call(profile_requests, engine, requests, steps, PROFILE_WARMUP_STEPS, trace)
 
     def ceilings(self) -> Ceilings:
         """The device's roofline ceilings in the model's dtype (measured once per host and kept; the probe runs

@@ -39,6 +39,30 @@ def test_decode_sits_left_of_prefill_and_batching_moves_it_right():
     assert [p["phase"] for p in roofline.run_points(CONFIG, weights, per_token, 200, 200, 33, 0.01, 0.1)] == ["decode"]
 
 
+def test_a_lab_mode_becomes_a_prefill_and_a_decode_point_from_its_step_reports():
+    """`ui.batching_view.mode_points` on hand-made reports: request 1 prefills 4 tokens, then 1 and 2 decode together,
+    then 2 is preempted and recomputes its 6 tokens from an empty cache in a mixed step with 1's decode."""
+    from inference_core.engine.engine import StepReport
+    from ui.batching_view import RunRecord, StepRecord, mode_points
+
+    def step(index, work, preempted=()):
+        return StepRecord(StepReport(index, 0.0, 10.0, tuple(work), tuple(preempted), (), 0, 2, 0), 1)
+
+    record = RunRecord("continuous", 4, 8, 0.0)
+    record.steps += [step(0, [(1, "prefill", 4), (2, "prefill", 5)]),
+                     step(1, [(1, "decode", 1), (2, "decode", 1)], preempted=[2]),
+                     step(2, [(1, "decode", 1), (2, "prefill", 6)])]
+    weights, per_token = 1000.0, 10.0
+    prefill, decode = mode_points(record, CONFIG, weights, per_token)
+    assert (prefill["phase"], decode["phase"], decode["seconds"], prefill["seconds"]) == ("prefill", "decode", 0.01,
+                                                                                          0.02)
+    # the decode step: contexts 4 and 5, one token each; the mixed step: 1 at context 5, 2 again from 0
+    assert decode["flops"] == roofline.forward_work(CONFIG, weights, per_token, 2, 5 + 6, 2)[0]
+    first = roofline.forward_work(CONFIG, weights, per_token, 9, 10 + 15, 2)
+    mixed = roofline.forward_work(CONFIG, weights, per_token, 7, 6 + 21, 2)
+    assert (prefill["flops"], prefill["bytes"]) == (first[0] + mixed[0], first[1] + mixed[1])
+
+
 def test_the_ceilings_are_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(roofline, "cache_root", lambda: tmp_path)
     monkeypatch.setattr(roofline, "PROBE_BYTES", 8 << 20)

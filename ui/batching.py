@@ -37,7 +37,9 @@ from ui.batching_view import (RESULT_COLUMNS, RESULT_NOTES, Arrival, RunRecord, 
                               results_frame, timeline_figure, verdict)
 from ui.control import RunControl
 from ui.kv_view import render_pool
+from ui.profile_view import build_profile_panel, profile_lab
 from ui.race import PANEL_REFRESH_S
+from ui.roofline_view import build_lab_roofline_panel
 from ui.words import PAGE_WORDS
 
 LAB_OUTPUTS = ("timeline", "chart", "pool", "results", "status", "run_button")
@@ -106,12 +108,24 @@ class LabPlan:
     about: str  # the settings in words
     targets: LatencyTargets = LatencyTargets()  # the latency targets goodput counts (none: no goodput)
 
+    def config(self, pool: EnginePool, mode: str) -> EngineConfig:
+        """The settings of this run's engine in `mode`."""
+        return EngineConfig(kv_mode="paged", prefix_cache=False, batching=mode, max_num_seqs=self.max_num_seqs,
+                            kv_cache_tokens=self.kv_cache_tokens, max_seq_len=pool.max_seq_len)
+
     def engine(self, pool: EnginePool, mode: str) -> tuple[Engine, list]:
         """A fresh engine in `mode` and this run's requests made (and so checked) by it."""
-        engine = Engine(pool.loaded, EngineConfig(kv_mode="paged", prefix_cache=False, batching=mode,
-                                                  max_num_seqs=self.max_num_seqs,
-                                                  kv_cache_tokens=self.kv_cache_tokens, max_seq_len=pool.max_seq_len))
+        engine = Engine(pool.loaded, self.config(pool, mode))
         return engine, [engine.make_request(list(ids), params) for (_, ids), params in zip(self.prompts, self.params)]
+
+
+@dataclass
+class LabMemory:
+    """One visitor's last lab run, kept in a `gr.State` for the roofline and the profile: its plan and its modes'
+    records (None until a run has started)."""
+
+    plan: LabPlan | None = None
+    records: list[RunRecord] | None = None
 
 
 def arrival_offsets(count: int, arrival: str, rate: float, seed: int) -> list[float]:
@@ -302,18 +316,20 @@ def _device_s(records: list[RunRecord]) -> float:
 
 def run_batching(pool: EnginePool, control: RunControl | None, preset: str, mode: str, num_requests,
                  max_new_tokens, lengths: str, max_num_seqs, kv_pool_tokens, arrival: str, rate, seed,
-                 typed_prompts: str = "", slo_ttft_ms=None, slo_tpot_ms=None):
+                 typed_prompts: str = "", slo_ttft_ms=None, slo_tpot_ms=None, memory: LabMemory | None = None):
     """Streaming handler; `control`: the visitor's Stop switch (None: no Stop); the latency targets in ms (None or
-    empty: none). Yields LAB_OUTPUTS tuples."""
+    empty: none); `memory`: where the visitor's last run is kept (its plan and records). Yields LAB_OUTPUTS
+    tuples."""
     control = control if control is not None else RunControl()
     try:
         yield from _lab(pool, control, (preset, mode, num_requests, max_new_tokens, lengths, max_num_seqs,
-                                        kv_pool_tokens, arrival, rate, seed, typed_prompts, slo_ttft_ms, slo_tpot_ms))
+                                        kv_pool_tokens, arrival, rate, seed, typed_prompts, slo_ttft_ms, slo_tpot_ms),
+                        memory if memory is not None else LabMemory())
     finally:
         control.end()
 
 
-def _lab(pool: EnginePool, control: RunControl, settings: tuple):
+def _lab(pool: EnginePool, control: RunControl, settings: tuple, memory: LabMemory):
     idle = gr.update(interactive=True)
     if control.stop_requested:  # Stop was pressed while the run waited in the queue
         yield _frame(status="Stopped before the run started: nothing ran.", run_button=idle)
@@ -328,6 +344,7 @@ def _lab(pool: EnginePool, control: RunControl, settings: tuple):
         yield _frame(status=f"**Cannot start the run:** {error}", run_button=idle)
         return
     records: list[RunRecord] = []
+    memory.plan, memory.records = plan, records
     pools: dict[str, str] = {}  # mode -> its pool picture at its fullest, once the mode has run
     yield _frame(timeline=timeline_figure([], 0.0), chart=activity_figure([]), pool="",
                  results=results_frame([], 0.0), status=f"Starting: {plan.about}.",
@@ -482,7 +499,7 @@ def _apply_preset(name: str, max_num_seqs, rate, seed) -> tuple:
 def build_batching_tab(pool: EnginePool) -> None:
     """The first screen (1440x900) holds the preset, the mode, Run and Stop, the folded settings' one-line summary,
     the status and the timeline; the results table, the activity chart and the KV pool follow."""
-    control = gr.State(RunControl())
+    control, memory = gr.State(RunControl()), gr.State(LabMemory())
     first = next(iter(LAB_PRESETS))
     requests, new_tokens, lengths_label, kv_tokens, arrival_label = preset_values(first)
     with gr.Row(equal_height=True):
@@ -529,6 +546,10 @@ def build_batching_tab(pool: EnginePool) -> None:
     with gr.Row(equal_height=False):  # side by side on a laptop, one above the other on a phone
         chart = gr.Plot(activity_figure([]), show_label=False, elem_id="batching-chart", min_width=340)
         pool_view = gr.HTML(elem_id="batching-pool", min_width=340)
+    private = {"api_visibility": "private", "concurrency_id": "engine"}
+    build_lab_roofline_panel(pool, memory, private)
+    build_profile_panel("Profile: where a step of each mode goes", "batching", partial(profile_lab, pool), [memory],
+                        private)
 
     quick = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}  # the page's own events
     # The one-line summary follows the person's edits (`input`, not `change`: a preset sets several widgets at once,
@@ -543,7 +564,7 @@ def build_batching_tab(pool: EnginePool) -> None:
     # The same concurrency group as the playground's other generations: they only hand requests to the engine loop.
     run.click(arm_batching, control, [status, run], **quick).then(
         partial(run_batching, pool), [control, preset, mode, num_requests, max_new_tokens, lengths, max_num_seqs,
-                                      kv_pool, arrival, rate, seed, typed, slo_ttft, slo_tpot],
+                                      kv_pool, arrival, rate, seed, typed, slo_ttft, slo_tpot, memory],
         [outputs[name] for name in LAB_OUTPUTS], show_progress="hidden", concurrency_limit=8,
         concurrency_id="engine", api_visibility="private")
     stop.click(stop_batching, control, None, **quick)

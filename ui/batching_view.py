@@ -25,6 +25,7 @@ from plotly.subplots import make_subplots
 
 from inference_core.bench.latency import LatencyTargets, slo_summary
 from inference_core.engine.engine import StepReport
+from inference_core.roofline import steps_point
 
 STATE_COLOURS = {"queued": "#cbd5e1", "prefill": "#f59e0b", "decode": "#2563eb", "preempted": "#dc2626",
                  "finished": "#16a34a"}
@@ -333,3 +334,24 @@ def verdict(records: list[RunRecord], now: float) -> str:
                          "ran out, so the scheduler took the KV of the latest-admitted request back and it "
                          "recomputed it later (red in the timeline).")
     return " ".join(parts)
+
+
+def mode_points(record: RunRecord, config, weights_bytes: float, kv_bytes_per_token: float) -> list[dict]:
+    """A mode's run as roofline points (`inference_core.roofline.steps_point`): its decode steps as one, the steps
+    that computed prompts (mixed ones too) as another, like a race lane's two. Each step's sequences are taken at
+    the context they had, walked through the reports (a preempted request starts again from an empty cache). Useful
+    work only: static batching's padding is time, not work, so it lowers the points."""
+    cached: dict[int, int] = {}
+    steps: dict[str, list] = {"prefill": [], "decode": []}
+    for step in list(record.steps):
+        report, work = step.report, []
+        for request_id, kind, tokens in report.work:
+            work.append((cached.get(request_id, 0), tokens, tokens if kind == "speculative" else 1))
+            cached[request_id] = cached.get(request_id, 0) + tokens
+        for request_id in report.preempted:
+            cached[request_id] = 0
+        phase = "prefill" if any(kind == "prefill" for _, kind, _ in report.work) else "decode"
+        steps[phase].append((report.duration_ms / 1e3, work))
+    points = [steps_point(config, weights_bytes, kv_bytes_per_token, phase_steps, phase)
+              for phase, phase_steps in steps.items()]
+    return [point for point in points if point is not None]

@@ -43,6 +43,7 @@ from ui.control import RunControl
 from ui.figures import speed_figure
 from ui.lane_widgets import settings_widgets
 from ui.memory_view import build_memory_panel
+from ui.profile_view import build_profile_panel, profile_race
 from ui.race import (LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_remembered_race, settings_from_values, stop_race,
                      warm_up_race)
 from ui.race_inspect import build_lens_panel, lens_choices, recolour
@@ -158,6 +159,8 @@ def _build_race_tab(pool: EnginePool) -> None:
                         min_width=320)
     lens_lane, lens_token = build_lens_panel(memory, TABLE, {**GENERATION, **PRIVATE})
     build_roofline_panel(pool, memory, {**GENERATION, **PRIVATE})
+    build_profile_panel("Profile: where a step of each lane goes", "race", partial(profile_race, pool), [memory],
+                        {**GENERATION, **PRIVATE})
     build_memory_panel(pool, memory, TABLE, {**GENERATION, **PRIVATE})
     summary = gr.DataFrame(pd.DataFrame(columns=SUMMARY_COLUMNS), label="Each lane's measured numbers",
                            elem_id="race-summary", column_widths=["36%", "32%", "32%"], max_height=1200, **TABLE)

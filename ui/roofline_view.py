@@ -10,12 +10,16 @@ from __future__ import annotations
 import gradio as gr
 import plotly.graph_objects as go
 
+from inference_core.roofline import weights_read_per_step
 from serving.pool import EnginePool
+from ui.batching_view import mode_name, mode_points
 from ui.figures import LANE_COLOURS
 from ui.race_panels import RaceMemory
 
 PHASE_SYMBOLS = {"prefill": "triangle-up", "decode": "circle"}
 EMPTY_NOTE = "Run a race, then draw it here: each lane's prefill and decode become points under the device's roofs."
+LAB_NOTE = ("Run the lab, then draw it here: each mode's prefill steps and decode steps become points (their useful "
+            "FLOPs and bytes over their measured time). More sequences per decode step move its point right and up.")
 
 
 PALETTE = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#dc2626", "#0891b2", "#ca8a04", "#db2777", "#475569")
@@ -70,7 +74,11 @@ def draw_roofline(pool: EnginePool, memory: RaceMemory):
     if not lanes:
         return gr.skip(), EMPTY_NOTE
     ceilings = pool.ceilings()
-    figure = roofline_figure(vars(ceilings), lanes)
+    return roofline_figure(vars(ceilings), lanes), point_notes(ceilings, lanes)
+
+
+def point_notes(ceilings, lanes: dict[str, list[dict]]) -> str:
+    """Where each point sits: its share of the roof above it, and which side of the ridge it is on."""
     notes = []
     for label, points in lanes.items():
         for point in points:
@@ -78,7 +86,30 @@ def draw_roofline(pool: EnginePool, memory: RaceMemory):
             bound = "memory" if point["intensity"] < ceilings.ridge else "compute"
             notes.append(f"{label.split(':')[0]} {point['phase']}: {100 * point['flops_per_s'] / roof:.0f}% of its "
                          f"roof ({bound}-bound side)")
-    return figure, "; ".join(notes) + "."
+    return "; ".join(notes) + "."
+
+
+def draw_lab_roofline(pool: EnginePool, records) -> tuple:
+    """Each finished mode of the visitor's last lab run (`ui.batching_view.RunRecord`s) as two points, its prefill
+    and its decode steps' useful work over their measured time (`mode_points`)."""
+    loaded = pool.loaded
+    weights, kv = weights_read_per_step(loaded.model), loaded.config.kv_bytes_per_token(loaded.dtype)
+    lanes = {mode_name(record.mode): points for record in records or [] if record.ended
+             and (points := mode_points(record, loaded.config, weights, kv))}
+    if not lanes:
+        return gr.skip(), LAB_NOTE
+    ceilings = pool.ceilings()
+    return roofline_figure(vars(ceilings), lanes), point_notes(ceilings, lanes)
+
+
+def build_lab_roofline_panel(pool: EnginePool, memory: gr.State, listener: dict) -> None:
+    """The batching lab's closed roofline accordion (`memory`: the visitor's `ui.batching.LabMemory`)."""
+    with gr.Accordion("Roofline: each mode of the last run as points", open=False,
+                      elem_id="batching-roofline-panel"):
+        draw = gr.Button("Draw the last run on the roofline", elem_id="batching-roofline-draw", size="sm")
+        note = gr.Markdown(LAB_NOTE, elem_id="batching-roofline-note")
+        plot = gr.Plot(label="roofline", elem_id="batching-roofline")
+    draw.click(lambda state: draw_lab_roofline(pool, state.records), memory, [plot, note], **listener)
 
 
 def build_roofline_panel(pool: EnginePool, memory: gr.State, listener: dict) -> None:

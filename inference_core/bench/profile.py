@@ -140,7 +140,7 @@ def run_profile(args) -> int:
         raise ConfigError(f"--steps is the number of engine steps to record: from 1 to 10000, got {args.steps}.")
     if not 0 <= args.warmup_steps <= 1_000:
         raise ConfigError(f"--warmup-steps must be from 0 to 1000, got {args.warmup_steps}.")
-    needed = 2 + args.warmup_steps + 2 * args.steps
+    needed = tokens_needed(args.steps, args.warmup_steps)
     if args.max_new_tokens < needed:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} ends the requests before the recorded steps: the "
                           f"prefill, {args.warmup_steps} warm-up steps, {args.steps} unrecorded and 1 + {args.steps} "
@@ -174,6 +174,26 @@ def _build_engine(args, settings: LaneSettings) -> Engine:
     if args.draft_heads:
         engine.load_draft_heads(args.spec_method, args.draft_heads)
     return engine
+
+
+def tokens_needed(steps: int, warmup_steps: int) -> int:
+    """New tokens a request needs to stay running through `record_steps`: its prefill, the warm-up steps, as many
+    unrecorded steps as recorded ones, and the profiler's first (untimed) step."""
+    return 2 + warmup_steps + 2 * steps
+
+
+def profile_requests(engine: Engine, requests: list, steps: int, warmup_steps: int, trace: str | None = None) -> dict:
+    """Queue `requests` on `engine` all at once, record their steps (`record_steps`) and end whatever is left, so
+    that the engine holds no KV afterwards (the page's profile action: in the engine loop's thread, the device its
+    own meanwhile)."""
+    for request in requests:
+        engine.enqueue(request)
+    engine.drain()
+    try:
+        return record_steps(engine, steps, warmup_steps, trace)
+    finally:
+        for request in requests:
+            engine.cancel(request)
 
 
 def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | None = None) -> dict:

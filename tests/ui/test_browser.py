@@ -540,7 +540,8 @@ def test_external_lane_races_this_apps_own_api_in_a_second_process(served, brows
 def test_hovering_a_token_shows_its_alternatives_and_the_logit_lens_opens(served, browser):
     """A finished lane's token shows its probability and top alternatives on hover (and on focus, as a tap gives it),
     drawn whole over the lane's scrolling box; the colour mode redraws the lanes without a new race; the logit lens
-    draws a token's probability after each layer; the roofline panel draws both lanes under the device's roofs."""
+    draws a token's probability after each layer; the roofline panel draws both lanes under the device's roofs; the
+    profiler's breakdown of both lanes opens with their traces to download."""
     from playwright.sync_api import expect
 
     pool, url = served
@@ -582,5 +583,13 @@ def test_hovering_a_token_shows_its_alternatives_and_the_logit_lens_opens(served
     expect(page.locator("#race-roofline-note")).to_contain_text("B decode", timeout=60_000)
     expect(page.locator("#race-roofline-note")).to_contain_text("A decode")
     expect(page.locator("#race-roofline .js-plotly-plot .scatterlayer .trace")).to_have_count(5)
+    # The profiler: a few steps of each lane, the mean step by category as stacked bars, and both lanes' traces.
+    _unfold(page, "race-profile-panel")
+    page.click("#race-profile-run")
+    expect(page.locator("#race-profile-note")).to_contain_text("ms a step", timeout=60_000)
+    note = page.locator("#race-profile-note").inner_text()
+    assert note.count("ms a step") == 2 and "A:" in note and "B:" in note and "projections" in note, note
+    expect(page.locator("#race-profile-chart .js-plotly-plot .barlayer .trace").first).to_be_attached()
+    expect(page.locator("#race-profile-traces a[download]")).to_have_count(2)
     page.close()
     _wait_idle(pool)

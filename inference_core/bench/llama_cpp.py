@@ -30,7 +30,7 @@ import torch
 from inference_core.config import ConfigError
 from inference_core.model.bundled import BUNDLED_NAMES, bundled_gguf_path
 
-PEERS = ("llama-cpp",)
+PEERS = ("llama-cpp", "llama-bench")  # llama-bench: `inference_core.bench.llama_bench`
 INSTALL_COMMAND = 'CMAKE_ARGS="-DGGML_NATIVE=ON" python -m pip install llama-cpp-python==0.3.36'
 
 
@@ -139,6 +139,8 @@ def open_peers(names: list[str], model_spec: str, context_len: int, kv_bytes_per
     runners, absent = {}, []
     for name in dict.fromkeys(names):  # each peer once, in the order asked
         assert name in PEERS, name  # the command line allows only these
+        if name != "llama-cpp":
+            continue
         try:
             runner = open_llama_cpp(model_spec, context_len, kv_bytes_per_token, torch.get_num_threads())
             runners[runner.name] = runner
@@ -148,12 +150,13 @@ def open_peers(names: list[str], model_spec: str, context_len: int, kv_bytes_per
     return runners, absent
 
 
-def absent_row(model_spec: str, reason: str) -> dict:
+def absent_row(model_spec: str, reason: str, peer: str = "llama.cpp") -> dict:
     """A peer that could not run, as a bench row: the same fields, no numbers, and why."""
     try:
         name = row_name(peer_gguf_path(model_spec))
     except (PeerUnavailable, ConfigError):  # not a GGUF model, or the bundled file missing: the reason says so
         name = row_name(None)
+    name = name.replace("llama.cpp", peer, 1)
     return {"name": name, "kv": None, "quant": None, "weights_mib": None, "compile": None, "compile_warmup_s": None,
             "compile_rss_mib": None, "decode_tokens_per_s": None, "ttft_ms": None, "prefill_tokens_per_s": None,
-            "roofline_pct": None, "runs": 0, "speedup_vs_hf": None, "absent": reason}
+            "prefill_long_tokens_per_s": None, "roofline_pct": None, "runs": 0, "speedup_vs_hf": None, "absent": reason}

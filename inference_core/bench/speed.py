@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from inference_core.bench.llama_cpp import PEERS, open_peers
+from inference_core.bench.llama_bench import GEN_TOKENS, run_llama_bench
+from inference_core.bench.llama_cpp import PEERS, PeerUnavailable, absent_row, open_peers, peer_gguf_path
 from inference_core.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from inference_core.config import ConfigError, EngineConfig
 from inference_core.engine.engine import Engine
@@ -120,7 +121,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers row")
     parser.add_argument("--peer", type=peer_list, action="extend",
                         help="other engines on the same model, repeatable or comma-separated: llama-cpp (llama.cpp on "
-                             "the same GGUF file, where llama-cpp-python is installed; reported as absent otherwise)")
+                             "the same GGUF file, where llama-cpp-python is installed; reported as absent otherwise), "
+                             "llama-bench (llama.cpp's own benchmark, tg128 and pp512; built once from "
+                             "llama-cpp-python's source with CMake)")
+    parser.add_argument("--long-prompt-tokens", type=int, default=512,
+                        help="every row also prefills a prompt of this many tokens (cold; 0: no such row), the "
+                             "prompt llama-bench's pp test processes")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", dest="json_path", help="write the results here")
@@ -152,10 +158,12 @@ def run_bench(args) -> int:
     runners = {name: (lambda ids, n, e=engine: _run_ours(e, ids, n)) for name, engine in engines.items()}
     if not args.no_hf:
         runners[HF_ROW] = _HFRunner(loaded, resolve_model_dir(args.model)).run
+    long_ids = long_prompt(tokenizing, rows, args.long_prompt_tokens, min(
+        engine.max_seq_len for engine in engines.values()) if engines else loaded.config.max_position_embeddings)
     peers, absent_peers = {}, []  # --peer llama-cpp: llama.cpp on the same GGUF file, or a row that says why not
     if args.peer:
-        peers, absent_peers = open_peers(args.peer, args.model, max(len(ids) for _, ids in prompts) +
-                                         args.max_new_tokens, loaded.config.kv_bytes_per_token(torch.float16))
+        peers, absent_peers = open_peers(args.peer, args.model, max([len(ids) for _, ids in prompts] + [
+            len(long_ids)]) + args.max_new_tokens, loaded.config.kv_bytes_per_token(torch.float16))
     runners.update({name: peer.run for name, peer in peers.items()})
     if not runners:
         raise ConfigError("nothing to bench: name KV modes with --configs or drop --no-hf.")
@@ -173,7 +181,15 @@ def run_bench(args) -> int:
                 results[name].append(run(ids, args.max_new_tokens))
             print(f"  repeat {repeat + 1}/{args.repeats}, {prompt_id}: " + ", ".join(
                 f"{name} {results[name][-1]['decode_tokens_per_s']:.1f}" for name in runners) + " tok/s", flush=True)
-    # 3. Medians, roofline and speed-up over transformers.
+    # 3. The long prompt's prefill: every row, cold, interleaved like the runs above.
+    long_prefill: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(args.repeats if long_ids else 0):
+        for name, run in runners.items():
+            long_prefill[name].append(run(long_ids, 2)["prefill_tokens_per_s"])
+    if long_ids:
+        print(f"  {len(long_ids)}-token prompt: " + ", ".join(
+            f"{name} {statistics.median(rates):.0f}" for name, rates in long_prefill.items()) + " prefill tok/s")
+    # 4. Medians, roofline and speed-up over transformers.
     mean_context = statistics.mean(len(ids) for _, ids in prompts) + args.max_new_tokens / 2
     limit = bandwidth / decode_bytes_per_step(loaded, mean_context)
     table = []
@@ -193,7 +209,21 @@ def run_bench(args) -> int:
         table.append({**described, "decode_tokens_per_s": round(decode, 2),
                       "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 1),
                       "prefill_tokens_per_s": round(statistics.median(r["prefill_tokens_per_s"] for r in runs), 1),
+                      "prefill_long_tokens_per_s": round(statistics.median(long_prefill[name]), 1)
+                      if long_prefill[name] else None,
                       "roofline_pct": round(100 * decode / row_limit, 1), "runs": len(runs)})
+    peer_names = set(peers)
+    if "llama-bench" in (args.peer or []):  # llama.cpp's own benchmark, on the same GGUF and threads
+        try:
+            gguf = peer_gguf_path(args.model)
+            row = run_llama_bench(gguf, torch.get_num_threads(), prompt_tokens=len(long_ids) or 512)
+            row["roofline_pct"] = round(100 * row["decode_tokens_per_s"] / (bandwidth / (
+                gguf.stat().st_size + GEN_TOKENS / 2 * loaded.config.kv_bytes_per_token(torch.float16))), 1)
+            table.append(row)
+            peer_names.add(row["name"])
+        except PeerUnavailable as error:
+            absent_peers.append(absent_row(args.model, str(error), "llama-bench"))
+            print(f"bench: llama-bench absent: {error}", flush=True)
     hf = next((row for row in table if row["name"] == HF_ROW), None)
     for row in table:
         row["speedup_vs_hf"] = round(row["decode_tokens_per_s"] / hf["decode_tokens_per_s"], 2) if hf else None
@@ -201,11 +231,24 @@ def run_bench(args) -> int:
     report = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "prompts": [prompt_id for prompt_id, _ in prompts], "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-              "roofline_tokens_per_s": round(limit, 1), "machine": machine_info(loaded.device), "rows": table,
-              "ours_vs_peers": _ours_vs_peers(table, set(engines), set(peers))}
+              "roofline_tokens_per_s": round(limit, 1), "long_prompt_tokens": len(long_ids),
+              "machine": machine_info(loaded.device), "rows": table,
+              "ours_vs_peers": _ours_vs_peers(table, set(engines), peer_names)}
     print(format_table(report))
     write_report(report, args.json_path)
     return 0
+
+
+def long_prompt(tokenizing: Engine, rows: list[dict], tokens: int, context_len: int) -> list[int]:
+    """The first `tokens` ids of the prompt file's texts one after another (plain text, no chat template), at most
+    what a row's context holds with two new tokens; [] for 0 (no long-prompt row)."""
+    tokens = min(tokens, context_len - 2)
+    if tokens <= 0:
+        return []
+    ids: list[int] = []
+    while len(ids) < tokens:
+        ids += [token for row in rows for token in tokenizing.prompt_ids(row["prompt"], chat=False)]
+    return ids[:tokens]
 
 
 def _ours_vs_peers(table: list[dict], ours: set[str], peers: set[str]) -> list[dict]:
@@ -254,21 +297,27 @@ def write_report(report: dict, path: str | None) -> None:
 
 
 def format_table(report: dict) -> str:
+    long = report.get("long_prompt_tokens") or "long"
     lines = [f"{report['model']} | {report['device']} | {report['dtype']} | read bandwidth "
              f"{report['read_bandwidth_gb_s']} GB/s -> decode limit {report['roofline_tokens_per_s']} tok/s",
-             "| config | decode tok/s | vs transformers | TTFT ms | prefill tok/s | roofline % |",
-             "|---|---|---|---|---|---|"]
+             f"| config | decode tok/s | vs transformers | TTFT ms | prefill tok/s | prefill tok/s ({long}-token "
+             "prompt) | roofline % |", "|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         if row.get("absent"):
-            lines.append(f"| {row['name']} | absent: {row['absent']} | | | | |")
+            lines.append(f"| {row['name']} | absent: {row['absent']} | | | | | |")
             continue
         speedup = f"{row['speedup_vs_hf']:.2f}x" if row["speedup_vs_hf"] else "-"
-        lines.append(f"| {row['name']} | {row['decode_tokens_per_s']:.1f} | {speedup} | {row['ttft_ms']:.0f} | "
-                     f"{row['prefill_tokens_per_s']:.0f} | {row['roofline_pct']:.0f} |")
+        lines.append(f"| {row['name']} | {row['decode_tokens_per_s']:.1f} | {speedup} | {_cell(row['ttft_ms'])} | "
+                     f"{_cell(row['prefill_tokens_per_s'])} | {_cell(row.get('prefill_long_tokens_per_s'))} | "
+                     f"{row['roofline_pct']:.0f} |")
     for pair in report.get("ours_vs_peers", []):
         lines.append(f"ours best / {pair['peer']}, decode: {pair['ours']} {pair['ours_decode_tokens_per_s']:.1f} / "
                      f"{pair['peer_decode_tokens_per_s']:.1f} tok/s = {pair['ratio']:.2f}x")
     return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def machine_info(device: torch.device) -> dict:

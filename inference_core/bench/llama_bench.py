@@ -1,0 +1,116 @@
+"""llama.cpp's own benchmark as a peer of `bench` (`--peer llama-bench`): `llama-bench` text generation (`tg128`) and
+prompt processing (`pp512`) on the same GGUF file, the numbers llama.cpp's users quote.
+
+`llama-bench` is built from the llama.cpp source that `llama-cpp-python`'s source distribution carries (the version
+`--peer llama-cpp` installs, `LLAMA_CPP_PYTHON`): pip downloads the source distribution (from the package registry
+only), CMake builds the one target with `BUILD_FLAGS` (native CPU code, as a local llama.cpp build has), and the binary
+is kept in the local cache (`cache_root()/llama-bench/VERSION/`), so only the first use builds (about 10 minutes on
+2 cores). Where it cannot be built (no CMake or C++ compiler, no registry, a failed build), the bench reports the row
+as absent with the reason, like `--peer llama-cpp` without its install.
+
+What a row holds: `decode_tokens_per_s` is tg128 (128 tokens generated after an empty context, each a batch of one),
+`prefill_long_tokens_per_s` is pp512 (a 512-token prompt in one batch; the bench's `--long-prompt-tokens`), both
+llama-bench's mean over its repetitions after its own warm-up, with the threads our rows use, flash attention on
+(what its `auto` resolves to on a CPU) and its default f16 KV cache; `llama_bench` keeps its build, CPU and standard
+deviations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from inference_core.bench.llama_cpp import PeerUnavailable, gguf_quant
+from inference_core.model.paths import cache_root
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp is built
+BUILD_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF")
+PROMPT_TOKENS, GEN_TOKENS = 512, 128
+
+
+def binary_dir() -> Path:
+    return cache_root() / "llama-bench" / LLAMA_CPP_PYTHON
+
+
+def llama_bench_binary(build: bool = True) -> Path:
+    """The cached `llama-bench`, built first where it is missing (`build`); PeerUnavailable says why it cannot be."""
+    binary = binary_dir() / "llama-bench"
+    if binary.is_file():
+        return binary
+    if not build:
+        raise PeerUnavailable("llama-bench is not built yet; `bench --peer llama-bench` builds it once.")
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        raise PeerUnavailable(f"building llama-bench needs {' and '.join(missing)} (CMake and a C++ compiler); "
+                              "install them, or bench without --peer llama-bench.")
+    with tempfile.TemporaryDirectory(prefix="llama-bench-") as folder:
+        source = _download_source(Path(folder))
+        build_dir = Path(folder) / "build"
+        started = time.perf_counter()
+        print(f"bench: building llama-bench from llama-cpp-python {LLAMA_CPP_PYTHON}'s llama.cpp (once; about 10 "
+              "minutes on 2 cores)", flush=True)
+        _run(["cmake", "-S", str(source), "-B", str(build_dir), *BUILD_FLAGS], "configuring llama.cpp")
+        _run(["cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", str(max(1, _cores()))],
+             "building llama-bench")
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(build_dir / "bin" / "llama-bench", binary)
+        (binary.parent / "build.json").write_text(json.dumps({
+            "llama_cpp_python": LLAMA_CPP_PYTHON, "flags": list(BUILD_FLAGS),
+            "build_s": round(time.perf_counter() - started, 1)}, indent=2))
+    return binary
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _download_source(folder: Path) -> Path:
+    """llama-cpp-python's source distribution from the registry, unpacked: its vendored llama.cpp folder."""
+    _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", str(folder),
+          f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], "downloading llama-cpp-python's source")
+    archive = next(folder.glob("llama_cpp_python-*.tar.gz"))
+    prefix = f"{archive.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder, members=[m for m in tar.getmembers() if m.name.startswith(prefix)], filter="data")
+    return folder / prefix
+
+
+def _run(command: list[str], what: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
+        raise PeerUnavailable(f"{what} failed (exit {done.returncode}):\n{tail}")
+
+
+def run_llama_bench(gguf: Path, threads: int, prompt_tokens: int = PROMPT_TOKENS, repetitions: int = 5,
+                    binary: Path | None = None) -> dict:
+    """tg128 and pp`prompt_tokens` of `gguf` with `threads` threads: the bench row's fields (see the module
+    docstring)."""
+    binary = binary or llama_bench_binary()
+    command = [str(binary), "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(GEN_TOKENS), "-t", str(threads),
+               "-r", str(repetitions), "-fa", "1", "-o", "json"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PeerUnavailable(f"llama-bench failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+    tests = json.loads(done.stdout)
+    prompt = next(test for test in tests if test["n_prompt"] == prompt_tokens and test["n_gen"] == 0)
+    generate = next(test for test in tests if test["n_gen"] == GEN_TOKENS and test["n_prompt"] == 0)
+    quant = gguf_quant(gguf) or "as stored"
+    return {"name": f"llama-bench ({quant} GGUF)", "kv": f"llama.cpp ({generate.get('type_k', 'f16')})",
+            "quant": f"{quant} (GGUF)", "weights_mib": round(gguf.stat().st_size / 2**20, 1), "compile": None,
+            "compile_warmup_s": None, "compile_rss_mib": None, "threads": generate.get("n_threads", threads),
+            "decode_tokens_per_s": round(generate["avg_ts"], 2), "ttft_ms": None, "prefill_tokens_per_s": None,
+            "prefill_long_tokens_per_s": round(prompt["avg_ts"], 1), "runs": repetitions,
+            "llama_bench": {"command": " ".join(command),
+                            "build_commit": generate.get("build_commit"), "build_number": generate.get("build_number"),
+                            "cpu_info": generate.get("cpu_info"), "flags": list(BUILD_FLAGS),
+                            "tg_stddev": round(generate["stddev_ts"], 2), "pp_stddev": round(prompt["stddev_ts"], 1),
+                            "llama_cpp_python": LLAMA_CPP_PYTHON}}

@@ -1,0 +1,66 @@
+"""`bench --peer llama-bench`: llama.cpp's own benchmark on the same GGUF. Its JSON is read into a bench row (tg128 as
+decode, pp512 as the long prompt's prefill); where it cannot be built or the model is not a GGUF file, the row is
+absent with the reason and the other rows still run, each with its own long-prompt prefill. A real run needs the
+binary built once (`bench --peer llama-bench` builds it; minutes of CMake), so that test skips without it."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+from inference_core.bench import llama_bench
+from inference_core.bench.llama_cpp import PeerUnavailable, peer_gguf_path
+from inference_core.cli import main
+
+from tiny_models import build_tiny_model
+
+LLAMA_BENCH_JSON = [
+    {"build_commit": "0c1e570", "build_number": 7000, "cpu_info": "AMD EPYC", "n_threads": 2, "type_k": "f16",
+     "n_prompt": 512, "n_gen": 0, "avg_ts": 1234.5, "stddev_ts": 10.25},
+    {"build_commit": "0c1e570", "build_number": 7000, "cpu_info": "AMD EPYC", "n_threads": 2, "type_k": "f16",
+     "n_prompt": 0, "n_gen": 128, "avg_ts": 111.11, "stddev_ts": 1.5},
+]
+
+
+def test_llama_bench_json_becomes_a_bench_row(tmp_path):
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\ncat <<'END'\n{json.dumps(LLAMA_BENCH_JSON)}\nEND\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    row = llama_bench.run_llama_bench(peer_gguf_path("bundled"), threads=2, repetitions=3, binary=fake)
+    assert row["name"] == "llama-bench (Q4_1 GGUF)" and row["quant"] == "Q4_1 (GGUF)" and row["kv"] == "llama.cpp (f16)"
+    assert (row["decode_tokens_per_s"], row["prefill_long_tokens_per_s"], row["threads"], row["runs"]) == (
+        111.11, 1234.5, 2, 3)
+    assert row["llama_bench"]["build_commit"] == "0c1e570" and row["llama_bench"]["pp_stddev"] == 10.2
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("-p") + 1] == "512" and args[args.index("-n") + 1] == "128"
+    assert args[args.index("-t") + 1] == "2" and args[args.index("-fa") + 1] == "1" and "json" in args
+
+
+def test_without_cmake_it_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(llama_bench, "binary_dir", lambda: tmp_path / "none")
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(PeerUnavailable, match="building llama-bench needs cmake and c[+][+]"):
+        llama_bench.llama_bench_binary()
+
+
+def test_bench_on_a_model_that_is_no_gguf_reports_llama_bench_absent(tmp_path, capsys):
+    tiny = build_tiny_model(tmp_path / "tiny")
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--model", tiny.name, "--device", "cpu", "--dtype", "float32", "--prompt-ids",
+                 "plain-1", "--repeats", "1", "--max-new-tokens", "4", "--configs", "paged", "--no-hf",
+                 "--long-prompt-tokens", "64", "--peer", "llama-bench", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    paged, peer = report["rows"]
+    assert report["long_prompt_tokens"] == 64 and paged["prefill_long_tokens_per_s"] > 0
+    assert peer["name"] == "llama-bench (GGUF)" and peer["absent"].startswith("llama.cpp runs GGUF files only")
+    assert "| llama-bench (GGUF) | absent:" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not (llama_bench.binary_dir() / "llama-bench").is_file(),
+                    reason="llama-bench is not built here (bench --peer llama-bench builds it once)")
+def test_a_real_llama_bench_run_on_the_bundled_gguf():
+    row = llama_bench.run_llama_bench(peer_gguf_path("bundled"), threads=1, prompt_tokens=64, repetitions=1)
+    assert row["decode_tokens_per_s"] > 0 and row["prefill_long_tokens_per_s"] > row["decode_tokens_per_s"]
+    assert row["threads"] == 1 and row["llama_bench"]["build_commit"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -114,3 +115,17 @@ def run_llama_bench(gguf: Path, threads: int, prompt_tokens: int = PROMPT_TOKENS
                             "cpu_info": generate.get("cpu_info"), "flags": list(BUILD_FLAGS),
                             "tg_stddev": round(generate["stddev_ts"], 2), "pp_stddev": round(prompt["stddev_ts"], 1),
                             "llama_cpp_python": LLAMA_CPP_PYTHON}}
+
+
+def median_row(runs: list[dict]) -> dict:
+    """One row from several `run_llama_bench` rows (one per repeat of the bench, interleaved with the other rows):
+    the medians of tg and pp, each run's values kept in `llama_bench`."""
+    tg = [run["decode_tokens_per_s"] for run in runs]
+    pp = [run["prefill_long_tokens_per_s"] for run in runs]
+    row = dict(runs[0])
+    row.update(decode_tokens_per_s=round(statistics.median(tg), 2), prefill_long_tokens_per_s=round(
+        statistics.median(pp), 1), runs=sum(run["runs"] for run in runs))
+    spread = ("tg_stddev", "pp_stddev")  # each run's own, over its repetitions; the runs' values replace them
+    row["llama_bench"] = {**{key: value for key, value in runs[0]["llama_bench"].items() if key not in spread},
+                          "tg_runs": tg, "pp_runs": pp}
+    return row

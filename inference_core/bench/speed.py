@@ -18,11 +18,12 @@ import json
 import platform
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from inference_core.bench.llama_bench import GEN_TOKENS, run_llama_bench
+from inference_core.bench.llama_bench import GEN_TOKENS, PROMPT_TOKENS, llama_bench_binary, median_row, run_llama_bench
 from inference_core.bench.llama_cpp import PEERS, PeerUnavailable, absent_row, open_peers, peer_gguf_path
 from inference_core.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from inference_core.config import ConfigError, EngineConfig
@@ -167,6 +168,15 @@ def run_bench(args) -> int:
     runners.update({name: peer.run for name, peer in peers.items()})
     if not runners:
         raise ConfigError("nothing to bench: name KV modes with --configs or drop --no-hf.")
+    llama_bench, llama_bench_runs = None, []  # --peer llama-bench: one llama-bench run per repeat, interleaved
+    if "llama-bench" in (args.peer or []):
+        try:
+            gguf = peer_gguf_path(args.model)
+            llama_bench_binary()  # built once, before any clock runs
+            llama_bench = partial(run_llama_bench, gguf, torch.get_num_threads(), len(long_ids) or PROMPT_TOKENS, 1)
+        except PeerUnavailable as error:
+            absent_peers.append(absent_row(args.model, str(error), "llama-bench"))
+            print(f"bench: llama-bench absent: {error}", flush=True)
     print(f"bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, "
           f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens", flush=True)
     bandwidth = measure_read_bandwidth(loaded.device)
@@ -181,6 +191,11 @@ def run_bench(args) -> int:
                 results[name].append(run(ids, args.max_new_tokens))
             print(f"  repeat {repeat + 1}/{args.repeats}, {prompt_id}: " + ", ".join(
                 f"{name} {results[name][-1]['decode_tokens_per_s']:.1f}" for name in runners) + " tok/s", flush=True)
+        if llama_bench is not None:
+            llama_bench_runs.append(llama_bench())
+            print(f"  repeat {repeat + 1}/{args.repeats}, {llama_bench_runs[-1]['name']}: tg "
+                  f"{llama_bench_runs[-1]['decode_tokens_per_s']:.1f} tok/s, pp "
+                  f"{llama_bench_runs[-1]['prefill_long_tokens_per_s']:.0f} tok/s", flush=True)
     # 3. The long prompt's prefill: every row, cold, interleaved like the runs above.
     long_prefill: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(args.repeats if long_ids else 0):
@@ -213,17 +228,12 @@ def run_bench(args) -> int:
                       if long_prefill[name] else None,
                       "roofline_pct": round(100 * decode / row_limit, 1), "runs": len(runs)})
     peer_names = set(peers)
-    if "llama-bench" in (args.peer or []):  # llama.cpp's own benchmark, on the same GGUF and threads
-        try:
-            gguf = peer_gguf_path(args.model)
-            row = run_llama_bench(gguf, torch.get_num_threads(), prompt_tokens=len(long_ids) or 512)
-            row["roofline_pct"] = round(100 * row["decode_tokens_per_s"] / (bandwidth / (
-                gguf.stat().st_size + GEN_TOKENS / 2 * loaded.config.kv_bytes_per_token(torch.float16))), 1)
-            table.append(row)
-            peer_names.add(row["name"])
-        except PeerUnavailable as error:
-            absent_peers.append(absent_row(args.model, str(error), "llama-bench"))
-            print(f"bench: llama-bench absent: {error}", flush=True)
+    if llama_bench_runs:  # llama.cpp's own benchmark, on the same GGUF and threads: medians of its runs
+        row = median_row(llama_bench_runs)
+        row["roofline_pct"] = round(100 * row["decode_tokens_per_s"] / (bandwidth / (
+            gguf.stat().st_size + GEN_TOKENS / 2 * loaded.config.kv_bytes_per_token(torch.float16))), 1)
+        table.append(row)
+        peer_names.add(row["name"])
     hf = next((row for row in table if row["name"] == HF_ROW), None)
     for row in table:
         row["speedup_vs_hf"] = round(row["decode_tokens_per_s"] / hf["decode_tokens_per_s"], 2) if hf else None

@@ -38,6 +38,27 @@ def test_llama_bench_json_becomes_a_bench_row(tmp_path):
     assert args[args.index("-t") + 1] == "2" and args[args.index("-fa") + 1] == "1" and "json" in args
 
 
+def test_bench_runs_llama_bench_once_per_repeat_and_takes_medians(bundled, one_torch_thread, monkeypatch, tmp_path):
+    """Interleaved with our rows: one llama-bench run per repeat (its stand-in here prints 111.11 and 1234.5 tok/s),
+    the row the medians of its runs, and the ratio of our best row to it."""
+    monkeypatch.setattr(llama_bench, "binary_dir", lambda: tmp_path)
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!/bin/sh\necho run >> {tmp_path}/runs\ncat <<'END'\n{json.dumps(LLAMA_BENCH_JSON)}\nEND\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--device", "cpu", "--dtype", "float32", "--prompt-ids", "plain-1", "--repeats", "2",
+                 "--max-new-tokens", "4", "--configs", "paged", "--no-hf", "--long-prompt-tokens", "512", "--peer",
+                 "llama-bench", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    paged, peer = report["rows"]
+    assert (tmp_path / "runs").read_text().count("run") == 2
+    assert peer["runs"] == 2 and peer["llama_bench"]["tg_runs"] == [111.11, 111.11]
+    assert (peer["decode_tokens_per_s"], peer["prefill_long_tokens_per_s"]) == (111.11, 1234.5)
+    assert paged["prefill_long_tokens_per_s"] > 0 and report["long_prompt_tokens"] == 512
+    (pair,) = report["ours_vs_peers"]
+    assert pair["peer"] == "llama-bench (Q4_1 GGUF)" and pair["peer_decode_tokens_per_s"] == 111.11
+
+
 def test_without_cmake_it_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(llama_bench, "binary_dir", lambda: tmp_path / "none")
     monkeypatch.setattr("shutil.which", lambda name: None)

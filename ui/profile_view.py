@@ -10,6 +10,7 @@ lane's Chrome trace for download (it opens in ui.perfetto.dev).
 
 from __future__ import annotations
 
+import logging
 import re
 import tempfile
 import time
@@ -29,6 +30,7 @@ MAX_STEPS = 32
 KEEP_TRACES = 32  # trace files kept on the server's disk (Gradio serves its own copy of each)
 CATEGORY_COLOURS = dict(zip((*CATEGORIES, IDLE), ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#ca8a04",
                                                   "#64748b", "#cbd5e1", "#f1f5f9")))
+log = logging.getLogger(__name__)
 EMPTY_NOTE = ("Record a few steps of each lane with the torch profiler: the mean step split by what it spends its "
               "time on, and a trace to open in ui.perfetto.dev.")
 
@@ -93,6 +95,9 @@ def show_profiles(pool: EnginePool, jobs: dict[str, tuple], steps) -> tuple:
             profiles[label] = pool.profile(*arguments[:4], count, files[-1], *arguments[4:])
     except ConfigError as error:
         return gr.skip(), f"**Cannot profile:** {error}", gr.skip()
+    except Exception as error:  # the page gets a message, the log the traceback
+        log.exception("profile failed")
+        return gr.skip(), f"**The profile failed:** {type(error).__name__}: {error}", gr.skip()
     note = "\n\n".join(breakdown_note(label, report) for label, report in profiles.items())
     return breakdown_figure(profiles), note, files
 

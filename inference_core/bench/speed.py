@@ -307,11 +307,11 @@ def write_report(report: dict, path: str | None) -> None:
 
 
 def format_table(report: dict) -> str:
-    long = report.get("long_prompt_tokens") or "long"
+    long = f"{report['long_prompt_tokens']}-token prompt" if report.get("long_prompt_tokens") else "no long prompt"
     lines = [f"{report['model']} | {report['device']} | {report['dtype']} | read bandwidth "
              f"{report['read_bandwidth_gb_s']} GB/s -> decode limit {report['roofline_tokens_per_s']} tok/s",
-             f"| config | decode tok/s | vs transformers | TTFT ms | prefill tok/s | prefill tok/s ({long}-token "
-             "prompt) | roofline % |", "|---|---|---|---|---|---|---|"]
+             f"| config | decode tok/s | vs transformers | TTFT ms | prefill tok/s | prefill tok/s ({long}) | "
+             "roofline % |", "|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         if row.get("absent"):
             lines.append(f"| {row['name']} | absent: {row['absent']} | | | | | |")

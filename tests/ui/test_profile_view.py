@@ -4,6 +4,7 @@ time the profile measured; each finished lab mode becomes a prefill and a decode
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -37,8 +38,8 @@ def test_each_lane_of_the_last_race_is_profiled(pool):
     assert {bar.name for bar in figure.data} >= {"projections", "attention", "Python (scheduler, runner)"}
     for bar in figure.data:  # one bar per lane, stacked by category
         assert len(bar.y) == 2 and bar.y[0].startswith("A: ")
-    for path in files:  # Chrome traces of the recorded steps
-        assert json.loads(open(path).read())["traceEvents"]
+    for path in files:  # Chrome traces of the recorded steps, gzipped
+        assert path.endswith(".json.gz") and json.loads(gzip.open(path).read())["traceEvents"]
     assert pool.blocks_in_use() == 0  # the profiles' engines are not the lanes' and hold nothing after
 
 

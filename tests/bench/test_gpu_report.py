@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from inference_core.cli import main
 
@@ -54,3 +55,13 @@ def test_a_spent_budget_leaves_parts_out_and_still_writes(smoke, tmp_path):
 
 def test_real_shapes_need_a_gpu(tmp_path):
     assert main(["gpu-report", "--out", str(tmp_path), "--device", "cpu"]) == 2
+
+
+def test_a_row_past_its_cap_is_stopped_and_reported(smoke, tmp_path):
+    """A compiled row runs in a process of its own: past its cap it is killed and the report lists it as left out,
+    which is what keeps a compile that runs away from taking the rest of the report."""
+    from inference_core.bench.gpu_report import RowStopped, row_in_child
+
+    work = smoke[3]
+    with pytest.raises(RowStopped, match=r"stopped after \d+ s \(its cap\)"):
+        row_in_child(work / "qwen3-0.6b", "graphs", torch.device("cpu"), 8, 1, cap=0.05)

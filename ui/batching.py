@@ -40,7 +40,7 @@ from ui.kv_view import render_pool
 from ui.profile_view import build_profile_panel, profile_lab
 from ui.race import PANEL_REFRESH_S
 from ui.roofline_view import build_lab_roofline_panel
-from ui.words import PAGE_WORDS
+from ui.words import PAGE_WORDS, widget_number
 
 LAB_OUTPUTS = ("timeline", "chart", "pool", "results", "status", "run_button")
 MAX_REQUESTS = 32
@@ -148,24 +148,11 @@ def output_limits(count: int, max_new_tokens: int, lengths: str, seed: int) -> l
     return [max(1, round(max_new_tokens * rng.uniform(0.125, 1.0))) for _ in range(count)]
 
 
-def _number(value, name: str, low: float, high: float, whole: bool = True):
-    """A widget's number, checked: ConfigError naming the widget for an empty, non-numeric or out-of-range value."""
-    try:
-        number = float(value)
-        ok = low <= number <= high and (not whole or number.is_integer())
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        kind = "a whole number" if whole else "a number"
-        raise ConfigError(f"'{name}' must be {kind} from {low:g} to {high:g}, got {value!r}.")
-    return int(number) if whole else number
-
-
 def latency_targets(slo_ttft_ms, slo_tpot_ms) -> LatencyTargets:
     """The two target boxes, checked: empty or 0 is no target (the browser sends an emptied number box as 0); else a
     number of milliseconds from 1 to 10^6."""
     values = [None if value is None or str(value).strip() in ("", "0", "0.0") else
-              _number(value, name, 1, 10 ** 6, whole=False)
+              widget_number(value, name, 1, 10 ** 6, whole=False)
               for value, name in ((slo_ttft_ms, "TTFT target (ms)"), (slo_tpot_ms, "TPOT target (ms)"))]
     return LatencyTargets(*values)
 
@@ -179,15 +166,15 @@ def plan_run(pool: EnginePool, preset: str, mode: str, num_requests, max_new_tok
     if mode not in MODES:
         raise ConfigError(f"unknown batching mode {mode!r}; pick one from the list.")
     modes = tuple(MODES[mode].split(","))
-    count = _number(num_requests, "requests", 1, MAX_REQUESTS)
-    new_tokens = _number(max_new_tokens, "max new tokens", 1, pool.max_seq_len)
-    seqs = _number(max_num_seqs, "max sequences per step", 1, 256)
-    pool_tokens = _number(kv_pool_tokens, "KV pool (tokens)", 0, 10 ** 7)
+    count = widget_number(num_requests, "requests", 1, MAX_REQUESTS)
+    new_tokens = widget_number(max_new_tokens, "max new tokens", 1, pool.max_seq_len)
+    seqs = widget_number(max_num_seqs, "max sequences per step", 1, 256)
+    pool_tokens = widget_number(kv_pool_tokens, "KV pool (tokens)", 0, 10 ** 7)
     arrival = ARRIVALS.get(arrival, arrival)
     if arrival not in ARRIVALS.values():
         raise ConfigError(f"unknown arrival pattern {arrival!r}; pick one from the list.")
-    rate = _number(rate, "Poisson rate (requests/s)", 0.01, 100, whole=False) if arrival == "poisson" else 1.0
-    seed = _number(seed, "seed", 0, 2 ** 31)
+    rate = widget_number(rate, "Poisson rate (requests/s)", 0.01, 100, whole=False) if arrival == "poisson" else 1.0
+    seed = widget_number(seed, "seed", 0, 2 ** 31)
     targets = latency_targets(slo_ttft_ms, slo_tpot_ms)
     lengths = LENGTHS.get(lengths, lengths)
     if lengths not in LENGTHS.values():

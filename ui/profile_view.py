@@ -27,6 +27,7 @@ from inference_core.bench.profile import CATEGORIES, IDLE
 from inference_core.quant.linear import QuantConfig
 from serving.pool import EnginePool
 from ui.race_panels import RaceMemory
+from ui.words import widget_number
 
 DEFAULT_STEPS = 8
 MAX_STEPS = 32
@@ -86,21 +87,11 @@ def gzip_file(path: str) -> str:
     return path + ".gz"
 
 
-def check_steps(steps) -> int:
-    try:
-        count = int(steps)
-    except (TypeError, ValueError):
-        raise ConfigError(f"steps to record must be a whole number from 1 to {MAX_STEPS}.") from None
-    if not 1 <= count <= MAX_STEPS:
-        raise ConfigError(f"steps to record must be from 1 to {MAX_STEPS}, got {count}.")
-    return count
-
-
 def show_profiles(pool: EnginePool, jobs: dict[str, tuple], steps) -> tuple:
     """Profile each job (label -> `EnginePool.profile`'s arguments but the steps and the trace) and return the
     figure, the note and the trace files; a refusal or a failure becomes the note."""
     try:
-        count = check_steps(steps)
+        count = widget_number(steps, "steps to record", 1, MAX_STEPS)
         profiles, files = {}, []
         for label, arguments in jobs.items():
             path = trace_path(label)

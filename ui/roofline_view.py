@@ -104,19 +104,20 @@ def draw_lab_roofline(pool: EnginePool, records) -> tuple:
 
 def build_lab_roofline_panel(pool: EnginePool, memory: gr.State, listener: dict) -> None:
     """The batching lab's closed roofline accordion (`memory`: the visitor's `ui.batching.LabMemory`)."""
-    with gr.Accordion("Roofline: each mode of the last run as points", open=False,
-                      elem_id="batching-roofline-panel"):
-        draw = gr.Button("Draw the last run on the roofline", elem_id="batching-roofline-draw", size="sm")
-        note = gr.Markdown(LAB_NOTE, elem_id="batching-roofline-note")
-        plot = gr.Plot(label="roofline", elem_id="batching-roofline")
-    draw.click(lambda state: draw_lab_roofline(pool, state.records), memory, [plot, note], **listener)
+    _panel("Roofline: each mode of the last run as points", "batching", "Draw the last run on the roofline", LAB_NOTE,
+           lambda state: draw_lab_roofline(pool, state.records), memory, listener)
 
 
 def build_roofline_panel(pool: EnginePool, memory: gr.State, listener: dict) -> None:
     """A closed accordion under the race: a button draws the last race on the device's roofline."""
-    with gr.Accordion("Roofline: is each lane bound by memory or by arithmetic?", open=False,
-                      elem_id="race-roofline-panel"):
-        draw = gr.Button("Draw the last race on the roofline", elem_id="race-roofline-draw", size="sm")
-        note = gr.Markdown(EMPTY_NOTE, elem_id="race-roofline-note")
-        plot = gr.Plot(label="roofline", elem_id="race-roofline")
-    draw.click(lambda state: draw_roofline(pool, state), memory, [plot, note], **listener)
+    _panel("Roofline: is each lane bound by memory or by arithmetic?", "race", "Draw the last race on the roofline",
+           EMPTY_NOTE, lambda state: draw_roofline(pool, state), memory, listener)
+
+
+def _panel(title: str, prefix: str, button: str, note: str, draw, memory: gr.State, listener: dict) -> None:
+    """A closed accordion: a button, a note and the plot `draw(memory)` fills (elements `{prefix}-roofline...`)."""
+    with gr.Accordion(title, open=False, elem_id=f"{prefix}-roofline-panel"):
+        click = gr.Button(button, elem_id=f"{prefix}-roofline-draw", size="sm")
+        text = gr.Markdown(note, elem_id=f"{prefix}-roofline-note")
+        plot = gr.Plot(label="roofline", elem_id=f"{prefix}-roofline")
+    click.click(draw, memory, [plot, text], **listener)

@@ -39,3 +39,16 @@ def waiting_note(pool, engines) -> str:
             notes.append(f"This configuration's batch is full ({s['running']} requests run together); the next "
                          f"place frees in about {duration(wait_s)}, from its measured step time.")
     return " ".join(notes) or "Waiting for the device..."
+
+
+def widget_number(value, name: str, low: float, high: float, whole: bool = True):
+    """A widget's number, checked: ConfigError naming the widget for an empty, non-numeric or out-of-range value."""
+    try:
+        number = float(value)
+        ok = low <= number <= high and (not whole or number.is_integer())
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        kind = "a whole number" if whole else "a number"
+        raise ConfigError(f"'{name}' must be {kind} from {low:g} to {high:g}, got {value!r}.")
+    return int(number) if whole else number

@@ -96,6 +96,34 @@ def assert_same_or_near_tie(loaded, prompt_ids: list[int], eager: list[int], com
                             f"{diverged}, where eager's top two logits were {gap:.4f} apart (not a near-tie)")
 
 
+# (prompt tokens, new tokens) of six requests that finish at different steps: batched, they use every bucket
+MIXED_LENGTHS = ((3, 20), (9, 24), (17, 28), (30, 12), (5, 16), (12, 40))
+
+
+def mixed_requests() -> list[tuple[list[int], int]]:
+    """The MIXED_LENGTHS requests on a tiny model: (prompt ids, new tokens)."""
+    from tiny_models import prompt
+
+    return [(prompt(length, seed), new_tokens) for seed, (length, new_tokens) in enumerate(MIXED_LENGTHS)]
+
+
+def compiled_matches_eager(loaded, **settings) -> tuple[Engine, list]:
+    """The `mixed_requests` one at a time through an eager engine with `settings`, and all at once through a compiled
+    one: each compiled answer equals eager's (or parts at a near-tie). Returns the compiled engine and the step
+    reports of its run."""
+    from tiny_models import greedy, run_to_end
+
+    eager = Engine(loaded, EngineConfig(**settings))
+    compiled = Engine(loaded, EngineConfig(**settings, compile=True))
+    requests = mixed_requests()
+    want = [eager.complete(ids, greedy(new_tokens)).token_ids for ids, new_tokens in requests]
+    submitted = [compiled.submit(ids, greedy(new_tokens)) for ids, new_tokens in requests]
+    reports = run_to_end(compiled)
+    for (ids, _), expected, request in zip(requests, want, submitted):
+        assert_same_or_near_tie(loaded, ids, expected, request.events[-1].token_ids)
+    return compiled, reports
+
+
 def lane(kv_mode: str, **overrides) -> list:
     """One race lane's (or the chat's) widget values, greedy unless overridden, in the order the handlers take them."""
     from ui.race import LANE_SETTING_FIELDS

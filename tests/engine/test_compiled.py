@@ -22,7 +22,7 @@ from inference_core.engine.compiled import batch_buckets, compile_unavailable
 from inference_core.model.llama import model_fingerprint
 
 from tiny_models import build_tiny_model, prompt, run_to_end
-from conftest import assert_same_or_near_tie
+from conftest import assert_same_or_near_tie, compiled_matches_eager, mixed_requests
 
 
 pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None,
@@ -54,22 +54,14 @@ def test_buckets():
 def test_tiny_batches_match_eager_and_compile_once_per_bucket(tiny, kv_mode):
     """Six prompts of different lengths through continuous batching, 4 at a time: steps of 4, then 3 (padded to the
     bucket of 4), 2 and 1 sequences, with chunked prefills sharing steps (those stay eager)."""
-    settings = dict(kv_mode=kv_mode, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
-    prompts = [prompt(length, seed) for seed, length in enumerate([3, 9, 17, 30, 5, 12])]
-    lengths = [20, 24, 28, 12, 16, 40]  # finishing at different steps: every bucket is used
-    eager = Engine(tiny, EngineConfig(**settings))
-    compiled = Engine(tiny, EngineConfig(**settings, compile=True))
-    want = [eager.complete(p, greedy(n)).token_ids for p, n in zip(prompts, lengths)]
-    requests = [compiled.submit(p, greedy(n)) for p, n in zip(prompts, lengths)]
-    reports = run_to_end(compiled)
-    for p, w, request in zip(prompts, want, requests):
-        assert_same_or_near_tie(tiny, p, w, request.events[-1].token_ids)
+    compiled, reports = compiled_matches_eager(tiny, kv_mode=kv_mode, block_size=4, max_num_seqs=4,
+                                               max_num_batched_tokens=32)
     stats = compiled.compile_stats()
     assert stats["graphs"] == 3 and stats["recompiles"] == 0  # buckets 1, 2 and 4
     assert stats["compiled_steps"] > 0
     assert sum(r.compile_ms for r in reports) > 0  # the steps that compiled say so
     # Warm: the same work again compiles nothing, and the final event's stats say so.
-    again = [compiled.submit(p, greedy(n)) for p, n in zip(prompts, lengths)]
+    again = [compiled.submit(ids, greedy(new_tokens)) for ids, new_tokens in mixed_requests()]
     reports = run_to_end(compiled)
     assert compiled.compile_stats()["graphs"] == 3
     assert all(r.compile_ms == 0 for r in reports)
@@ -179,16 +171,8 @@ def test_torch_compile_backend_compiles_once_for_every_width(tiny, kv_mode, monk
     1, and one for every bucket above it) and none again."""
     monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
     monkeypatch.setattr(compiled_module, "default_options", lambda device: {})
-    settings = dict(kv_mode=kv_mode, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_seq_len=96)
-    prompts = [prompt(length, seed) for seed, length in enumerate([3, 9, 17, 30, 5, 12])]
-    lengths = [20, 24, 28, 12, 16, 40]
-    eager = Engine(tiny, EngineConfig(**settings))
-    compiled = Engine(tiny, EngineConfig(**settings, compile=True))
+    compiled, _ = compiled_matches_eager(tiny, kv_mode=kv_mode, block_size=4, max_num_seqs=4,
+                                         max_num_batched_tokens=64, max_seq_len=96)
     assert compiled.decoder.step.opaque_attention and compiled.decoder.width_buckets
-    want = [eager.complete(p, greedy(n)).token_ids for p, n in zip(prompts, lengths)]
-    requests = [compiled.submit(p, greedy(n)) for p, n in zip(prompts, lengths)]
-    run_to_end(compiled)
-    for p, w, request in zip(prompts, want, requests):
-        assert_same_or_near_tie(tiny, p, w, request.events[-1].token_ids)
     stats = compiled.compile_stats()
     assert stats["recompiles"] == 0 and stats["graphs"] <= 2 and stats["compiled_steps"] > 0

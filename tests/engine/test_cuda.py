@@ -88,24 +88,16 @@ def test_compiled_decode_with_cuda_graphs_equals_eager(tiny_cuda, kv_mode):
     """Six requests of different lengths, 4 at a time, through the compiled step (CUDA graphs): buckets 4, 2 and 1
     and widths that grow past a power of two; greedy ids equal eager's (or part at a near-tie), and a second round
     compiles nothing."""
-    from conftest import assert_same_or_near_tie
-    from tiny_models import BLOCK_SIZE, greedy, prompt, run_to_end
+    from conftest import compiled_matches_eager, mixed_requests
+    from tiny_models import BLOCK_SIZE, greedy, run_to_end
 
-    settings = dict(kv_mode=kv_mode, block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=32)
-    prompts = [prompt(length, seed) for seed, length in enumerate([3, 9, 17, 30, 5, 12])]
-    lengths = [20, 24, 28, 12, 16, 40]
-    eager = Engine(tiny_cuda, EngineConfig(**settings))
-    compiled = Engine(tiny_cuda, EngineConfig(**settings, compile=True))
-    want = [eager.complete(p, greedy(n)).token_ids for p, n in zip(prompts, lengths)]
-    requests = [compiled.submit(p, greedy(n)) for p, n in zip(prompts, lengths)]
-    run_to_end(compiled)
-    for p, w, request in zip(prompts, want, requests):
-        assert_same_or_near_tie(tiny_cuda, p, w, request.events[-1].token_ids)
+    compiled, _ = compiled_matches_eager(tiny_cuda, kv_mode=kv_mode, block_size=BLOCK_SIZE, max_num_seqs=4,
+                                         max_num_batched_tokens=32)
     stats = compiled.compile_stats()
     assert stats["compiled_steps"] > 0 and stats["recompiles"] == 0
     graphs = stats["graphs"]
-    for p, n in zip(prompts, lengths):
-        compiled.submit(p, greedy(n))
+    for ids, new_tokens in mixed_requests():
+        compiled.submit(ids, greedy(new_tokens))
     run_to_end(compiled)
     assert compiled.compile_stats()["graphs"] == graphs
     assert_nothing_held(compiled)

@@ -54,6 +54,7 @@ from inference_core.bench.prompts import load_prompts
 from inference_core.bench.speed import decode_bytes_per_step, forward_clock, load_hf_model, machine_info
 from inference_core.config import ConfigError, EngineConfig
 from inference_core.engine.engine import Engine
+from inference_core.model.checkpoint import read_config
 from inference_core.model.loader import load_model
 from inference_core.model.random_weights import STAND_IN, write_random_checkpoint
 from inference_core.quant.linear import QuantConfig
@@ -220,10 +221,9 @@ def decode_shape(report: Report, shape: str, device: torch.device, work: Path, a
         report.leave_out(f"{shape} decode")
         return
     directory = checkpoint(shape, work, device, args.smoke)
-    loaded = load_model(str(directory), device=str(device), dtype="bfloat16")
     new_tokens, repeats = (8, 1) if args.smoke else (args.new_tokens, 3)
-    compile_s = 0 if args.smoke else COMPILED_ROW_S * loaded.config.num_layers / 32  # compile time follows depth
-    measured, peers = {}, {}
+    compile_s = 0 if args.smoke else COMPILED_ROW_S * read_config(directory).num_layers / 32  # follows depth
+    loaded, measured, peers = None, {}, {}  # the model here only once a row runs in this process
     for name in (name for name in ROW_ORDER if name in args.rows.split(",")):
         compiled = name == "hf-static-compiled" or (ROWS[name] is not None and bool(ROWS[name][0].get("compile")))
         need = compile_s if compiled else compile_s / 4
@@ -235,6 +235,7 @@ def decode_shape(report: Report, shape: str, device: torch.device, work: Path, a
                 cap = min(deadline - time.perf_counter(), max(3 * need, 60.0))
                 row = row_in_child(directory, name, device, new_tokens, repeats, cap)
             else:
+                loaded = loaded or load_model(str(directory), device=str(device), dtype="bfloat16")
                 row = measure_row(loaded, directory, name, new_tokens, repeats, peers)
         except RowStopped as stopped:
             report.leave_out(f"{shape} {name}", str(stopped))

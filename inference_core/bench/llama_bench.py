@@ -59,7 +59,7 @@ def llama_bench_binary(build: bool = True) -> Path:
         print(f"bench: building llama-bench from llama-cpp-python {LLAMA_CPP_PYTHON}'s llama.cpp (once; about 10 "
               "minutes on 2 cores)", flush=True)
         _run(["cmake", "-S", str(source), "-B", str(build_dir), *BUILD_FLAGS], "configuring llama.cpp")
-        _run(["cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", str(max(1, _cores()))],
+        _run(["cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", str(os.cpu_count() or 1)],
              "building llama-bench")
         binary.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(build_dir / "bin" / "llama-bench", binary)
@@ -67,10 +67,6 @@ def llama_bench_binary(build: bool = True) -> Path:
             "llama_cpp_python": LLAMA_CPP_PYTHON, "flags": list(BUILD_FLAGS),
             "build_s": round(time.perf_counter() - started, 1)}, indent=2))
     return binary
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _download_source(folder: Path) -> Path:

@@ -64,6 +64,17 @@ from inference_core.model.paths import cache_root
 CPU_OPTIONS = {"freezing": True, "max_autotune": True}
 
 
+# With int8 weights max-autotune chooses, per projection, between ATen's `_weight_int8pack_mm` and inductor's C++
+# GEMM template, by one timing of each at compile time with the weight in cache. The choice was not stable: one
+# compile of the bundled model took ATen's kernel for every layer's gate/up projection, which costs about 3 ms of a 6
+# ms step. Streamed from memory, as decode reads them (bf16, one row, 2 threads, the best of 5 passes over 96 MB of
+# weights), ATen's kernel reads 10-16 GB/s at every projection shape of the bundled model (gate/up 154 us, LM head
+# 2.6 ms); the template, in the compiled step's kernel profile, 24-29 GB/s (gate/up about 72 us, LM head about 1 ms).
+# So the choice is made here, by that measurement: the template alone (where it cannot take a projection, the step
+# compiles again with every backend: `CompiledDecoder._build_package`).
+INT8_CPU_OPTIONS = {"max_autotune_gemm_backends": "CPP"}
+
+
 RECOMPILE_LIMIT = 256  # graphs of the decode step one process may hold (engines x buckets)
 
 
@@ -228,7 +239,7 @@ class CompiledDecoder:
         self.width_buckets = self.backend == "torch.compile"
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown compile backend {self.backend!r}; one of {', '.join(BACKENDS)}")
-        self.options = dict(options if options is not None else default_options(device))
+        self.options = dict(options if options is not None else default_options(device, model))
         self.stats = CompileStats(mode=describe_options(device, self.options, self.backend))
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir() / "inductor"))
         model.rope_tables(model.embed_tokens.weight.dtype)  # built now: a graph traced before would be rebuilt after
@@ -306,8 +317,10 @@ class CompiledDecoder:
             key_mask[:count] &= torch.arange(keys) > position_tensor[:, None] - self.kv_cache.sliding_window
         key_mask[count:] = False
         logits, new_k, new_v = self._call(bucket, buffers, read_index, key_mask)
-        self._store(new_k[:, :count], new_v[:, :count], buffers["positions"][:count], read_index[:count])
-        return logits[:count].clone()  # a CUDA graph's output is overwritten by its next replay
+        self._store(new_k[:, :count], new_v[:, :count], seqs, positions, buffers["positions"][:count],
+                    read_index[:count])
+        # A CUDA graph's output is overwritten by its next replay; an exported program's is new at every call.
+        return logits[:count] if self.backend == "aoti" else logits[:count].clone()
 
     @torch.inference_mode()
     def warm_up(self, batch_size: int) -> None:
@@ -350,7 +363,9 @@ class CompiledDecoder:
         elif bucket in self._ready_buckets:
             self.stats.compiled_steps += 1
         self._ready_buckets.add(bucket)
-        return program(*args)
+        # The package's loader, called with the flat list of inputs, as the package's own __call__ does after
+        # flattening them through the export's input spec, which it parses from JSON at every call: 0.2 ms a step.
+        return program.loader.boxed_run(list(args))
 
     def _call_compiled(self, bucket: int, args: tuple):
         input_ids, positions, read_index, key_mask, _, _ = args
@@ -412,8 +427,14 @@ class CompiledDecoder:
             program = torch.export.export(self.step, example, dynamic_shapes=dynamic)
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(f"partial-{os.getpid()}-{path.name}")
-            torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
-                                                     inductor_configs=self._inductor_config)
+            try:
+                torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
+                                                         inductor_configs=self._inductor_config)
+            except Exception:  # a projection the template alone cannot take: every backend
+                if "max_autotune_gemm_backends" not in self._inductor_config:
+                    raise
+                configs = {k: v for k, v in self._inductor_config.items() if k != "max_autotune_gemm_backends"}
+                torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=configs)
         os.replace(partial, path)
         trim_compile_cache()
 
@@ -431,19 +452,24 @@ class CompiledDecoder:
         """Whether the graph of `batch_size`'s bucket has run once (compiled, or found compiled) in this engine."""
         return self.bucket_for(batch_size) in self._ready_buckets
 
-    def _store(self, new_k, new_v, positions, read_index) -> None:
+    def _store(self, new_k, new_v, seqs, positions: list[int], position_tensor, read_index) -> None:
         """Write each layer's new k/v ([layers, B, kv_heads, d]) at the sequences' positions."""
         cache = self.kv_cache
         if self.paged:
-            blocks = read_index.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
-            slots = blocks.long() * self.block_size + positions % self.block_size
+            size = self.block_size
+            slots = [seq.block_table[p // size] * size + p % size for seq, p in zip(seqs, positions)]
             k_flat = cache.k.view(cache.k.shape[0], -1, *cache.k.shape[3:])
             v_flat = cache.v.view(cache.v.shape[0], -1, *cache.v.shape[3:])
-            k_flat.index_copy_(1, slots, new_k)
-            v_flat.index_copy_(1, slots, new_v)
+            if len(slots) == 1:  # batch 1: two plain copies (no index tensor to build)
+                k_flat[:, slots[0]].copy_(new_k[:, 0])
+                v_flat[:, slots[0]].copy_(new_v[:, 0])
+            else:
+                slots = torch.tensor(slots)
+                k_flat.index_copy_(1, slots, new_k)
+                v_flat.index_copy_(1, slots, new_v)
         else:
-            cache.k[:, read_index, :, positions] = new_k.transpose(0, 1)
-            cache.v[:, read_index, :, positions] = new_v.transpose(0, 1)
+            cache.k[:, read_index, :, position_tensor] = new_k.transpose(0, 1)
+            cache.v[:, read_index, :, position_tensor] = new_v.transpose(0, 1)
 
 
 BACKENDS = ("aoti", "torch.compile")
@@ -471,9 +497,10 @@ def default_backend(device: torch.device) -> str:
     return "aoti" if device.type == "cpu" else "torch.compile"
 
 
-def default_options(device: torch.device) -> dict:
-    """The compile options used unless asked otherwise: on the CPU the measured-fastest inductor options, on CUDA
-    CUDA graphs through `mode="reduce-overhead"` and coordinate-descent tuning."""
+def default_options(device: torch.device, model: nn.Module | None = None) -> dict:
+    """The compile options used unless asked otherwise: on the CPU the measured-fastest inductor options (with int8
+    weights, inductor's C++ GEMM template only: `INT8_CPU_OPTIONS`), on CUDA CUDA graphs through
+    `mode="reduce-overhead"` and coordinate-descent tuning."""
     if device.type == "cuda":
         # coordinate_descent_tuning (as gpt-fast sets it): inductor turns a one-row matmul into a fused multiply and
         # sum, so an int8 weight's cast to the activation dtype fuses into the same kernel (without it inductor may
@@ -481,6 +508,8 @@ def default_options(device: torch.device) -> dict:
         # split_reductions off: on CUDA inductor splits the softmax over the key width, and a split needs that width
         # as a constant (torch 2.11 on an H100 specialized it to 128 and refused the dynamic width).
         return {"mode": "reduce-overhead", "coordinate_descent_tuning": True, "split_reductions": False}
+    if model is not None and any(getattr(module, "scheme", None) == "int8" for module in model.modules()):
+        return {**CPU_OPTIONS, **INT8_CPU_OPTIONS}
     return dict(CPU_OPTIONS)
 
 

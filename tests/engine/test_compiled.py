@@ -170,7 +170,7 @@ def test_torch_compile_backend_compiles_once_for_every_width(tiny, kv_mode, monk
     while contexts grow through widths 2 to 16 blocks and batches shrink from 4 to 1, with two compiles in all (bucket
     1, and one for every bucket above it) and none again."""
     monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
-    monkeypatch.setattr(compiled_module, "default_options", lambda device: {})
+    monkeypatch.setattr(compiled_module, "default_options", lambda device, model=None: {})
     compiled, _ = compiled_matches_eager(tiny, kv_mode=kv_mode, block_size=4, max_num_seqs=4,
                                          max_num_batched_tokens=64, max_seq_len=96)
     assert compiled.decoder.step.opaque_attention and compiled.decoder.width_buckets

@@ -158,3 +158,34 @@ def test_compiled_decode_runs_quantized_weights(tiny, scheme="int4"):
     compiled = Engine(loaded, EngineConfig(kv_mode="paged", block_size=4, compile=True))
     finish = compiled.complete(ids, greedy(10))
     assert finish.token_ids == want and finish.stats.compile["graphs"] == 1
+
+
+def test_int8_weights_compile_with_the_gemm_template_alone(tiny, monkeypatch, tmp_path):
+    """On the CPU a model with int8 weights compiles its decode step with inductor's C++ GEMM template alone (not a
+    per-compile timing against ATen's kernel); where that compile fails, the step compiles again with every backend
+    and still decodes as eager does."""
+    from inference_core.engine import compiled as compiled_module
+
+    if compiled_module.compile_unavailable(torch.device("cpu")):
+        pytest.skip(compiled_module.compile_unavailable(torch.device("cpu")))
+    cpu = torch.device("cpu")
+    loaded = quantize(tiny, QuantConfig("int8"))
+    assert compiled_module.default_options(cpu, loaded.model)["max_autotune_gemm_backends"] == "CPP"
+    assert "max_autotune_gemm_backends" not in compiled_module.default_options(cpu, tiny.model)
+    assert "max_autotune_gemm_backends" not in compiled_module.default_options(
+        cpu, quantize(tiny, QuantConfig("int4", 32)).model)
+    compile_package, tried = torch._inductor.aoti_compile_and_package, []
+
+    def template_fails(program, package_path, inductor_configs):
+        tried.append(inductor_configs.get("max_autotune_gemm_backends"))
+        if tried[-1] == "CPP":
+            raise RuntimeError("NoValidChoicesError: no choices exist for backend")
+        return compile_package(program, package_path=package_path, inductor_configs=inductor_configs)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", template_fails)
+    monkeypatch.setenv("INFERENCE_CORE_COMPILE_CACHE", str(tmp_path))  # nothing compiled there yet
+    ids = prompt(9, 2)
+    want = Engine(loaded, EngineConfig(kv_mode="paged", block_size=4)).complete(ids, greedy(10)).token_ids
+    finish = Engine(loaded, EngineConfig(kv_mode="paged", block_size=4, compile=True)).complete(ids, greedy(10))
+    assert tried == ["CPP", None]
+    assert finish.token_ids == want and finish.stats.compile["graphs"] == 1

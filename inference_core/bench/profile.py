@@ -10,7 +10,10 @@ prints `{"steps", "step_ms", "breakdown": [{"category", "ms", "share"}], ...}` (
 step; also `profiled_ms`, the mean step as the profiler's own events span it, `unprofiled_step_ms`, the mean of as
 many steps just before, without the profiler (what its recording adds: a few microseconds per op), `model`, `dtype`,
 `device`, `compiled`, `batch_size` and `work`, the recorded steps' kinds of work).
-End-of-sequence is ignored, so that the recorded steps run.
+End-of-sequence is ignored, so that the recorded steps run. `--kernels` (a compiled engine on the CPU) compiles the
+step with inductor's kernel profiling, so that the graph's generated kernels record themselves: the breakdown then
+splits the graph into categories by each kernel's name (`kernel_category`) and the report lists the costliest
+kernels (`"kernels"`: name, category, calls and ms per step).
 
 How time is attributed (`breakdown`). The forward and the engine mark their parts with ranges that exist only while
 the profiler records (`model.llama.profile_range`: `ic::projection`, `ic::attention` with the gathered KV reads,
@@ -24,8 +27,9 @@ to "Python" outside the forward and to "other" inside it; the time between ops g
 Python of the scheduler, the runner and the engine's bookkeeping outside every range). "other" is then the step's
 measured wall time (a clock read around each step, after a device synchronize) less every named category: the
 forward's unnamed ops (embedding, residual adds, the MLP's activation, casts) and what the profiler saw of no step.
-On CUDA the categories are the device time of the kernels their ops launched, and "device idle" is the wall time the
-device spent waiting for the host (not yet run on a GPU).
+Inside the compiled graph, a recorded kernel (`--kernels`) goes by the ops its name lists, and the graph's own
+time between its kernels stays "compiled graph". On CUDA the categories are the device time of the kernels their
+ops launched, and "device idle" is the wall time the device spent waiting for the host (not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import statistics
 import sys
 import time
@@ -58,6 +63,7 @@ STEP = "ic::step"
 # Named ranges: everything inside goes to their category.
 RANGES = {"ic::projection": PROJECTIONS, "ic::attention": ATTENTION, "ic::norm_rope": NORMS,
           "ic::kv_write": KV_WRITES, "ic::sampling": SAMPLING, "ic::compiled_graph": COMPILED}
+RANGES_BY_CATEGORY = {category: name for name, category in RANGES.items()}
 # Context ranges: ops inside go by their name, else to the context's category (so does the time between ops).
 CONTEXTS = {STEP: PYTHON, "ic::forward": OTHER}
 # An op outside every named range, by its name without the namespace: (names, category), first match wins.
@@ -70,6 +76,10 @@ OP_NAMES = (
     ({"rms_norm", "_fused_rms_norm"}, NORMS),
     ({"index_copy_", "index_put_"}, KV_WRITES),
 )
+# A compiled graph's kernel, by the ops inductor lists in its name (a kernel that fuses a norm into a projection is a
+# projection): the first group with a word in the name wins.
+KERNEL_WORDS = (({"gemm", "mm", "bmm", "addmm", "linear", "int8pack", "int4pack"}, PROJECTIONS),
+                ({"softmax"}, ATTENTION), ({"rsqrt", "roll"}, NORMS))
 SAMPLING_OPS = {"softmax", "_softmax", "log_softmax", "_log_softmax", "argmax", "multinomial", "topk", "sort",
                 "cumsum", "exponential_"}  # outside the forward only (inside it softmax is attention's)
 
@@ -81,6 +91,9 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=3,
                         help="untimed steps after every request has its first token (default 3)")
     parser.add_argument("--trace", help="write the recorded steps here as a Chrome trace (opens in Perfetto)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="with --compile on the CPU: compile the step with inductor's kernel profiling (a "
+                             "compile of its own) and split the compiled graph into its kernels")
 
 
 def op_category(name: str, context: str) -> str:
@@ -94,6 +107,14 @@ def op_category(name: str, context: str) -> str:
     return context
 
 
+def kernel_category(name: str) -> str:
+    """The category of a kernel inside a compiled graph, from the ops its name lists (KERNEL_WORDS), else the graph's:
+    'graph_0_gemm_m1n3072k576_cpp_fused_..._mean_mm_mul_pow_rsqrt_5' is a projection, 'cpp_fused__softmax_...' is
+    attention."""
+    words = set(name.rsplit("::", 1)[-1].split("_"))
+    return next((category for names, category in KERNEL_WORDS if words & names), COMPILED)
+
+
 def attribute(event, totals: Counter, context: str = PYTHON, named: str | None = None, device: bool = False) -> None:
     """Add `event`'s time (us) to `totals` by category: see the module docstring. `named`: the innermost named range
     around it; `device`: count ops' kernel time (CUDA) instead of their host time."""
@@ -102,8 +123,9 @@ def attribute(event, totals: Counter, context: str = PYTHON, named: str | None =
         named = RANGES[name]
     elif name in CONTEXTS:
         context, named = CONTEXTS[name], None
-    else:  # a torch op: all of it, children included, to one category
-        totals[named or op_category(name, context)] += event.device_time_total if device else _duration(event)
+    else:  # a torch op (or a compiled graph's kernel): all of it, children included, to one category
+        category = kernel_category(name) if named == COMPILED else named or op_category(name, context)
+        totals[category] += event.device_time_total if device else _duration(event)
         return
     children = event.cpu_children
     for child in children:
@@ -171,6 +193,10 @@ def _build_engine(args, settings: LaneSettings) -> Engine:
     loaded = quantize(load_model(args.model, args.device, args.dtype), settings.quant(args.quant_lm_head))
     draft = load_model(args.draft_model, args.device, loaded.dtype_name) if args.draft_model else None
     engine = Engine(loaded, config, draft_model=draft)
+    if args.kernels:
+        if engine.decoder is None:
+            raise ConfigError("--kernels splits a compiled step into its kernels: add --compile.")
+        engine.decoder.record_kernels()
     if args.draft_heads:
         engine.load_draft_heads(args.spec_method, args.draft_heads)
     return engine
@@ -231,6 +257,7 @@ def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | Non
             profiler.step()
     if not walls or not step_events:
         raise ConfigError("the requests ended before any step was recorded; raise --max-new-tokens.")
+    kernels = graph_kernels(step_events) if engine.decoder is not None else []
     if len(walls) < steps:
         print(f"[the requests ended after {len(walls)} of {steps} recorded steps]", file=sys.stderr)
     step_ms = statistics.mean(walls) * 1e3
@@ -241,7 +268,29 @@ def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | Non
             "model": loaded.display_name, "dtype": loaded.dtype_name, "device": str(loaded.device),
             "compiled": engine.decoder is not None,
             "batch_size": statistics.mean(report.batch_size for report in reports),
-            "work": dict(Counter(kind for report in reports for _, kind, _ in report.work))}
+            "work": dict(Counter(kind for report in reports for _, kind, _ in report.work)), "kernels": kernels}
+
+
+def graph_kernels(step_events: list, top: int = 12) -> list[dict]:
+    """The `top` costliest events inside the compiled graph's calls of the recorded steps (the kernels, where the
+    step was compiled with `--kernels`), grouped by name less inductor's graph prefix and numbered suffix (the same
+    kernel in every layer): [{name, category, calls, ms}], calls and ms per step."""
+    times, calls = Counter(), Counter()
+
+    def walk(event, inside: bool) -> None:
+        for child in event.cpu_children:
+            if inside:
+                name = re.sub(r"_\d+$", "", re.sub(r"^graph_\d+_", "", child.name))
+                times[name] += _duration(child)
+                calls[name] += 1
+            else:
+                walk(child, child.name == RANGES_BY_CATEGORY[COMPILED])
+
+    for event in step_events:
+        walk(event, False)
+    steps = max(len(step_events), 1)
+    return [{"name": name, "category": kernel_category(name), "calls": calls[name] / steps, "ms": us / 1e3 / steps}
+            for name, us in times.most_common(top)]
 
 
 @contextlib.contextmanager
@@ -286,7 +335,11 @@ def format_table(report: dict) -> str:
              "| category | ms per step | share |", "|---|---|---|"]
     for row in report["breakdown"]:
         lines.append(f"| {row['category']} | {row['ms']:.3f} | {100 * row['share']:.1f}% |")
-    if report["compiled"]:
+    if report["kernels"]:
+        lines += ["", "| kernel in the compiled graph | category | calls per step | ms per step |", "|---|---|---|---|"]
+        lines += [f"| {kernel['name'][:90]} | {kernel['category']} | {kernel['calls']:.0f} | {kernel['ms']:.3f} |"
+                  for kernel in report["kernels"]]
+    elif report["compiled"]:
         lines.append("(the compiled graph holds the decode forward's projections, attention, norms and RoPE, fused by "
-                     "inductor: the profiler sees no kernel inside it)")
+                     "inductor: the profiler sees no kernel inside it; --kernels splits it)")
     return "\n".join(lines)

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_core.config import ConfigError
 from inference_core.model.llama import CausalLM, model_fingerprint
 from inference_core.model.paths import cache_root
 
@@ -259,6 +260,16 @@ class CompiledDecoder:
         self._programs: dict[int, object] = {}  # aoti: bucket -> loaded package
         self._ready_buckets: set[int] = set()  # buckets whose graph has run in this engine
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
+
+    def record_kernels(self) -> None:
+        """Compile with inductor's kernel profiling, before the first step: each generated kernel then records itself
+        on the torch profiler's timeline (`profile --kernels`; a package of its own, a few microseconds a kernel).
+        The CPU's AOTInductor backend only."""
+        if self.backend != "aoti":
+            raise ConfigError(f"--kernels reads the kernels of the CPU's compiled step (AOTInductor); on "
+                              f"{self.device.type} the {self.backend} backend's kernels show without it.")
+        self.options["cpp.enable_kernel_profile"] = self._inductor_config["cpp.enable_kernel_profile"] = True
+        self.stats.mode = describe_options(self.device, self.options, self.backend)
 
     def _bucket_buffers(self, bucket: int) -> dict[str, torch.Tensor]:
         buffers = self._buffers.get(bucket)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from inference_core.bench.profile import (ATTENTION, CATEGORIES, KV_WRITES, NORMS, OTHER, PROJECTIONS, PYTHON,
-                                          SAMPLING, attribute, breakdown)
+from inference_core.bench.profile import (ATTENTION, CATEGORIES, COMPILED, KV_WRITES, NORMS, OTHER, PROJECTIONS,
+                                          PYTHON, SAMPLING, attribute, breakdown, graph_kernels, kernel_category)
 from inference_core.cli import main
 from tiny_models import build_tiny_model
 
@@ -118,7 +118,35 @@ def test_the_table_names_what_was_profiled(tiny_dir, capsys):
     (["--steps", "0"], "--steps is the number of engine steps to record: from 1 to 10000, got 0."),
     (["--max-new-tokens", "12"], "--max-new-tokens 12 ends the requests before the recorded steps"),
     (["--warmup-steps", "-1"], "--warmup-steps must be from 0 to 1000, got -1."),
+    (["--kernels"], "--kernels splits a compiled step into its kernels: add --compile."),
 ])
 def test_bad_flags_say_what_to_change(tiny_dir, capsys, flags, message):
     assert main(profile_args(tiny_dir, *flags)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_compiled_graphs_kernels_go_by_the_ops_their_names_list():
+    """`--kernels`: inside the graph's range each kernel goes to the category its name says (a norm fused into a
+    projection's kernel is a projection), the graph's own time between kernels stays the graph's, and the kernel list
+    groups the same kernel of every layer."""
+    assert kernel_category("graph_0_gemm_m1n3072k576_cpp_fused__to_copy_add_mean_mm_mul_pow_rsqrt_5") == PROJECTIONS
+    assert kernel_category("aoti_torch_cpu__weight_int8pack_mm") == PROJECTIONS
+    assert kernel_category("graph_0_cpp_fused__softmax__to_copy_add_index_masked_fill_mul_roll_sum_8") == ATTENTION
+    assert kernel_category("graph_0_cpp_fused__to_copy_add_mean_mul_pow_rsqrt_4") == NORMS
+    assert kernel_category("graph_0_cpp_fused_mul_silu_slice_6") == COMPILED
+    graph = Event("ic::compiled_graph", 10, 60, [
+        Event("graph_0_cpp_fused__to_copy__weight_int8pack_mm_add_mean_mul_pow_rsqrt_1", 11, 21),
+        Event("graph_0_cpp_fused__softmax__to_copy_add_masked_fill_sum_2", 22, 26),
+        Event("graph_0_cpp_fused__to_copy__weight_int8pack_mm_add_mean_mul_pow_rsqrt_5", 27, 37),
+        Event("graph_0_cpp_fused__softmax__to_copy_add_masked_fill_sum_6", 38, 42),
+        Event("graph_0_cpp_fused_mul_silu_slice_7", 43, 45),
+    ])  # 50 us: 30 in its kernels, 20 between them
+    step = Event("ic::step", 0, 70, [graph, Event("aten::argmax", 62, 64)])
+    totals = Counter()
+    attribute(step, totals)
+    assert dict(totals) == {PROJECTIONS: 20, ATTENTION: 8, COMPILED: 2 + 20, SAMPLING: 2, PYTHON: 18}
+    kernels = graph_kernels([step, step])
+    assert [(k["name"], k["category"], k["calls"], k["ms"]) for k in kernels] == [
+        ("cpp_fused__to_copy__weight_int8pack_mm_add_mean_mul_pow_rsqrt", PROJECTIONS, 2, pytest.approx(0.020)),
+        ("cpp_fused__softmax__to_copy_add_masked_fill_sum", ATTENTION, 2, pytest.approx(0.008)),
+        ("cpp_fused_mul_silu_slice", COMPILED, 1, pytest.approx(0.002))]

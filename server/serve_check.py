@@ -77,9 +77,14 @@ def serve_check(model: str, device: str, new_tokens: int, eager: bool = False) -
                max_new_tokens=new_tokens, ignore_eos=True)
     turn = Job("turn", {"chat": ("chat", LaneSettings())}, ([{"role": "user", "content": PROMPT}],),
                max_new_tokens=new_tokens, ignore_eos=True)
-    runs = measure(pool, race, "race") + measure(pool, turn, "chat turn")
-    api_rows, chunks = api_completion(pool, new_tokens)
-    held = pool.blocks_in_use()
+    try:
+        runs = measure(pool, race, "race") + measure(pool, turn, "chat turn")
+        api_rows, chunks = api_completion(pool, new_tokens)
+        held = pool.blocks_in_use()
+    finally:
+        # The loop thread joined before the interpreter exits: left running, it was once caught inside torch as the
+        # process ended, and the process aborted ("terminate called without an active exception", exit -6).
+        pool.loop.close()
     return {"how": "in-process: the engine pool and its loop, the API's request reading and streamed replies (no "
                    "HTTP server: Gradio and FastAPI are not needed)",
             "device": str(loaded.device), "new_tokens": new_tokens, "runs": runs + api_rows, "api_chunks": chunks,

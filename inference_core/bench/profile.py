@@ -60,10 +60,10 @@ PROJECTIONS, ATTENTION, NORMS, SAMPLING, KV_WRITES = "projections", "attention",
 COMPILED, PYTHON, IDLE, OTHER = "compiled graph", "Python (scheduler, runner)", "device idle", "other"
 CATEGORIES = (PROJECTIONS, ATTENTION, NORMS, SAMPLING, KV_WRITES, COMPILED, PYTHON, OTHER)
 STEP = "ic::step"
+GRAPH = "ic::compiled_graph"  # a compiled engine's graph call (`_graph_call_ranged`)
 # Named ranges: everything inside goes to their category.
 RANGES = {"ic::projection": PROJECTIONS, "ic::attention": ATTENTION, "ic::norm_rope": NORMS,
-          "ic::kv_write": KV_WRITES, "ic::sampling": SAMPLING, "ic::compiled_graph": COMPILED}
-RANGES_BY_CATEGORY = {category: name for name, category in RANGES.items()}
+          "ic::kv_write": KV_WRITES, "ic::sampling": SAMPLING, GRAPH: COMPILED}
 # Context ranges: ops inside go by their name, else to the context's category (so does the time between ops).
 CONTEXTS = {STEP: PYTHON, "ic::forward": OTHER}
 # An op outside every named range, by its name without the namespace: (names, category), first match wins.
@@ -284,7 +284,7 @@ def graph_kernels(step_events: list, top: int = 12) -> list[dict]:
                 times[name] += _duration(child)
                 calls[name] += 1
             else:
-                walk(child, child.name == RANGES_BY_CATEGORY[COMPILED])
+                walk(child, child.name == GRAPH)
 
     for event in step_events:
         walk(event, False)
@@ -304,7 +304,7 @@ def _graph_call_ranged(engine: Engine):
     call = decoder._call
 
     def ranged_call(*args):
-        with record_function("ic::compiled_graph"):
+        with record_function(GRAPH):
             return call(*args)
 
     decoder._call = ranged_call

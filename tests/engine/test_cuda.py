@@ -28,7 +28,6 @@ needs_bundled = pytest.mark.skipif(not _bundled_installed(), reason="the bundled
 
 
 @pytest.fixture(scope="module")
-@needs_bundled
 def cuda_bf16():
     return load_model("bundled", device="cuda", dtype="bfloat16")
 

@@ -12,14 +12,17 @@ budget (a row not started in time is listed in `left_out`):
    with CUDA graphs, the same with int8 and int4 weights, and transformers eager and at its best (static cache, which
    transformers compiles with CUDA graphs on its own). Each row: the median decode tokens/s of 3 runs of 128 new
    tokens after a warm-up, its % of the bandwidth limit (copy bandwidth over the bytes one step reads: the weights as
-   stored plus the KV of the mean context) and its ratio to transformers' best row of the shape.
+   stored plus the KV of the mean context) and its ratio to transformers' best row of the shape. The rows the goals
+   are read from (`GOAL_ROWS`) run first, for every shape, then the others.
 3. `batch`: `batch-bench` at Qwen3-0.6B's shape, 256 requests arriving at once with output lengths uniform over
-   16-256 (seeded), at most 128 sequences a step: our continuous, dynamic and static batching (compiled decode on a
-   GPU), transformers' static batches, and transformers one request at a time on the first 4 requests (its tokens/s
-   does not depend on how many).
+   16-256 (seeded), at most 128 sequences a step: our continuous, dynamic and static batching (each mode in a process
+   of its own; compiled decode on a GPU where the part's share leaves time to compile), transformers' static
+   batches, and transformers one request at a time on the first 4 requests (its tokens/s does not depend on how
+   many).
 4. `serve`: the playground's own path on the device (`python -m server.serve_check`): a race of two lanes, a chat
    turn and one streamed API completion through the engine pool and its loop, each with its TTFT and tokens/s.
-5. `tests`: the CUDA tests (`pytest -m cuda` over the files that hold them), each test's outcome recorded.
+5. `tests`: the CUDA tests (`pytest -m cuda` over the files that hold them), each test's outcome recorded (those
+   that ended, where the part is stopped at its share).
 6. `decode-1.7b`: the decode rows at Qwen3-1.7B's shape.
 
 A row that compiles (ours with CUDA graphs, transformers' static-compiled) and our batching modes run in processes
@@ -64,18 +67,23 @@ from inference_core.sampling import SamplingParams
 
 # part -> share of the budget (of the parts asked for, scaled to add up to the whole); a part's deadline is the run's
 # start plus the shares up to and including its own, so time a part leaves unused goes to the parts after it.
-PARTS = {"device": 0.02, "decode": 0.5, "batch": 0.2, "serve": 0.08, "tests": 0.12, "decode-1.7b": 0.08}
+PARTS = {"device": 0.02, "decode": 0.45, "batch": 0.15, "serve": 0.08, "tests": 0.22, "decode-1.7b": 0.08}
 DECODE_SHAPES = {"decode": ("llama-3-8b", "qwen3-0.6b"), "decode-1.7b": ("qwen3-1.7b",)}  # the goals' shapes first
 # name -> (engine settings, weight scheme), in the table's order; None: a transformers row.
 ROWS = {"gather": (dict(attention="gather"), "none"), "flex": (dict(attention="flex"), "none"),
         "graphs": (dict(compile=True), "none"), "graphs+int8": (dict(compile=True), "int8"),
         "graphs+int4": (dict(compile=True), "int4"), "hf": None, "hf-static-compiled": None}
 ROW_ORDER = ("graphs", "hf-static-compiled", "graphs+int4", "gather", "flex", "graphs+int8", "hf")  # by priority
+# The rows a goal is read from, run for every shape of a part before any other row (on an H100 the 8B shape's rows in
+# ROW_ORDER took the whole decode share and left Qwen3-0.6B's out).
+GOAL_ROWS = {"llama-3-8b": ("graphs", "hf-static-compiled", "graphs+int4"),
+             "qwen3-0.6b": ("graphs", "hf-static-compiled")}
 # The batch and serve parts compile (CUDA graphs) only where their share of the budget leaves room for it: on an
 # H100 the compiled batch modes (three engines, each compiling bucket 1 and the dynamic buckets and recording a graph
 # per bucket and width) printed no row in 78 s, nor did the compiled race lane in 32 s. Short of it they run eager,
 # and the report says so.
 BATCH_COMPILE_S, SERVE_COMPILE_S = 300.0, 120.0
+OURS_SHARE = 0.7  # of the batch part, for our three modes; transformers' two rows have the rest
 COMPILED_ROW_S = 60.0  # a compiled row of 32 layers takes about this long (its compile; on an H100 one compile of
 # the 8B shape's step took about 50 s); eager rows a quarter of it
 CUDA_TEST_FILES = ("tests/engine/test_cuda.py", "tests/quant", "tests/kv", "tests/engine/test_compiled.py",
@@ -134,8 +142,8 @@ def run_gpu_report(args) -> int:
             elif part == "tests":
                 report.data["parts"]["tests"] = tests_part(device, deadline)
             elif part.startswith("decode"):
-                for shape in (shape for shape in DECODE_SHAPES[part] if shape in args.shapes.split(",")):
-                    decode_shape(report, shape, device, work, args, deadline)
+                shapes = [shape for shape in DECODE_SHAPES[part] if shape in args.shapes.split(",")]
+                decode_part(report, shapes, device, work, args, deadline)
             elif part == "batch":
                 report.data["parts"]["batch"] = batch_part(report, device, work, args, deadline)
             elif part == "serve":
@@ -179,7 +187,8 @@ def tests_part(device: torch.device, deadline: float) -> dict:
     """The CUDA tests, each outcome; on the CPU only collected (they skip there), to catch an import that broke."""
     root = Path(__file__).resolve().parents[2]
     files = [name for name in CUDA_TEST_FILES if (root / name).exists()]
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-rA", "-q", "-p", "no:cacheprovider", *files]
+    # -v: a line per test as it ends, so that a run stopped at its share still records the tests that ran.
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-rA", "-v", "-p", "no:cacheprovider", *files]
     if device.type != "cuda":
         command.append("--collect-only")
     timeout = max(5.0, deadline - time.perf_counter())
@@ -189,16 +198,28 @@ def tests_part(device: torch.device, deadline: float) -> dict:
     except subprocess.TimeoutExpired as stopped:
         output, status = (stopped.stdout or b"").decode() if isinstance(stopped.stdout, bytes) else (
             stopped.stdout or ""), "stopped at its share of the budget"
-    outcomes = {}
-    for line in output.splitlines():
-        word, _, name = line.partition(" ")
-        if word in ("PASSED", "FAILED", "ERROR", "SKIPPED") and "::" in name:
-            outcomes[name.split(" - ")[0]] = word
+    outcomes = parse_test_outcomes(output)
     summary = next((line for line in reversed(output.splitlines()) if line.strip()), "")
     print(f"  {summary}", flush=True)
     return {"command": " ".join(command[1:]), "status": status, "summary": summary, "outcomes": outcomes,
             "failures": [name for name, word in outcomes.items() if word in ("FAILED", "ERROR")],
             "tail": output[-4000:] if status not in (0, 5) else ""}
+
+
+OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+
+
+def parse_test_outcomes(output: str) -> dict[str, str]:
+    """Each test's outcome from pytest's output: its `-v` lines ("tests/x.py::name PASSED [ 50%]") and its `-rA`
+    summary ("PASSED tests/x.py::name", "SKIPPED [1] tests/x.py:12: why" carries no test id and is not counted)."""
+    outcomes = {}
+    for line in output.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] in OUTCOMES and "::" in words[1]:  # the summary
+            outcomes[words[1]] = words[0]
+        elif len(words) >= 2 and "::" in words[0] and words[1] in OUTCOMES:  # a -v line
+            outcomes[words[0]] = words[1]
+    return outcomes
 
 
 def checkpoint(shape: str, work: Path, device: torch.device, smoke: bool) -> Path:
@@ -218,18 +239,27 @@ def prompt_text() -> str:
     return next(row["prompt"] for row in load_prompts() if row["id"] == PROMPT_ID)
 
 
-def decode_shape(report: Report, shape: str, device: torch.device, work: Path, args, deadline: float) -> None:
-    """Every decode row of one shape that fits before `deadline`, in priority order, listed in table order. A row
+def decode_order(shapes: list[str], rows: list[str]) -> list[tuple[str, str]]:
+    """(shape, row) in the order they run: every shape's goal rows (`GOAL_ROWS`) first, then each shape's others in
+    `ROW_ORDER`, a shape's rows together (its eager rows share one model loaded in this process)."""
+    wanted = [name for name in ROW_ORDER if name in rows]
+    first = [(shape, name) for shape in shapes for name in wanted if name in GOAL_ROWS.get(shape, ())]
+    return first + [(shape, name) for shape in shapes for name in wanted if (shape, name) not in first]
+
+
+def decode_part(report: Report, shapes: list[str], device: torch.device, work: Path, args, deadline: float) -> None:
+    """Every decode row of `shapes` that fits before `deadline`, in `decode_order`, listed in table order. A row
     that compiles runs in a process of its own, stopped at its cap (three times what its compile should take) or the
     deadline, whichever comes first: a compile that runs away costs that row, not the report."""
-    if time.perf_counter() > deadline:
-        report.leave_out(f"{shape} decode")
-        return
-    directory = checkpoint(shape, work, device, args.smoke)
     new_tokens, repeats = (8, 1) if args.smoke else (args.new_tokens, 3)
-    compile_s = 0 if args.smoke else COMPILED_ROW_S * read_config(directory).num_layers / 32  # follows depth
-    loaded, measured, peers = None, {}, {}  # the model here only once a row runs in this process
-    for name in (name for name in ROW_ORDER if name in args.rows.split(",")):
+    measured: dict[str, dict] = {shape: {} for shape in shapes}
+    loaded, peers = {}, {}  # shape -> its model in this process, once one of its eager rows runs (one at a time)
+    for shape, name in decode_order(shapes, args.rows.split(",")):
+        if time.perf_counter() > deadline:
+            report.leave_out(f"{shape} {name}")
+            continue
+        directory = checkpoint(shape, work, device, args.smoke)
+        compile_s = 0 if args.smoke else COMPILED_ROW_S * read_config(directory).num_layers / 32  # follows depth
         compiled = name == "hf-static-compiled" or (ROWS[name] is not None and bool(ROWS[name][0].get("compile")))
         need = compile_s if compiled else compile_s / 4
         if time.perf_counter() + need > deadline:
@@ -240,8 +270,12 @@ def decode_shape(report: Report, shape: str, device: torch.device, work: Path, a
                 cap = min(deadline - time.perf_counter(), max(3 * need, 60.0))
                 row = row_in_child(directory, name, device, new_tokens, repeats, cap)
             else:
-                loaded = loaded or load_model(str(directory), device=str(device), dtype="bfloat16")
-                row = measure_row(loaded, directory, name, new_tokens, repeats, peers)
+                if shape not in loaded:  # the previous shape's model goes first
+                    loaded.clear()
+                    peers.clear()
+                    free_device()
+                    loaded[shape] = load_model(str(directory), device=str(device), dtype="bfloat16")
+                row = measure_row(loaded[shape], directory, name, new_tokens, repeats, peers)
         except RowStopped as stopped:
             report.leave_out(f"{shape} {name}", str(stopped))
             continue
@@ -253,19 +287,19 @@ def decode_shape(report: Report, shape: str, device: torch.device, work: Path, a
         bandwidth = report.data.get("copy_bandwidth_gb_s", 0) * 1e9
         limit = bandwidth / row.pop("bytes_per_step") if bandwidth else 0
         rate = row.pop("rate")
-        measured[name] = {"shape": shape, "name": name, "batch": 1, "decode_tokens_per_s": round(rate, 1),
-                          "roofline_pct": round(100 * rate / limit, 1) if limit else None,
-                          "roofline_tokens_per_s": round(limit, 1), "new_tokens": new_tokens, "runs": repeats,
-                          **row}
-        print(f"  {shape} {name}: {rate:.1f} tok/s ({measured[name]['roofline_pct']}% of the bandwidth limit)",
-              flush=True)
-    hf = next((measured[name]["decode_tokens_per_s"] for name in HF_BEST if name in measured), None)
-    for name in ROWS:
-        if name in measured:
-            row = measured[name]
-            row["speedup_vs_hf"] = round(row["decode_tokens_per_s"] / hf, 2) if hf else None
-            report.data["rows"].append(row)
-    del loaded, peers
+        measured[shape][name] = {"shape": shape, "name": name, "batch": 1, "decode_tokens_per_s": round(rate, 1),
+                                 "roofline_pct": round(100 * rate / limit, 1) if limit else None,
+                                 "roofline_tokens_per_s": round(limit, 1), "new_tokens": new_tokens,
+                                 "runs": repeats, **row}
+        print(f"  {shape} {name}: {rate:.1f} tok/s ({measured[shape][name]['roofline_pct']}% of the bandwidth "
+              "limit)", flush=True)
+    loaded.clear()
+    peers.clear()
+    for shape, rows in measured.items():
+        hf = next((rows[name]["decode_tokens_per_s"] for name in HF_BEST if name in rows), None)
+        for name in (name for name in ROWS if name in rows):
+            rows[name]["speedup_vs_hf"] = round(rows[name]["decode_tokens_per_s"] / hf, 2) if hf else None
+            report.data["rows"].append(rows[name])
 
 
 class RowStopped(Exception):
@@ -346,32 +380,38 @@ def hf_decode(model, device: torch.device, prompt: list[int], new_tokens: int, r
 
 
 def batch_part(report: Report, device: torch.device, work: Path, args, deadline: float) -> dict:
-    """Our three modes in a process of their own (`batch-bench`, compiled decode on a GPU where the part's share leaves
-    `BATCH_COMPILE_S`, else eager; stopped at the deadline:
-    a compile that runs away costs those rows, and the rows it printed are in the log), then transformers' rows here
-    on the same requests."""
+    """Our three modes, each in a process of its own (`batch-bench`; compiled decode on a GPU where the part's share
+    leaves `BATCH_COMPILE_S`, else eager), each stopped at its share of what is left for ours (`OURS_SHARE` of the
+    part): a compile that runs away, or a slow mode, costs that row and keeps the rows before it. Then transformers'
+    rows here, on the same requests, until the deadline."""
     directory = checkpoint("qwen3-0.6b", work, device, args.smoke)
     requests, seqs, peer_requests = (16, 8, 2) if args.smoke else (256, 128, 4)
     spec = "uniform:4-16" if args.smoke else "uniform:16-256"
     lengths = parse_output_lengths(spec, requests, 0, seed=0)
     rows = [row for row in load_prompts() if row["kind"] != "completion"]
+    compiled = device.type == "cuda" and deadline - time.perf_counter() >= BATCH_COMPILE_S
+    ours_until = time.perf_counter() + OURS_SHARE * max(0.0, deadline - time.perf_counter())
+    ours = {"rows": [], "left_out": []}
     with tempfile.TemporaryDirectory() as folder:
-        prompts, result = Path(folder) / "prompts.jsonl", Path(folder) / "ours.json"
+        prompts = Path(folder) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        command = [sys.executable, "-m", "inference_core", "batch-bench", "--model", str(directory), "--device",
-                   str(device), "--dtype", "bfloat16", "--prompts", str(prompts), "--requests", str(requests),
-                   "--output-lengths", spec, "--seed", "0", "--max-num-seqs", str(seqs), "--modes",
-                   "continuous,dynamic,static", "--peers", "", "--json", str(result)]
-        compiled = device.type == "cuda" and deadline - time.perf_counter() >= BATCH_COMPILE_S
-        command += ["--compile"] if compiled else []
-        ours = {"rows": [], "left_out": ["continuous", "dynamic", "static"]}  # not started, or stopped
-        if time.perf_counter() < deadline:
+        modes = ["continuous", "dynamic", "static"]
+        for index, mode in enumerate(modes):
+            left = ours_until - time.perf_counter()
+            if left <= 0:
+                ours["left_out"].append(mode)
+                continue
+            result = Path(folder) / f"{mode}.json"
+            command = [sys.executable, "-m", "inference_core", "batch-bench", "--model", str(directory), "--device",
+                       str(device), "--dtype", "bfloat16", "--prompts", str(prompts), "--requests", str(requests),
+                       "--output-lengths", spec, "--seed", "0", "--max-num-seqs", str(seqs), "--modes", mode,
+                       "--peers", "", "--json", str(result)] + (["--compile"] if compiled else [])
             try:
                 subprocess.run(command, cwd=Path(__file__).resolve().parents[2], check=True,
-                               timeout=max(10.0, deadline - time.perf_counter()))
-                ours = json.loads(result.read_text())
+                               timeout=max(10.0, left / (len(modes) - index)))
+                ours["rows"] += json.loads(result.read_text())["rows"]
             except subprocess.TimeoutExpired:
-                pass
+                report.leave_out(f"batch {mode}", "stopped at its share of the budget")
     loaded = load_model(str(directory), device=str(device), dtype="bfloat16")
     peers = batch_bench(loaded, directory, rows, [0.0] * requests, lengths, [], ["hf-static", "hf-sequential"],
                         seqs, peer_requests=peer_requests, settings={"arrival": "burst", "output_lengths": spec},

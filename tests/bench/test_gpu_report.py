@@ -49,7 +49,8 @@ def test_a_spent_budget_leaves_parts_out_and_still_writes(smoke, tmp_path):
     assert main(["gpu-report", "--out", str(tmp_path), "--device", "cpu", "--smoke", "--work", str(work),
                  "--budget-s", "0", "--parts", "device,decode,batch"]) == 0
     report = json.loads((tmp_path / "gpu-report.json").read_text())
-    assert report["rows"] == [] and "qwen3-0.6b decode: budget" in report["left_out"]
+    assert report["rows"] == [] and {"qwen3-0.6b graphs: budget", "qwen3-0.6b gather: budget"} <= set(
+        report["left_out"])
     assert {"batch continuous: budget", "batch hf-static: budget"} <= set(report["left_out"])
 
 
@@ -65,3 +66,34 @@ def test_a_row_past_its_cap_is_stopped_and_reported(smoke, tmp_path):
     work = smoke[3]
     with pytest.raises(RowStopped, match=r"stopped after \d+ s \(its cap\)"):
         row_in_child(work / "qwen3-0.6b", "graphs", torch.device("cpu"), 8, 1, cap=0.05)
+
+
+def test_goal_rows_of_every_shape_run_before_the_other_rows():
+    from inference_core.bench.gpu_report import decode_order
+
+    order = decode_order(["llama-3-8b", "qwen3-0.6b"], ["gather", "graphs", "hf", "graphs+int4", "hf-static-compiled"])
+    assert order == [("llama-3-8b", "graphs"), ("llama-3-8b", "hf-static-compiled"), ("llama-3-8b", "graphs+int4"),
+                     ("qwen3-0.6b", "graphs"), ("qwen3-0.6b", "hf-static-compiled"),
+                     ("llama-3-8b", "gather"), ("llama-3-8b", "hf"),
+                     ("qwen3-0.6b", "graphs+int4"), ("qwen3-0.6b", "gather"), ("qwen3-0.6b", "hf")]
+
+
+def test_test_outcomes_are_read_from_verbose_lines_and_the_summary():
+    """A run stopped at its share has only the -v lines of the tests that ended; a whole run has the summary too."""
+    from inference_core.bench.gpu_report import parse_test_outcomes
+
+    output = """tests/engine/test_cuda.py::test_a[paged] PASSED                      [  4%]
+tests/engine/test_cuda.py::test_b FAILED                                [  8%]
+tests/quant/test_quant_cuda.py::test_c[int4-None-dtype0] SKIPPED (no GPU) [ 12%]
+=========================== short test summary info ============================
+PASSED tests/engine/test_cuda.py::test_a[paged]
+SKIPPED [1] tests/quant/test_quant_cuda.py:40: no GPU
+FAILED tests/engine/test_cuda.py::test_b - AssertionError: ids differ
+ERROR tests/kv/test_x.py - ImportError: nothing
+"""
+    assert parse_test_outcomes(output) == {
+        "tests/engine/test_cuda.py::test_a[paged]": "PASSED", "tests/engine/test_cuda.py::test_b": "FAILED",
+        "tests/quant/test_quant_cuda.py::test_c[int4-None-dtype0]": "SKIPPED"}
+    assert parse_test_outcomes(output.split("=====")[0]) == {
+        "tests/engine/test_cuda.py::test_a[paged]": "PASSED", "tests/engine/test_cuda.py::test_b": "FAILED",
+        "tests/quant/test_quant_cuda.py::test_c[int4-None-dtype0]": "SKIPPED"}

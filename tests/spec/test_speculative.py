@@ -150,8 +150,9 @@ def test_sampled_speculation_runs_and_leaks_nothing(bundled, bench_prompts):
     assert_nothing_held(engine)
 
 
-# Tokens per case of the lossless matrix (3 prompts x 2 draft lengths per source and KV mode), each case rolling back
-# rejected drafts many times; 64 tokens cross many 4-token blocks (the oracle tests run 128 without speculation).
+# Tokens per case of the lossless matrix (3 prompts, each with its draft length, per source and KV mode), each case
+# rolling back rejected drafts many times; 64 tokens cross many 4-token blocks (the oracle tests run 128 without
+# speculation).
 LOSSLESS_TOKENS = 64
 
 
@@ -188,18 +189,18 @@ def test_greedy_speculation_is_lossless(bundled, lossless_prompts, plain_greedy,
     engine = Engine(bundled, EngineConfig(kv_mode=kv_mode, block_size=4), draft_model=draft)
     params = SamplingParams(max_new_tokens=LOSSLESS_TOKENS, ignore_eos=True)
     accepted = rejected = 0
-    for row in lossless_prompts:
+    # The paged cache's rollback frees whole blocks of 4 and cuts a partial one: draft lengths below, at and above
+    # the block size cross block boundaries in different ways, one per prompt. The contiguous cache only moves its
+    # length back: one draft length covers it.
+    for row, k in zip(lossless_prompts, (2, 5, 4) if kv_mode == "paged" else (4, 4, 4)):
         prompt_ids = engine.prompt_ids(row["prompt"], row.get("system"))
-        # The paged cache's rollback frees whole blocks and cuts a partial one: two draft lengths cross block
-        # boundaries in different ways. The contiguous cache only moves its length back: one draft length covers it.
-        for k in ((2, 5) if kv_mode == "paged" else (4,)):
-            fast = engine.complete(prompt_ids, params, spec=SpecConfig(k=k, **settings))
-            assert fast.token_ids == plain_greedy[row["id"]], (row["id"], k)
-            spec = fast.stats.spec
-            assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
-            assert sum(spec["drafted_by_position"]) == spec["drafted"]
-            assert sum(spec["accepted_by_position"]) == spec["accepted"]
-            accepted, rejected = accepted + spec["accepted"], rejected + spec["drafted"] - spec["accepted"]
+        fast = engine.complete(prompt_ids, params, spec=SpecConfig(k=k, **settings))
+        assert fast.token_ids == plain_greedy[row["id"]], (row["id"], k)
+        spec = fast.stats.spec
+        assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
+        assert sum(spec["drafted_by_position"]) == spec["drafted"]
+        assert sum(spec["accepted_by_position"]) == spec["accepted"]
+        accepted, rejected = accepted + spec["accepted"], rejected + spec["drafted"] - spec["accepted"]
     assert accepted > 0 and rejected > 0  # both kinds of step were exercised, rollback included
     assert_nothing_held(engine)
     if draft is not None:

@@ -157,6 +157,9 @@ def parse_device(name: str | torch.device | None) -> torch.device:
     return device
 
 
+MAX_DECODE_STEPS = 16
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The switches of one engine. Two engines (two race lanes) may share one loaded model with different configs."""
@@ -176,6 +179,9 @@ class EngineConfig:
     kv_dtype: str = "auto"  # KV cache storage: "auto" (the model dtype) or "int8" (see inference_core.kv.cache)
     sliding_window: int | None = None  # attend to the last N tokens only; None: the checkpoint's own window, if any
     attention: str = "gather"  # paged attention: "gather" or "flex" (see ATTENTIONS)
+    # Compiled decode: up to this many steps back to back per host round trip for greedy requests, each step's token
+    # fed to the next on the device (Engine._burst_steps says when); 1: one step, then the host reads its token.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
@@ -197,6 +203,12 @@ class EngineConfig:
         if self.compile and self.kv_mode == "none":
             raise ConfigError("compiled decode needs a KV cache (contiguous or paged): KV mode none recomputes the "
                               "whole text every step, which is a prefill, not a decode step.")
+        if not _positive_int(self.decode_steps) or self.decode_steps > MAX_DECODE_STEPS:
+            raise ConfigError(f"{{decode_steps}} must be a whole number from 1 to {MAX_DECODE_STEPS}, got "
+                              f"{self.decode_steps!r}.")
+        if self.decode_steps > 1 and not self.compile:
+            raise ConfigError("{decode_steps} above 1 run through the compiled decode step: turn on {compile}, or "
+                              "set {decode_steps} to 1.")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"unknown KV dtype {self.kv_dtype!r}; use one of: {', '.join(KV_DTYPES)}.")
         if self.kv_dtype == "int8" and self.kv_mode == "none":

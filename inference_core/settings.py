@@ -17,7 +17,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from inference_core.config import ATTENTIONS, KV_DTYPES, KV_MODES, ConfigError, EngineConfig
+from inference_core.config import ATTENTIONS, KV_DTYPES, KV_MODES, MAX_DECODE_STEPS, ConfigError, EngineConfig
 from inference_core.quant.linear import GROUP_SIZES, SCHEMES, QuantConfig
 from inference_core.sampling import SamplingParams
 from inference_core.spec.decoding import HIDDEN_READERS, MAX_K, MAX_TREE_WIDTH, SPEC_METHODS, SpecConfig
@@ -164,6 +164,14 @@ class LaneSettings:
              "for the next start", flag="compile",
         help="decode steps through torch.compile (contiguous or paged KV; the first decode step at each batch size "
              "compiles first, 1-2 minutes on a CPU)", applies=WITH_KV_CACHE, off_value=False)
+    decode_steps: int = _setting(
+        1, label="decode steps per host round trip (compiled)", widget="slider", bounds=(1, MAX_DECODE_STEPS, 1),
+        info="greedy: up to N compiled decode steps back to back, each step's token fed to the next on the device, "
+             "the tokens read once after them; the host's work between steps (scheduling, sampling, streaming) then "
+             "stops holding up a GPU, and tokens stream N at a time", flag="decode-steps",
+        help="compiled decode, greedy: run up to N decode steps back to back, each step's token fed to the next on "
+             "the device, and read the tokens once after them (1: every step; a request waiting to start ends a "
+             "run early)", applies=("compile", bool), off_value=1)
     weights: str = _setting(
         "none", label="weights", widget="dropdown", choices=SCHEMES, labels=WEIGHTS_LABELS, flag="quant",
         help="weight-only quantization of the projections: int8 per output channel, int4 per group, awq: int4 per "
@@ -208,9 +216,19 @@ class LaneSettings:
     def engine_config(self, max_seq_len: int | None, **engine) -> EngineConfig:
         """The engine's settings for this lane; `engine`: settings that are not the lane's (batching, pool size)."""
         window = _whole(self.sliding_window) or None
+        steps = _whole(self.decode_steps)
+        if steps != 1 and not self.external:
+            if self.speculates:
+                raise ConfigError("speculative decoding runs steps of its own (draft, verify): set {decode_steps} to "
+                                  "1, or {spec_method} to none.")
+            if not self.greedy or self.sampling(1).shapes_logits:
+                raise ConfigError("{decode_steps} above 1 feed each step's greedy token to the next on the device, "
+                                  "with nothing reading the logits: set {temperature} to 0 and turn off penalties, "
+                                  "logit bias and constraints, or set {decode_steps} to 1.")
         return EngineConfig(kv_mode=self.kv_mode, block_size=_whole(self.block_size),
                             prefix_cache=bool(self.prefix_cache), max_seq_len=max_seq_len, compile=bool(self.compile),
-                            kv_dtype=self.kv_dtype, sliding_window=window, attention=self.attention, **engine)
+                            kv_dtype=self.kv_dtype, sliding_window=window, attention=self.attention,
+                            decode_steps=steps, **engine)
 
     def quant(self, lm_head: bool = True) -> QuantConfig:
         return QuantConfig(self.weights or "none", _whole(self.quant_group), lm_head)
@@ -297,6 +315,8 @@ class LaneSettings:
             parts.append(f"constrained to {CONSTRAINT_LABELS.get(self.constraint, self.constraint)}")
         if self.compile:
             parts.append("compiled decode")
+            if _whole(self.decode_steps) != 1:
+                parts.append(f"{_whole(self.decode_steps)} steps a round trip")
         if self.weights not in (None, "", "none"):
             parts.append(f"{self.quant().name} weights")
         if self.kv_dtype == "int8":

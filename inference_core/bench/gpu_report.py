@@ -9,11 +9,12 @@ budget (a row not started in time is listed in `left_out`):
    plus bytes written over the median time of 10 copies), the bandwidth every row's `roofline_pct` is taken against.
 2. `decode`: batch-1 decode in bf16 at Llama-3-8B's and Qwen3-0.6B's shapes (Qwen3-1.7B's last, as its own part):
    eager with the gathered paged cache, eager with FlexAttention reading the pool through the block table, compiled
-   with CUDA graphs, the same with int8 and int4 weights, and transformers eager and at its best (static cache, which
-   transformers compiles with CUDA graphs on its own). Each row: the median decode tokens/s of 3 runs of 128 new
-   tokens after a warm-up, its % of the bandwidth limit (copy bandwidth over the bytes one step reads: the weights as
-   stored plus the KV of the mean context) and its ratio to transformers' best row of the shape. The rows the goals
-   are read from (`GOAL_ROWS`) run first, for every shape, then the others.
+   with CUDA graphs (one step a host round trip, and 8: `EngineConfig.decode_steps`), the same with int8 and int4
+   weights, and transformers eager and at its best (static cache, which transformers compiles with CUDA graphs on
+   its own). Each row: the median decode tokens/s of 3 runs of 128 new tokens after a warm-up, its % of the
+   bandwidth limit (copy bandwidth over the bytes one step reads: the weights as stored plus the KV of the mean
+   context) and its ratio to transformers' best row of the shape. The rows the goals are read from (`GOAL_ROWS`) run
+   first, for every shape, then the others.
 3. `batch`: `batch-bench` at Qwen3-0.6B's shape, 256 requests arriving at once with output lengths uniform over
    16-256 (seeded), at most 128 sequences a step: our continuous, dynamic and static batching (each mode in a process
    of its own; compiled decode on a GPU where the part's share leaves time to compile), transformers' static
@@ -71,13 +72,15 @@ PARTS = {"device": 0.02, "decode": 0.45, "batch": 0.15, "serve": 0.08, "tests": 
 DECODE_SHAPES = {"decode": ("llama-3-8b", "qwen3-0.6b"), "decode-1.7b": ("qwen3-1.7b",)}  # the goals' shapes first
 # name -> (engine settings, weight scheme), in the table's order; None: a transformers row.
 ROWS = {"gather": (dict(attention="gather"), "none"), "flex": (dict(attention="flex"), "none"),
-        "graphs": (dict(compile=True), "none"), "graphs+int8": (dict(compile=True), "int8"),
+        "graphs": (dict(compile=True), "none"), "graphs+steps8": (dict(compile=True, decode_steps=8), "none"),
+        "graphs+int8": (dict(compile=True), "int8"),
         "graphs+int4": (dict(compile=True), "int4"), "hf": None, "hf-static-compiled": None}
-ROW_ORDER = ("graphs", "hf-static-compiled", "graphs+int4", "gather", "flex", "graphs+int8", "hf")  # by priority
+ROW_ORDER = ("graphs", "graphs+steps8", "hf-static-compiled", "graphs+int4", "gather", "flex", "graphs+int8",
+             "hf")  # by priority
 # The rows a goal is read from, run for every shape of a part before any other row (on an H100 the 8B shape's rows in
 # ROW_ORDER took the whole decode share and left Qwen3-0.6B's out).
-GOAL_ROWS = {"llama-3-8b": ("graphs", "hf-static-compiled", "graphs+int4"),
-             "qwen3-0.6b": ("graphs", "hf-static-compiled")}
+GOAL_ROWS = {"llama-3-8b": ("graphs", "graphs+steps8", "hf-static-compiled", "graphs+int4"),
+             "qwen3-0.6b": ("graphs", "graphs+steps8", "hf-static-compiled")}
 # The batch and serve parts compile (CUDA graphs) only where their share of the budget leaves room for it: on an
 # H100 the compiled batch modes (three engines, each compiling bucket 1 and the dynamic buckets and recording a graph
 # per bucket and width) printed no row in 78 s, nor did the compiled race lane in 32 s. Short of it they run eager,

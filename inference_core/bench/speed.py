@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import time
 from functools import partial
@@ -117,7 +118,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--configs", default="contiguous,paged,contiguous+compile,paged+compile",
                         help="our configurations to run, comma-separated: a KV mode (none, contiguous, paged), "
-                             "with '+compile' for compiled decode and '+int8' or '+int4' for quantized weights")
+                             "with '+compile' for compiled decode, '+stepsN' for N compiled decode steps a host round "
+                             "trip (greedy) and '+int8' or '+int4' for quantized weights")
     parser.add_argument("--quant-group", type=int, default=32, help="int4 rows: input features per scale and zero")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers row")
     parser.add_argument("--peer", type=peer_list, action="extend",
@@ -287,15 +289,18 @@ def resident_mib() -> float:
 
 def parse_config(name: str) -> tuple[EngineConfig, str]:
     """A bench row's name -> its engine config and weight quantization: a KV mode, with '+compile' for compiled
-    decode and '+int8' or '+int4' for quantized weights (e.g. paged+compile+int8)."""
+    decode, '+stepsN' for N compiled decode steps a host round trip and '+int8' or '+int4' for quantized weights (e.g.
+    paged+compile+int8, paged+compile+steps8)."""
     kv_mode, *extras = name.split("+")
     quant = [extra for extra in extras if extra in ("int8", "int4")]
-    if any(extra not in ("compile", "int8", "int4") for extra in extras) or len(quant) > 1 or len(set(extras)) < len(
-            extras):
+    steps = [int(extra[5:]) for extra in extras if re.fullmatch(r"steps\d+", extra)]
+    if any(extra not in ("compile", "int8", "int4") and not re.fullmatch(r"steps\d+", extra) for extra in extras) \
+            or len(quant) > 1 or len(steps) > 1 or len(set(extras)) < len(extras):
         raise ConfigError(f"unknown bench configuration {name!r}: use a KV mode (none, contiguous, paged), with "
-                          "'+compile' for compiled decode and '+int8' or '+int4' for quantized weights (e.g. "
-                          "paged+compile+int8).")
-    return EngineConfig(kv_mode=kv_mode, compile="compile" in extras), (quant[0] if quant else "none")
+                          "'+compile' for compiled decode, '+stepsN' for N decode steps a round trip and '+int8' or "
+                          "'+int4' for quantized weights (e.g. paged+compile+int8).")
+    return (EngineConfig(kv_mode=kv_mode, compile="compile" in extras, decode_steps=steps[0] if steps else 1),
+            quant[0] if quant else "none")
 
 
 def write_report(report: dict, path: str | None) -> None:

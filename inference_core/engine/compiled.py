@@ -291,18 +291,44 @@ class CompiledDecoder:
     def handles(self, seqs, num_new_tokens: list[int]) -> bool:
         """Whether a forward is a compiled decode step: one new token per sequence, each with a cached context. (An
         exported step reads less than the cache's whole width: the last positions a sequence can reach run eager.)"""
+        return all(count == 1 for count in num_new_tokens) and self.fits(seqs, 1)
+
+    def fits(self, seqs, steps: int) -> bool:
+        """Whether `steps` decode steps back to back (`run_greedy`) stay within what the graph reads."""
         last = (self.max_width - 1) * self.block_size if self.backend == "aoti" else float("inf")
         return 0 < len(seqs) <= self.buckets[-1] and all(
-            count == 1 and 0 < seq.num_computed_tokens < last for seq, count in zip(seqs, num_new_tokens))
+            0 < seq.num_computed_tokens and seq.num_computed_tokens + steps - 1 < last for seq in seqs)
 
     @torch.inference_mode()
     def run(self, seqs) -> torch.Tensor:
         """One decode token for each of `seqs` (each has its whole context but the last token cached). Returns fp32
         logits [len(seqs), vocab]; writes the new KV (the caller commits)."""
+        logits = self._step(seqs, [seq.num_computed_tokens for seq in seqs])
+        # A CUDA graph's output is overwritten by its next replay; an exported program's is new at every call.
+        return logits if self.backend == "aoti" else logits.clone()
+
+    @torch.inference_mode()
+    def run_greedy(self, seqs, steps: int) -> list[list[int]]:
+        """`steps` decode steps back to back, each step's greedy token (the argmax of its fp32 logits, as the
+        sampler takes it) fed to the next step on the device, so the host reads the tokens once, after the last
+        step, instead of once a step: on a GPU the host's work between steps (this runner's, the scheduler's, the
+        sampler's, the read itself) then no longer leaves the device idle. Returns the ids, [steps][len(seqs)].
+        Writes the KV of each sequence's next `steps` positions (the caller has made room, and commits each position
+        once the token at it is in the sequence)."""
+        firsts = [seq.num_computed_tokens for seq in seqs]
+        tokens, ids = [], None
+        for step in range(steps):
+            ids = self._step(seqs, [first + step for first in firsts], ids).argmax(dim=-1)
+            tokens.append(ids)
+        return torch.stack(tokens).tolist()
+
+    def _step(self, seqs, positions: list[int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step of `seqs` at `positions`, their input tokens read from the sequences, or `input_ids` (a
+        device tensor: the previous step's tokens). Returns the logits of the bucket's real rows (a view of the
+        graph's output)."""
         count = len(seqs)
         bucket = self.bucket_for(count)
         buffers = self._bucket_buffers(bucket)
-        positions = [seq.num_computed_tokens for seq in seqs]
         if self.paged:
             width = self._width(-(-(max(positions) + 1) // self.block_size))
             # Padded with block 0; so are blocks released from a sliding window (FREED, -1): the key mask hides both.
@@ -315,8 +341,9 @@ class CompiledDecoder:
             read_index = buffers["read_index"]
             read_index[:count] = torch.tensor([seq.cache_slot for seq in seqs], dtype=torch.long)
             read_index[count:] = read_index[0]
-        buffers["input_ids"][:count] = torch.tensor([seq.token_ids[p] for seq, p in zip(seqs, positions)],
-                                                  dtype=torch.long)
+        if input_ids is None:
+            input_ids = torch.tensor([seq.token_ids[p] for seq, p in zip(seqs, positions)], dtype=torch.long)
+        buffers["input_ids"][:count] = input_ids
         buffers["input_ids"][count:] = 0
         position_tensor = torch.tensor(positions, dtype=torch.long)
         buffers["positions"][:count] = position_tensor
@@ -330,8 +357,7 @@ class CompiledDecoder:
         logits, new_k, new_v = self._call(bucket, buffers, read_index, key_mask)
         self._store(new_k[:, :count], new_v[:, :count], seqs, positions, buffers["positions"][:count],
                     read_index[:count])
-        # A CUDA graph's output is overwritten by its next replay; an exported program's is new at every call.
-        return logits[:count] if self.backend == "aoti" else logits[:count].clone()
+        return logits[:count]
 
     @torch.inference_mode()
     def warm_up(self, batch_size: int) -> None:
@@ -451,11 +477,17 @@ class CompiledDecoder:
 
     def _package_key(self, args: tuple) -> str:
         """What the compiled step depends on: the weights and config, this code, the shapes, the options, torch and
-        the CPU's instruction set."""
+        the CPU's instruction set. The key width, a dynamic size of the package (`_build_package`), is left out: the
+        width of the step that happens to build a bucket's package must not key it (an engine whose first step of a
+        bucket met another width compiled the same step again)."""
+        shapes = [(t.dtype, tuple(t.shape)) for t in args]
+        if self.max_width >= 3:  # the block table's (paged) and the key mask's widths are dynamic
+            shapes = [(dtype, shape[:1] if index in (2, 3) and len(shape) > 1 else shape)
+                      for index, (dtype, shape) in enumerate(shapes)]
         digest = hashlib.blake2b(digest_size=12)
         for part in (model_fingerprint(self.model), _CODE_FINGERPRINT, torch.__version__, self.device.type,
                      torch.backends.cpu.get_cpu_capability(), self.paged, self.block_size, self.max_width,
-                     sorted(self._inductor_config.items()), [(t.dtype, tuple(t.shape)) for t in args]):
+                     sorted(self._inductor_config.items()), shapes):
             digest.update(repr(part).encode())
         return digest.hexdigest()
 

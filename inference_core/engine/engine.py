@@ -52,7 +52,9 @@ class StepReport:
     index: int
     started_at: float  # time.perf_counter() when the step began
     duration_ms: float
-    work: tuple[tuple[int, str, int], ...]  # (request id, "prefill" | "decode" | "speculative", tokens forwarded)
+    # (request id, "prefill" | "decode" | "speculative", tokens forwarded: a decode's steps run back to back, where
+    # the engine ran several, `EngineConfig.decode_steps`)
+    work: tuple[tuple[int, str, int], ...]
     preempted: tuple[int, ...]  # request ids sent back to the queue to free KV blocks
     finished: tuple[int, ...]  # request ids that ended in this step
     num_waiting: int
@@ -289,7 +291,11 @@ class Engine:
         # step of its own (draft, verify, roll back).
         padding_rows = len(self.scheduler.padding) if plain else 0
         compiled_before = self._compile_seconds()
-        prompt_padding = self._run_plain(plain, len(output.work), finished) if plain else 0
+        prompt_padding, burst = 0, 1
+        if plain and (burst := self._burst_steps(plain)) > 1:
+            self._run_burst(plain, burst, len(output.work), finished)
+        elif plain:
+            prompt_padding = self._run_plain(plain, len(output.work), finished)
         for work in speculative:
             if not work.request.finished:
                 self._run_speculative(work.request, len(output.work), finished)
@@ -297,7 +303,8 @@ class Engine:
             self.scheduler.free_padding()  # a static batch has ended: its padding rows' KV goes back
         self.steps_taken += 1
         return StepReport(self.steps_taken, started, (time.perf_counter() - started) * 1e3,
-                          tuple((w.request.request_id, w.kind, w.num_tokens) for w in output.work),
+                          tuple((w.request.request_id, w.kind, w.num_tokens * (burst if w.kind == "decode" else 1))
+                                for w in output.work),
                           tuple(r.request_id for r in output.preempted), tuple(r.request_id for r in finished),
                           len(self.scheduler.waiting), len(self.scheduler.running), self.kv_cache.blocks_in_use(),
                           padding_rows, prompt_padding,
@@ -346,6 +353,55 @@ class Engine:
                 token, token_logprobs_ = sampled[index]
                 self._emit_token(request, token, step_s, batch_size, finished, logprobs=token_logprobs_)
         return sum(prompt_padding)
+
+    def _burst_steps(self, work: list[ScheduledWork]) -> int:
+        """How many compiled decode steps this step's work runs back to back (`_run_burst`): up to
+        `config.decode_steps` where every request is a greedy decode that reads nothing of its logits but the
+        argmax, no request waits to be admitted (it would wait for the whole burst), no static batch pads its rows,
+        and the KV pool has room for every request's tokens; fewer where a request has fewer tokens left. 1: a plain
+        step."""
+        steps = self.config.decode_steps
+        if steps <= 1 or self.scheduler.waiting or self.scheduler.padding or self.scheduler.keeps_row():
+            return 1
+        requests = [w.request for w in work]
+        if any(w.kind != "decode" or not w.request.params.greedy or w.request.reads_logits
+               or w.request.stop_requested for w in work):
+            return 1
+        steps = min(steps, *(request.room() for request in requests))
+        seqs = [request.seq for request in requests]
+        if steps <= 1 or not self.decoder.fits(seqs, steps):
+            return 1
+        for seq in seqs:  # room for every request (blocks taken for the first ones stay theirs: they need them next)
+            if not self.kv_cache.can_append(seq, seq.num_computed_tokens + steps):
+                return 1
+            self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + steps)
+        return steps
+
+    def _run_burst(self, work: list[ScheduledWork], steps: int, batch_size: int, finished: list[Request]) -> None:
+        """`steps` greedy decode steps of the work's requests back to back (`ModelRunner.run_greedy`), then each
+        step's tokens in order, as `steps` plain steps would have given them: a request that ends at one of them
+        (end of sequence, a stop string) drops the rest, whose KV goes back with its blocks. Each token is charged
+        an equal share of the burst's time."""
+        requests = [w.request for w in work]
+        for request in requests:
+            self._mark_scheduled(request)
+        started = time.perf_counter()
+        compiled_before = self._compile_seconds()
+        try:
+            tokens = self.runner.run_greedy([request.seq for request in requests], steps)
+        except BaseException as error:
+            for request in requests:
+                self._fail(request, error)
+            raise
+        step_s = (time.perf_counter() - started) / steps
+        compile_s = (self._compile_seconds() - compiled_before) / steps
+        for row in tokens:
+            for request, token in zip(requests, row):
+                if request.finished:
+                    continue
+                self.kv_cache.commit(request.seq, request.seq.num_computed_tokens + 1)  # the token it was fed
+                request.account_step(step_s, batch_size, 0, compile_s)
+                self._emit_token(request, token, step_s, batch_size, finished)
 
     def _choose(self, logits, requests: list[Request]) -> tuple[list[int], list]:
         """logits: [len(requests), vocab] fp32, a row per request. Shape the rows that ask, choose each token with its

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import gc
 import json
+from dataclasses import replace
 
 import pytest
 import torch
+from conftest import assert_same_or_near_tie, compiled_matches_eager, mixed_requests
+from tiny_models import build_tiny_model, prompt, run_to_end
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core.cli import main
 from inference_core.engine import compiled as compiled_module
 from inference_core.engine.compiled import batch_buckets, compile_unavailable
 from inference_core.model.llama import model_fingerprint
-
-from tiny_models import build_tiny_model, prompt, run_to_end
-from conftest import assert_same_or_near_tie, compiled_matches_eager, mixed_requests
-
 
 pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None,
                                 reason=f"{compile_unavailable(torch.device('cpu'))}")
@@ -47,7 +46,8 @@ def test_buckets():
 @pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
 def test_tiny_batches_match_eager_and_compile_once_per_bucket(tiny, kv_mode):
     """Six prompts of different lengths through continuous batching, 4 at a time: steps of 4, then 3 (padded to the
-    bucket of 4), 2 and 1 sequences, with chunked prefills sharing steps (those stay eager)."""
+    bucket of 4), 2 and 1 sequences, with chunked prefills sharing steps (those stay eager); then the same with
+    several decode steps a host round trip."""
     compiled, reports = compiled_matches_eager(tiny, kv_mode=kv_mode, block_size=4, max_num_seqs=4,
                                                max_num_batched_tokens=32)
     stats = compiled.compile_stats()
@@ -62,6 +62,44 @@ def test_tiny_batches_match_eager_and_compile_once_per_bucket(tiny, kv_mode):
     finish = again[0].events[-1]
     assert finish.stats.compile["recompiles"] == 0 and finish.stats.compile["compile_s"] == 0
     assert compiled.blocks_in_use() == 0
+    decode_steps_match_one_step_at_a_time(tiny, compiled, [request.events[-1].token_ids for request in again])
+
+
+def decode_steps_match_one_step_at_a_time(tiny, single: Engine, want: list[list[int]]) -> None:
+    """The mixed requests with up to 5 compiled decode steps a host round trip (the graphs `single` compiled serve
+    them): the same greedy ids as `single`'s one step at a time (`want`; a request's own new-token count, and
+    requests still waiting, end a run early), in steps that ran several tokens each; a stop token met inside a run
+    ends the request there, the rest dropped and its KV given back."""
+    burst = Engine(tiny, replace(single.config, decode_steps=5))
+    submitted = [burst.submit(ids, greedy(new_tokens)) for ids, new_tokens in mixed_requests()]
+    reports = run_to_end(burst)
+    assert [request.events[-1].token_ids for request in submitted] == want
+    runs = [tokens for report in reports for _, kind, tokens in report.work if kind == "decode"]
+    assert max(runs) == 5 and len(reports) < sum(new_tokens for _, new_tokens in mixed_requests())
+    assert burst.blocks_in_use() == 0
+    prompt_ids, _ = mixed_requests()[0]
+    reference = single.complete(prompt_ids, greedy(24)).token_ids
+    at = next(i for i in range(7, 24) if reference[i] not in reference[:i])  # inside the second run of 5
+    stopped = burst.complete(prompt_ids, SamplingParams(max_new_tokens=24, stop_token_ids=(reference[at],)))
+    assert stopped.token_ids == reference[:at + 1] and stopped.stats.finish_reason == "stop"
+    assert burst.blocks_in_use() == 0
+
+
+def test_decode_steps_refuse_what_they_cannot_run(tiny):
+    from inference_core.settings import LaneSettings
+
+    with pytest.raises(ConfigError, match="--decode-steps above 1 run through the compiled decode step"):
+        EngineConfig(decode_steps=4)
+    with pytest.raises(ConfigError, match="from 1 to 16"):
+        EngineConfig(compile=True, decode_steps=17)
+    with pytest.raises(ConfigError, match="set --temperature to 0"):
+        LaneSettings(compile=True, decode_steps=4, temperature=0.7).engine_config(256)
+    with pytest.raises(ConfigError, match="set --temperature to 0"):
+        LaneSettings(compile=True, decode_steps=4, repetition_penalty=1.2).engine_config(256)
+    with pytest.raises(ConfigError, match="speculative decoding runs steps of its own"):
+        LaneSettings(compile=True, decode_steps=4, spec_method="ngram").engine_config(256)
+    assert LaneSettings(compile=True, decode_steps=4).engine_config(256).decode_steps == 4
+    assert "4 steps a round trip" in LaneSettings(compile=True, decode_steps=4).describe()
 
 
 def test_warm_up_compiles_before_the_first_request(tiny):

@@ -95,6 +95,10 @@ SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
                    num_key_value_heads=2, head_dim=16, vocab_size=4096, max_position_embeddings=2048)
 PROMPT_ID = "chat-short-1"
 HF_BEST = ("hf-static-compiled", "hf")
+# Rows whose engine is profiled after its measurement (`profile_engine`): where the step's time goes, kernels against
+# the device's idle time, and a trace beside the report.
+PROFILED_ROWS = ("graphs", "graphs+steps8")
+PROFILE_TOKENS = 96  # the most new tokens a profile's request takes (16 steps of 1, or 4 of 8, with their warm-up)
 
 
 class Report:
@@ -271,7 +275,8 @@ def decode_part(report: Report, shapes: list[str], device: torch.device, work: P
         try:
             if compiled:
                 cap = min(deadline - time.perf_counter(), max(3 * need, 60.0))
-                row = row_in_child(directory, name, device, new_tokens, repeats, cap)
+                trace = report.out / f"trace-{shape}-{name}.json.gz" if name in PROFILED_ROWS else None
+                row = row_in_child(directory, name, device, new_tokens, repeats, cap, trace)
             else:
                 if shape not in loaded:  # the previous shape's model goes first
                     loaded.clear()
@@ -310,13 +315,14 @@ class RowStopped(Exception):
 
 
 def row_in_child(directory: Path, name: str, device: torch.device, new_tokens: int, repeats: int,
-                 cap: float) -> dict:
-    """`measure_row` in a process of its own (its output, and dynamo's recompile reasons, go to this log)."""
+                 cap: float, trace: Path | None = None) -> dict:
+    """`measure_row` in a process of its own (its output, and dynamo's recompile reasons, go to this log); with
+    `trace`, its engine's steps are profiled after the measurement (`profile_engine`)."""
     with tempfile.TemporaryDirectory() as folder:
         result = Path(folder) / "row.json"
         command = [sys.executable, "-m", "inference_core.bench.gpu_report", "--row", name, "--checkpoint",
                    str(directory), "--device", str(device), "--new-tokens", str(new_tokens), "--repeats",
-                   str(repeats), "--result", str(result)]
+                   str(repeats), "--result", str(result)] + (["--trace", str(trace)] if trace else [])
         env = dict(os.environ, TORCH_LOGS=os.environ.get("TORCH_LOGS", "recompiles"))
         started = time.perf_counter()
         try:
@@ -328,9 +334,11 @@ def row_in_child(directory: Path, name: str, device: torch.device, new_tokens: i
         return json.loads(result.read_text())
 
 
-def measure_row(loaded, directory: Path, name: str, new_tokens: int, repeats: int, peers: dict) -> dict:
+def measure_row(loaded, directory: Path, name: str, new_tokens: int, repeats: int, peers: dict,
+                trace: Path | None = None) -> dict:
     """Row `name` at batch 1: its median decode tokens/s (`rate`), the bytes one of its steps reads at the mean
-    context (`bytes_per_step`), the prompt's length and, for our compiled rows, what compiling cost."""
+    context (`bytes_per_step`), the prompt's length and, for our compiled rows, what compiling cost (and with `trace`,
+    a profile of its steps)."""
     prompt = Engine(loaded, EngineConfig(kv_mode="none")).prompt_ids(prompt_text(), chat=True)
     row: dict = {"prompt_tokens": len(prompt)}
     if ROWS[name] is None:
@@ -339,30 +347,46 @@ def measure_row(loaded, directory: Path, name: str, new_tokens: int, repeats: in
         row["rate"], row_loaded = hf_decode(peers["hf"], loaded.device, prompt, new_tokens, repeats,
                                             name != "hf"), loaded
     else:
-        row["rate"], row_loaded, compile_stats = ours_decode(loaded, name, prompt, new_tokens, repeats)
-        if compile_stats:
-            row["compile"] = compile_stats
+        row["rate"], row_loaded, engine = ours_decode(loaded, name, prompt, new_tokens, repeats)
+        if engine.decoder:
+            row["compile"] = engine.compile_stats()
+        if trace:
+            row["profile"] = profile_engine(engine, prompt, trace)
     row["bytes_per_step"] = decode_bytes_per_step(row_loaded, len(prompt) + new_tokens / 2)
     return row
 
 
 def ours_decode(loaded, name: str, prompt: list[int], new_tokens: int, repeats: int):
     """Median decode tokens/s of our engine as row `name` has it, batch 1, after a warm-up (and its compile); the
-    model it ran (quantized where the row is) and its compile statistics (None: eager)."""
+    model it ran (quantized where the row is) and the engine."""
     settings, scheme = ROWS[name]
     if "attention" not in {field.name for field in dataclasses.fields(EngineConfig)}:  # an engine without the switch
         if settings["attention"] != "gather":
             raise ConfigError(f"this engine has no attention setting: no {settings['attention']} row")
         settings = {}
     model = quantize(loaded, QuantConfig(scheme)) if scheme != "none" else loaded
-    config = EngineConfig(kv_mode="paged", max_num_seqs=1, max_seq_len=len(prompt) + new_tokens + 32,
-                          prefix_cache=False, **settings)
+    longest = len(prompt) + max(new_tokens, PROFILE_TOKENS) + 32
+    config = EngineConfig(kv_mode="paged", max_num_seqs=1, max_seq_len=longest, prefix_cache=False, **settings)
     engine = Engine(model, config)
     engine.warm_up_compiled()
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.complete(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
     rates = [engine.complete(prompt, params).stats.decode_tokens_per_s for _ in range(repeats)]
-    return statistics.median(rates), model, engine.compile_stats() if engine.decoder else None
+    return statistics.median(rates), model, engine
+
+
+def profile_engine(engine: Engine, prompt: list[int], trace: Path) -> dict:
+    """A few of the engine's steps under the torch profiler (`profile_requests`, as `profile` records them): the
+    mean step, its categories (on CUDA each category's kernel time and the time the device sat idle waiting for the
+    host) and the Chrome trace written to `trace`."""
+    from inference_core.bench.profile import profile_requests, tokens_needed
+
+    steps, warmup = (4, 1) if engine.config.decode_steps > 1 else (16, 2)
+    tokens = tokens_needed(steps, warmup) * engine.config.decode_steps  # at most PROFILE_TOKENS
+    request = engine.make_request(prompt, SamplingParams(max_new_tokens=tokens, ignore_eos=True))
+    report = profile_requests(engine, [request], steps, warmup, str(trace))
+    return {"trace": trace.name, **{key: report[key] for key in ("steps", "step_ms", "unprofiled_step_ms",
+                                                                  "breakdown", "work")}}
 
 
 def hf_decode(model, device: torch.device, prompt: list[int], new_tokens: int, repeats: int, static: bool) -> float:
@@ -461,6 +485,11 @@ def markdown(data: dict) -> str:
         speedup = f"{row['speedup_vs_hf']:.2f}x" if row.get("speedup_vs_hf") else "-"
         lines.append(f"| {row['shape']} | {row['name']} | {row['batch']} | {row['decode_tokens_per_s']:.1f} | "
                      f"{row['roofline_pct']} | {speedup} |")
+    for row in (row for row in data["rows"] if row.get("profile")):
+        profile = row["profile"]
+        shares = ", ".join(f"{part['category']} {part['ms']:.2f}" for part in profile["breakdown"] if part["ms"] > 0)
+        lines += ["", f"{row['shape']} {row['name']}, a profiled step: {profile['step_ms']:.2f} ms ({shares} ms; "
+                  f"trace {profile['trace']})"]
     batch = data["parts"].get("batch", {})
     if batch.get("rows"):
         lines += ["", f"batch-bench at qwen3-0.6b: {batch['arguments']['requests']} requests, output lengths "
@@ -508,9 +537,10 @@ def _row_main(argv: list[str] | None = None) -> int:
         parser.add_argument(flag, required=True)
     parser.add_argument("--new-tokens", type=int, required=True)
     parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--trace", type=Path)
     args = parser.parse_args(argv)
     loaded = load_model(args.checkpoint, device=args.device, dtype="bfloat16")
-    row = measure_row(loaded, Path(args.checkpoint), args.row, args.new_tokens, args.repeats, {})
+    row = measure_row(loaded, Path(args.checkpoint), args.row, args.new_tokens, args.repeats, {}, args.trace)
     Path(args.result).write_text(json.dumps(row))
     return 0
 

@@ -97,3 +97,19 @@ ERROR tests/kv/test_x.py - ImportError: nothing
     assert parse_test_outcomes(output.split("=====")[0]) == {
         "tests/engine/test_cuda.py::test_a[paged]": "PASSED", "tests/engine/test_cuda.py::test_b": "FAILED",
         "tests/quant/test_quant_cuda.py::test_c[int4-None-dtype0]": "SKIPPED"}
+
+
+def test_a_profiled_row_records_its_steps_and_a_trace(smoke, tmp_path):
+    """What `row_in_child` adds for PROFILED_ROWS, on an eager engine (the compiled rows' compile is the compiled
+    step's tests' business): the recorded steps' categories, which sum to the step, and the trace beside them."""
+    from inference_core import Engine, EngineConfig
+    from inference_core.bench.gpu_report import profile_engine
+    from inference_core.model.loader import load_model
+
+    loaded = load_model(str(smoke[3] / "qwen3-0.6b"), device="cpu", dtype="bfloat16")
+    engine = Engine(loaded, EngineConfig(kv_mode="paged", max_num_seqs=1, max_seq_len=256))
+    profile = profile_engine(engine, list(range(3, 19)), tmp_path / "trace.json.gz")
+    assert profile["steps"] == 16 and profile["trace"] == "trace.json.gz"
+    assert (tmp_path / "trace.json.gz").stat().st_size > 0
+    assert abs(sum(part["ms"] for part in profile["breakdown"]) - profile["step_ms"]) < 1e-6
+    assert engine.blocks_in_use() == 0

@@ -170,8 +170,8 @@ class LaneSettings:
              "the tokens read once after them; the host's work between steps (scheduling, sampling, streaming) then "
              "stops holding up a GPU, and tokens stream N at a time", flag="decode-steps",
         help="compiled decode, greedy: run up to N decode steps back to back, each step's token fed to the next on "
-             "the device, and read the tokens once after them (1: every step; a request waiting to start ends a "
-             "run early)", applies=("compile", bool), off_value=1)
+             "the device, and read the tokens once after them (1: every step; none runs while a request waits to "
+             "be admitted)", applies=("compile", bool), off_value=1)
     weights: str = _setting(
         "none", label="weights", widget="dropdown", choices=SCHEMES, labels=WEIGHTS_LABELS, flag="quant",
         help="weight-only quantization of the projections: int8 per output channel, int4 per group, awq: int4 per "

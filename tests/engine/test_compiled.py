@@ -67,8 +67,8 @@ def test_tiny_batches_match_eager_and_compile_once_per_bucket(tiny, kv_mode):
 
 def decode_steps_match_one_step_at_a_time(tiny, single: Engine, want: list[list[int]]) -> None:
     """The mixed requests with up to 5 compiled decode steps a host round trip (the graphs `single` compiled serve
-    them): the same greedy ids as `single`'s one step at a time (`want`; a request's own new-token count, and
-    requests still waiting, end a run early), in steps that ran several tokens each; a stop token met inside a run
+    them): the same greedy ids as `single`'s one step at a time (`want`; a request's own new-token count shortens a
+    run, and none runs while requests wait), in steps that ran several tokens each; a stop token met inside a run
     ends the request there, the rest dropped and its KV given back."""
     burst = Engine(tiny, replace(single.config, decode_steps=5))
     submitted = [burst.submit(ids, greedy(new_tokens)) for ids, new_tokens in mixed_requests()]

@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from inference_core.bench.batching import batch_bench, parse_output_lengths
+from inference_core.bench.profile import profile_requests, tokens_needed
 from inference_core.bench.prompts import load_prompts
 from inference_core.bench.speed import decode_bytes_per_step, forward_clock, load_hf_model, machine_info
 from inference_core.config import ConfigError, EngineConfig
@@ -379,8 +380,6 @@ def profile_engine(engine: Engine, prompt: list[int], trace: Path) -> dict:
     """A few of the engine's steps under the torch profiler (`profile_requests`, as `profile` records them): the
     mean step, its categories (on CUDA each category's kernel time and the time the device sat idle waiting for the
     host) and the Chrome trace written to `trace`."""
-    from inference_core.bench.profile import profile_requests, tokens_needed
-
     steps, warmup = (4, 1) if engine.config.decode_steps > 1 else (16, 2)
     tokens = tokens_needed(steps, warmup) * engine.config.decode_steps  # at most PROFILE_TOKENS
     request = engine.make_request(prompt, SamplingParams(max_new_tokens=tokens, ignore_eos=True))

@@ -465,8 +465,10 @@ class CompiledDecoder:
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(f"partial-{os.getpid()}-{path.name}")
             try:
+                # A copy: the call adds its own entries to the dict it is given, which would change this engine's
+                # package keys for its later buckets (and miss the disk cache at the next start).
                 torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
-                                                         inductor_configs=self._inductor_config)
+                                                         inductor_configs=dict(self._inductor_config))
             except Exception:  # a projection the template alone cannot take: every backend
                 if "max_autotune_gemm_backends" not in self._inductor_config:
                     raise

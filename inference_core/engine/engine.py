@@ -378,17 +378,17 @@ class Engine:
         return steps
 
     def _run_burst(self, work: list[ScheduledWork], steps: int, batch_size: int, finished: list[Request]) -> None:
-        """`steps` greedy decode steps of the work's requests back to back (`ModelRunner.run_greedy`), then each
-        step's tokens in order, as `steps` plain steps would have given them: a request that ends at one of them
-        (end of sequence, a stop string) drops the rest, whose KV goes back with its blocks. Each token is charged
-        an equal share of the burst's time."""
+        """`steps` greedy decode steps of the work's requests back to back (`CompiledDecoder.run_greedy`, in the KV
+        room `_burst_steps` made), then each step's tokens in order, as `steps` plain steps would have given them: a
+        request that ends at one of them (end of sequence, a stop string) drops the rest, whose KV goes back with its
+        blocks. Each token is charged an equal share of the burst's time."""
         requests = [w.request for w in work]
         for request in requests:
             self._mark_scheduled(request)
         started = time.perf_counter()
         compiled_before = self._compile_seconds()
         try:
-            tokens = self.runner.run_greedy([request.seq for request in requests], steps)
+            tokens = self.decoder.run_greedy([request.seq for request in requests], steps)
         except BaseException as error:
             for request in requests:
                 self._fail(request, error)

@@ -167,15 +167,6 @@ class ModelRunner:
             hidden[index] = flat[start:start + num_new_tokens[index]]
         return logits, hidden
 
-    def run_greedy(self, seqs: list[Sequence], steps: int) -> list[list[int]]:
-        """`steps` compiled decode steps of `seqs` back to back, each step's greedy token fed to the next on the
-        device (`CompiledDecoder.run_greedy`): the ids, [steps][len(seqs)]. The KV cache has room for them (the
-        caller checked `can_append`); nothing is committed: the caller commits each position once the token at it
-        is in the sequence."""
-        for seq in seqs:
-            self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + steps)
-        return self.decoder.run_greedy(seqs, steps)
-
     @torch.inference_mode()
     def run_tree(self, seq: Sequence, depths: list[int], tree_mask: torch.Tensor):
         """A tree verification forward. The last len(depths) tokens of `seq` are a draft tree in slot order: node i

@@ -182,6 +182,9 @@ class EngineConfig:
     # Compiled decode: up to this many steps back to back per host round trip for greedy requests, each step's token
     # fed to the next on the device (Engine._burst_steps says when); 1: one step, then the host reads its token.
     decode_steps: int = 1
+    # Compiled decode on an AVX-512 CPU: bf16 projections of up to 8 rows through our kernel (model.row_kernel);
+    # False: the matmuls inductor picks (the reference).
+    row_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:

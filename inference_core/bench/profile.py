@@ -80,6 +80,7 @@ OP_NAMES = (
 # projection): the first group with a word in the name wins.
 KERNEL_WORDS = (({"gemm", "mm", "bmm", "addmm", "linear", "int8pack", "int4pack"}, PROJECTIONS),
                 ({"softmax"}, ATTENTION), ({"rsqrt", "roll"}, NORMS))
+ROW_KERNEL = "inference_core::linear_rows"  # our projection kernel (model.row_kernel), called from the graph
 SAMPLING_OPS = {"softmax", "_softmax", "log_softmax", "_log_softmax", "argmax", "multinomial", "topk", "sort",
                 "cumsum", "exponential_"}  # outside the forward only (inside it softmax is attention's)
 
@@ -111,7 +112,10 @@ def kernel_category(name: str) -> str:
     """The category of a kernel inside a compiled graph, from the ops its name lists (KERNEL_WORDS), else the graph's:
     'graph_0_gemm_m1n3072k576_cpp_fused_..._mean_mm_mul_pow_rsqrt_5' is a projection, 'cpp_fused__softmax_...' is
     attention."""
-    words = set(name.rsplit("::", 1)[-1].split("_"))
+    if name == ROW_KERNEL:
+        return PROJECTIONS
+    # Inductor names a kernel after the ops whose outputs it reads too: our op's name in it is not a projection.
+    words = set(name.rsplit("::", 1)[-1].replace(ROW_KERNEL.split("::")[1], "").split("_"))
     return next((category for names, category in KERNEL_WORDS if words & names), COMPILED)
 
 

@@ -7,8 +7,10 @@ median over its runs. Decode tokens/s counts the tokens after the first over the
 last; TTFT is the prompt's prefill plus the first sampling (the paged prefix cache is emptied before each run so TTFT
 is a cold prompt). transformers is timed from inside `generate` by a stopping criterion that reads the clock after
 every token. `roofline_pct` is decode tokens/s as a percentage of the memory-bandwidth limit: the read bandwidth this
-script measures (summing a 1 GiB buffer) over the bytes one decode step must read (weights plus the KV of the
-average context).
+script measures (summing a 1 GiB buffer, the best of 5 sums) over the bytes one decode step must read (weights plus
+the KV of the average context). The bandwidth is probed before the runs and after every repeat, and the limit uses
+the probes' median: a shared host's bandwidth moves during a run (on the 2-core development VM, between about 30 and
+55 GB/s from one second to the next), and one probe taken at either moment would set the limit for the whole run.
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ def run_bench(args) -> int:
             print(f"bench: llama-bench absent: {error}", flush=True)
     print(f"bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, "
           f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens", flush=True)
-    bandwidth = measure_read_bandwidth(loaded.device)
+    probes = [measure_read_bandwidth(loaded.device)]  # and one after every repeat: their median sets the limit
     # 1. Warm-up: one short request per configuration, never timed.
     for run in runners.values():
         run(prompts[0][1], 8)
@@ -198,6 +200,7 @@ def run_bench(args) -> int:
             print(f"  repeat {repeat + 1}/{args.repeats}, {llama_bench_runs[-1]['name']}: tg "
                   f"{llama_bench_runs[-1]['decode_tokens_per_s']:.1f} tok/s, pp "
                   f"{llama_bench_runs[-1]['prefill_long_tokens_per_s']:.0f} tok/s", flush=True)
+        probes.append(measure_read_bandwidth(loaded.device))
     # 3. The long prompt's prefill: every row, cold, interleaved like the runs above.
     long_prefill: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(args.repeats if long_ids else 0):
@@ -207,6 +210,7 @@ def run_bench(args) -> int:
         print(f"  {len(long_ids)}-token prompt: " + ", ".join(
             f"{name} {statistics.median(rates):.0f}" for name, rates in long_prefill.items()) + " prefill tok/s")
     # 4. Medians, roofline and speed-up over transformers.
+    bandwidth = statistics.median(probes)
     mean_context = statistics.mean(len(ids) for _, ids in prompts) + args.max_new_tokens / 2
     limit = bandwidth / decode_bytes_per_step(loaded, mean_context)
     table = []
@@ -243,6 +247,7 @@ def run_bench(args) -> int:
     report = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "prompts": [prompt_id for prompt_id, _ in prompts], "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+              "read_bandwidth_probes_gb_s": [round(probe / 1e9, 2) for probe in probes],
               "roofline_tokens_per_s": round(limit, 1), "long_prompt_tokens": len(long_ids),
               "machine": machine_info(loaded.device), "rows": table,
               "ours_vs_peers": _ours_vs_peers(table, set(engines), peer_names)}
@@ -289,18 +294,21 @@ def resident_mib() -> float:
 
 def parse_config(name: str) -> tuple[EngineConfig, str]:
     """A bench row's name -> its engine config and weight quantization: a KV mode, with '+compile' for compiled
-    decode, '+stepsN' for N compiled decode steps a host round trip and '+int8' or '+int4' for quantized weights (e.g.
-    paged+compile+int8, paged+compile+steps8)."""
+    decode, '+stepsN' for N compiled decode steps a host round trip, '+inductor-mm' for compiled decode with the
+    matmuls inductor picks instead of our projection kernel (model.row_kernel) and '+int8' or '+int4' for quantized
+    weights (e.g. paged+compile+int8, paged+compile+steps8)."""
     kv_mode, *extras = name.split("+")
     quant = [extra for extra in extras if extra in ("int8", "int4")]
     steps = [int(extra[5:]) for extra in extras if re.fullmatch(r"steps\d+", extra)]
-    if any(extra not in ("compile", "int8", "int4") and not re.fullmatch(r"steps\d+", extra) for extra in extras) \
+    if any(extra not in ("compile", "int8", "int4", "inductor-mm") and not re.fullmatch(r"steps\d+", extra)
+           for extra in extras) \
             or len(quant) > 1 or len(steps) > 1 or len(set(extras)) < len(extras):
         raise ConfigError(f"unknown bench configuration {name!r}: use a KV mode (none, contiguous, paged), with "
-                          "'+compile' for compiled decode, '+stepsN' for N decode steps a round trip and '+int8' or "
-                          "'+int4' for quantized weights (e.g. paged+compile+int8).")
-    return (EngineConfig(kv_mode=kv_mode, compile="compile" in extras, decode_steps=steps[0] if steps else 1),
-            quant[0] if quant else "none")
+                          "'+compile' for compiled decode, '+stepsN' for N decode steps a round trip, '+inductor-mm' "
+                          "for inductor's matmuls instead of our projection kernel and '+int8' or '+int4' for "
+                          "quantized weights (e.g. paged+compile+int8).")
+    return (EngineConfig(kv_mode=kv_mode, compile="compile" in extras, decode_steps=steps[0] if steps else 1,
+                         row_kernel="inductor-mm" not in extras), quant[0] if quant else "none")
 
 
 def write_report(report: dict, path: str | None) -> None:
@@ -313,8 +321,10 @@ def write_report(report: dict, path: str | None) -> None:
 
 def format_table(report: dict) -> str:
     long = f"{report['long_prompt_tokens']}-token prompt" if report.get("long_prompt_tokens") else "no long prompt"
+    probes = report.get("read_bandwidth_probes_gb_s") or [report["read_bandwidth_gb_s"]]
     lines = [f"{report['model']} | {report['device']} | {report['dtype']} | read bandwidth "
-             f"{report['read_bandwidth_gb_s']} GB/s -> decode limit {report['roofline_tokens_per_s']} tok/s",
+             f"{report['read_bandwidth_gb_s']} GB/s (median of {len(probes)} probes, {min(probes)}-{max(probes)}) "
+             f"-> decode limit {report['roofline_tokens_per_s']} tok/s",
              f"| config | decode tok/s | vs transformers | TTFT ms | prefill tok/s | prefill tok/s ({long}) | "
              "roofline % |", "|---|---|---|---|---|---|---|"]
     for row in report["rows"]:

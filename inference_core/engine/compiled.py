@@ -27,7 +27,9 @@ Two ways to compile it (`CompiledDecoder(backend=...)`):
 
 - `aoti` (the CPU's default): `torch.export` of the step, with the key width as a dynamic dimension, compiled ahead
   of time by AOTInductor with the same inductor options (freezing, max-autotune) into a package on disk
-  (`compile_cache_dir()`), one per model, dtype, KV layout and batch bucket. A second start loads the package in
+  (`compile_cache_dir()`), one per model, dtype, KV layout and batch bucket. With the option `row_kernel` (the
+  default for bf16 projections on an AVX-512 CPU), the projections of buckets up to `row_kernel.MAX_ROWS` run
+  through our kernel (`model.row_kernel`) instead of the matmul inductor picks. A second start loads the package in
   a few seconds instead of compiling again: `torch.compile` cannot keep a frozen graph in its own caches (its
   prepacked oneDNN weights do not pickle), so it rebuilt the graph each start (about 70% of a first compile). Measured
   on the bundled model, fp32, batch 1: the same step time as `torch.compile` with those options (23.7 vs 23.6 ms).
@@ -53,7 +55,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_core.config import ConfigError
-from inference_core.model.llama import CausalLM, model_fingerprint
+from inference_core.model import row_kernel
+from inference_core.model.llama import CausalLM, Linear, model_fingerprint
 from inference_core.model.paths import cache_root
 
 # Inductor options for the CPU decode step, the fastest of those measured by
@@ -241,7 +244,16 @@ class CompiledDecoder:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown compile backend {self.backend!r}; one of {', '.join(BACKENDS)}")
         self.options = dict(options if options is not None else default_options(device, model))
+        # Our projection kernel, where asked and where it runs (AOTInductor only: it is chosen while exporting).
+        self.row_kernel_off = None if self.options.get("row_kernel") else "not asked for"
+        started = time.perf_counter()
+        if self.row_kernel_off is None:
+            self.row_kernel_off = ("it is chosen while exporting (the aoti backend)" if self.backend != "aoti"
+                                   else row_kernel.unavailable())  # built on a machine's first start: about 30 s
+        if self.row_kernel_off is not None:
+            self.options.pop("row_kernel", None)
         self.stats = CompileStats(mode=describe_options(device, self.options, self.backend))
+        self.stats.warmup_s += time.perf_counter() - started
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir() / "inductor"))
         model.rope_tables(model.embed_tokens.weight.dtype)  # built now: a graph traced before would be rebuilt after
         self.step = DecodeGraph(model, self.paged, self.block_size,
@@ -249,7 +261,8 @@ class CompiledDecoder:
         # Inductor options are applied as a config patch around each call, not through torch.compile(options=...):
         # freezing (weights as constants, prepacked for oneDNN) is decided outside what `options` patches, and
         # measured no faster than no freezing when passed that way.
-        self._inductor_config = {name: value for name, value in self.options.items() if name != "mode"}
+        self._inductor_config = {name: value for name, value in self.options.items()
+                                 if name not in ("mode", "row_kernel")}
         if self.backend == "torch.compile":
             # Dynamo keeps the graphs of one function together and stops compiling past `recompile_limit` of them;
             # every engine's buckets (and every model, KV layout and pool size) are separate graphs of the step.
@@ -461,7 +474,8 @@ class CompiledDecoder:
         with torch.inference_mode(False), torch.no_grad():
             # Shapes are what export needs: the values are not read, the cache tensors are not copied.
             example = tuple(torch.zeros_like(t) if t.numel() < 1 << 20 else torch.empty_like(t) for t in args)
-            program = torch.export.export(self.step, example, dynamic_shapes=dynamic)
+            with row_kernel.tracing("row_kernel" in self.options):
+                program = torch.export.export(self.step, example, dynamic_shapes=dynamic)
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(f"partial-{os.getpid()}-{path.name}")
             try:
@@ -489,7 +503,7 @@ class CompiledDecoder:
         digest = hashlib.blake2b(digest_size=12)
         for part in (model_fingerprint(self.model), _CODE_FINGERPRINT, torch.__version__, self.device.type,
                      torch.backends.cpu.get_cpu_capability(), self.paged, self.block_size, self.max_width,
-                     sorted(self._inductor_config.items()), shapes):
+                     sorted(self.options.items()), shapes):
             digest.update(repr(part).encode())
         return digest.hexdigest()
 
@@ -521,9 +535,9 @@ BACKENDS = ("aoti", "torch.compile")
 _PACKAGE_LOCK = threading.Lock()
 # Loaded packages by key, shared by the engines of one process while any of them holds one.
 _LOADED_PACKAGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_CODE_FINGERPRINT = hashlib.blake2b(
-    (inspect.getsource(sys.modules[CausalLM.__module__]) + inspect.getsource(sys.modules[__name__])).encode(),
-    digest_size=12).hexdigest()
+_CODE_FINGERPRINT = hashlib.blake2b(  # the model, this module and our kernel's (whose packed weights a package holds)
+    "".join(inspect.getsource(module) for module in (sys.modules[CausalLM.__module__], sys.modules[__name__],
+                                                      row_kernel)).encode(), digest_size=12).hexdigest()
 
 
 def trim_compile_cache(limit_gb: float | None = None) -> None:
@@ -553,9 +567,13 @@ def default_options(device: torch.device, model: nn.Module | None = None) -> dic
         # split_reductions off: on CUDA inductor splits the softmax over the key width, and a split needs that width
         # as a constant (torch 2.11 on an H100 specialized it to 128 and refused the dynamic width).
         return {"mode": "reduce-overhead", "coordinate_descent_tuning": True, "split_reductions": False}
+    options = dict(CPU_OPTIONS)
     if model is not None and any(getattr(module, "scheme", None) == "int8" for module in model.modules()):
-        return {**CPU_OPTIONS, **INT8_CPU_OPTIONS}
-    return dict(CPU_OPTIONS)
+        options.update(INT8_CPU_OPTIONS)
+    if model is not None and any(isinstance(module, Linear) and module.weight.dtype == torch.bfloat16
+                                 for module in model.modules()):
+        options["row_kernel"] = True  # used where it can run (`CompiledDecoder.row_kernel_off` says why not)
+    return options
 
 
 def describe_options(device: torch.device, options: dict, backend: str) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from inference_core.config import ConfigError, EngineConfig
-from inference_core.engine.compiled import CompiledDecoder, compile_unavailable
+from inference_core.engine.compiled import CompiledDecoder, compile_unavailable, default_options
 from inference_core.engine.lens import prompt_logprobs
 from inference_core.engine.request import FinishEvent, GenerationStats, Request, StopGeneration, TokenEvent
 from inference_core.engine.runner import ModelRunner
@@ -98,8 +98,11 @@ class Engine:
         if config.compile:
             if (reason := compile_unavailable(loaded.device)) is not None:
                 raise ConfigError(f"compiled decode is not available here: {reason}; run without compile.")
+            options = default_options(loaded.device, loaded.model)
+            if not config.row_kernel:
+                options.pop("row_kernel", None)
             self.decoder = CompiledDecoder(loaded.model, self.kv_cache, loaded.device, config.max_num_seqs,
-                                           self.max_seq_len)
+                                           self.max_seq_len, options)
         self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device, self.decoder)
         self.scheduler = Scheduler(self.kv_cache, config.batching, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.chunked_prefill, config.batch_window_ms)

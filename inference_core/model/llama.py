@@ -28,6 +28,7 @@ from torch._C._profiler import _RecordFunctionFast
 from torch.autograd import profiler as autograd_profiler
 
 from inference_core.config import ModelConfig
+from inference_core.model import row_kernel
 
 
 _NO_RANGE = contextlib.nullcontext()
@@ -94,6 +95,8 @@ class Linear(nn.Module):
             self.use_in_out_layout(keep_out_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.in_out and row_kernel.takes(x, self.weight):  # exporting a compiled decode step (row_kernel)
+            return row_kernel.linear(x, self.weight, self.bias)
         if self.packed is not None and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if not self.in_out:

@@ -18,7 +18,7 @@ import torch
 from conftest import assert_same_or_near_tie, compiled_matches_eager, mixed_requests
 from tiny_models import build_tiny_model, prompt, run_to_end
 
-from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
+from inference_core import ConfigError, Engine, EngineConfig, SamplingParams, load_model
 from inference_core.cli import main
 from inference_core.engine import compiled as compiled_module
 from inference_core.engine.compiled import batch_buckets, compile_unavailable
@@ -152,10 +152,13 @@ def test_compile_needs_a_kv_cache_and_a_compiler(tiny, monkeypatch):
     Engine(tiny, EngineConfig(kv_mode="paged"))  # eager still runs
 
 
-def test_bundled_greedy_compiled_equals_eager(bundled, bench_prompts):
-    """The bundled model, fp32, paged (the app's mode): three benchmark prompts (chat, code, a long grounded one), 128
-    new tokens, one at a time (batch 1). Each batch bucket is a compile of one to two minutes here, so batches are
-    the tiny model's test, which covers every bucket of both cache kinds."""
+def test_bundled_greedy_compiled_equals_eager(bench_prompts):
+    """The bundled model in bf16 (what `--dtype auto` picks on a CPU with native bf16 math; on an AVX-512 CPU its
+    projections run through our kernel, `model.row_kernel`), paged (the app's mode): three benchmark prompts (chat,
+    code, a long grounded one), 128 new tokens, one at a time (batch 1). Each batch bucket is a compile of one to two
+    minutes here, so batches are the tiny model's test, which covers every bucket of both cache kinds (in fp32)."""
+    torch.manual_seed(0)
+    bundled = load_model("bundled", device="cpu", dtype="bfloat16")
     ids = ["chat-short-1", "code-2", "long-2"]
     settings = dict(kv_mode="paged", max_seq_len=1024, max_num_seqs=1)
     eager = Engine(bundled, EngineConfig(**settings))
@@ -167,6 +170,7 @@ def test_bundled_greedy_compiled_equals_eager(bundled, bench_prompts):
         assert_same_or_near_tie(bundled, p, want, compiled.complete(p, greedy(128)).token_ids)
     stats = compiled.compile_stats()
     assert (stats["graphs"], stats["recompiles"]) == (1, 0)
+    assert ("row-kernel" in stats["mode"]) == (compiled.decoder.row_kernel_off is None)
 
 
 def test_a_second_start_loads_the_compiled_step_from_disk(tiny):

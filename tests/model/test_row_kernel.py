@@ -1,0 +1,94 @@
+"""Our projection kernel for compiled bf16 decode on AVX-512 CPUs (`inference_core.model.row_kernel`): the op against
+an fp32 matmul of the same bf16 values, which projections it takes, and where it stays off. The compiled step that
+calls it is checked on the bundled model against eager (tests/engine/test_compiled.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import build_tiny_model
+
+import inference_core
+from inference_core import Engine, EngineConfig
+from inference_core.engine.compiled import compile_unavailable
+from inference_core.model import row_kernel
+
+
+
+@pytest.fixture(scope="module")
+def reason() -> str | None:
+    """Why the op cannot run here (built on first use: about 30 s once per machine), None where it can."""
+    return row_kernel.unavailable() if compile_unavailable(torch.device("cpu")) is None else "no C++ compiler"
+
+
+@pytest.fixture
+def op(reason):
+    if reason is not None:
+        pytest.skip(f"the op cannot run here: {reason}")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 40), (577, 576), (7, 1536)])
+def test_the_op_equals_an_fp32_matmul_rounded_to_bf16(op, rows, out_features, in_features):
+    """Every row count it takes, output features that fill no whole block of 48, any input width: the fp32 sums of
+    the bf16 products, rounded once to bf16 (within the rounding of two orders of summation)."""
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    got = torch.ops.inference_core.linear_rows(x, row_kernel.pack(weight), out_features)
+    want = x.float() @ weight.float().t()
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    # one bf16 rounding (half an ulp: 2^-8 relative) plus the fp32 order of summation
+    assert torch.allclose(got.float(), want, rtol=2 ** -8, atol=1e-4 * in_features ** 0.5)
+    assert torch.allclose(got.float(), F.linear(x, weight).float(), rtol=2 ** -7, atol=1e-4 * in_features ** 0.5)
+
+
+def test_the_op_refuses_a_weight_that_is_not_packed(op):
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="row_kernel.pack"):
+        torch.ops.inference_core.linear_rows(x, torch.randn(48, 64).to(torch.bfloat16), 48)
+
+
+def test_pack_lays_out_blocks_of_48_output_features():
+    weight = torch.arange(50 * 3, dtype=torch.float32).view(50, 3)
+    packed = row_kernel.pack(weight)
+    assert packed.shape == (2, 3, 48)
+    assert torch.equal(packed[0, :, 5], weight[5]) and torch.equal(packed[1, :, 1], weight[49])
+    assert not packed[1, :, 2:].any()  # padding
+
+
+def test_it_takes_few_bf16_rows_and_only_while_tracing():
+    weight = torch.zeros(8, 4, dtype=torch.bfloat16)
+    rows = [torch.zeros(n, 4, dtype=torch.bfloat16) for n in (1, row_kernel.MAX_ROWS, row_kernel.MAX_ROWS + 1)]
+    assert not row_kernel.takes(rows[0], weight)  # not tracing
+    with row_kernel.tracing(True):
+        assert [row_kernel.takes(x, weight) for x in rows] == [True, True, False]
+        assert not row_kernel.takes(rows[0].float(), weight.float())
+        assert not row_kernel.takes(rows[0][None], weight)  # 3-D
+    with row_kernel.tracing(False):
+        assert not row_kernel.takes(rows[0], weight)
+
+
+def test_it_is_refused_without_avx512(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert "AVX-512" in row_kernel._build.__wrapped__()
+
+
+@pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
+def test_compiled_decode_uses_it_for_bf16_unless_switched_off(tiny_bf16, reason):
+    """The default options ask for it with bf16 weights (where it cannot run, the decoder says why and leaves it out);
+    EngineConfig(row_kernel=False) keeps inductor's matmuls, under a package key of its own."""
+    on = Engine(tiny_bf16, EngineConfig(kv_mode="paged", compile=True, max_num_seqs=1)).decoder
+    off = Engine(tiny_bf16, EngineConfig(kv_mode="paged", compile=True, max_num_seqs=1, row_kernel=False)).decoder
+    assert ("row-kernel" in on.stats.mode) == (reason is None) and on.row_kernel_off == reason
+    assert "row-kernel" not in off.stats.mode and off.row_kernel_off == "not asked for"
+    args = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    assert (on._package_key(args) != off._package_key(args)) == (reason is None)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama-bf16")
+    build_tiny_model(directory)
+    return inference_core.load_model(str(directory), device="cpu", dtype="bfloat16")

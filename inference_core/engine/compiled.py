@@ -249,7 +249,7 @@ class CompiledDecoder:
         started = time.perf_counter()
         if self.row_kernel_off is None:
             self.row_kernel_off = ("it is chosen while exporting (the aoti backend)" if self.backend != "aoti"
-                                   else row_kernel.unavailable())  # built on a machine's first start: about 30 s
+                                   else row_kernel.unavailable())  # built on a machine's first start: about 35 s
         if self.row_kernel_off is not None:
             self.options.pop("row_kernel", None)
         self.stats = CompileStats(mode=describe_options(device, self.options, self.backend))

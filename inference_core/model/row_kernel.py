@@ -13,11 +13,11 @@ of bf16 widened to fp32 (a shift) and one fused multiply-add per input row into 
 at the end (the sums of F.linear in bf16, in another order). Up to `MAX_ROWS` input rows share each pass over a block.
 
 It is a torch custom op, `torch.ops.inference_core.linear_rows(x, packed, out_features)`, built from the C++ below
-the first time it is needed (about half a minute, once per machine: the build is kept in the local cache) with the
-compiler inductor uses anyway. `tracing(True)` around an export makes `model.llama.Linear` call it for inputs it
-takes (`takes`); the pack is then part of the graph, on a weight that freezing made a constant, so the compiler folds
-it into the package once. Where it cannot run (no AVX-512, not bf16, more rows, a failed build: `unavailable`), the
-projection stays `F.linear`, whose kernels inductor picks itself.
+the first time it is needed (about 35 s on the 2-core host, once per machine: the build is kept in the local cache)
+with the compiler inductor uses anyway (and ninja, a pinned requirement). `tracing(True)` around an export makes
+`model.llama.Linear` call it for inputs it takes (`takes`); the pack is then part of the graph, on a weight that
+freezing made a constant, so the compiler folds it into the package once. Where it cannot run (no AVX-512, not bf16,
+more rows, a failed build: `unavailable`), the projection stays `F.linear`, whose kernels inductor picks itself.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def unavailable() -> str | None:
     """Why the op cannot run here (None: it is built and registered). Builds it the first time on a machine (about
-    30 s) into the local cache, in a directory named after the source, the flags and torch's version; loads that
+    35 s) into the local cache, in a directory named after the source, the flags and torch's version; loads that
     build later. Engines started at once (two race lanes) wait for one build."""
     with _BUILD_LOCK:
         return _build()

@@ -18,7 +18,7 @@ from inference_core.model import row_kernel
 
 @pytest.fixture(scope="module")
 def reason() -> str | None:
-    """Why the op cannot run here (built on first use: about 30 s once per machine), None where it can."""
+    """Why the op cannot run here (built on first use: about 35 s once per machine), None where it can."""
     return row_kernel.unavailable() if compile_unavailable(torch.device("cpu")) is None else "no C++ compiler"
 
 

@@ -244,16 +244,19 @@ class CompiledDecoder:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown compile backend {self.backend!r}; one of {', '.join(BACKENDS)}")
         self.options = dict(options if options is not None else default_options(device, model))
-        # Our projection kernel, where asked and where it runs (AOTInductor only: it is chosen while exporting).
-        self.row_kernel_off = None if self.options.get("row_kernel") else "not asked for"
+        # Our projection kernel, where asked and where it runs (AOTInductor only: it is chosen while exporting). Its
+        # build, on a machine's first start (about 35 s), counts as warm-up.
         started = time.perf_counter()
-        if self.row_kernel_off is None:
-            self.row_kernel_off = ("it is chosen while exporting (the aoti backend)" if self.backend != "aoti"
-                                   else row_kernel.unavailable())  # built on a machine's first start: about 35 s
+        if not self.options.get("row_kernel"):
+            self.row_kernel_off = "not asked for"
+        elif self.backend != "aoti":
+            self.row_kernel_off = "it is chosen while exporting (the aoti backend)"
+        else:
+            self.row_kernel_off = row_kernel.unavailable()
         if self.row_kernel_off is not None:
             self.options.pop("row_kernel", None)
-        self.stats = CompileStats(mode=describe_options(device, self.options, self.backend))
-        self.stats.warmup_s += time.perf_counter() - started
+        self.stats = CompileStats(mode=describe_options(device, self.options, self.backend),
+                                  warmup_s=time.perf_counter() - started)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir() / "inductor"))
         model.rope_tables(model.embed_tokens.weight.dtype)  # built now: a graph traced before would be rebuilt after
         self.step = DecodeGraph(model, self.paged, self.block_size,

@@ -32,7 +32,7 @@ from inference_core.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from inference_core.config import ConfigError, EngineConfig
 from inference_core.engine.engine import Engine
 from inference_core.model.checkpoint import resolve_model_dir
-from inference_core.model.dtype_choice import cpu_name
+from inference_core.model.dtype_choice import cpu_details, cpu_name
 from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
 from inference_core.quant.linear import QuantConfig, weight_bytes
 from inference_core.quant.quantize import quantize
@@ -348,7 +348,8 @@ def _cell(value: float | None) -> str:
 def machine_info(device: torch.device) -> dict:
     info = {"platform": platform.platform(), "processor": cpu_name(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx": torch.cpu._is_amx_tile_supported()}
+            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx": torch.cpu._is_amx_tile_supported(),
+            "cpu": cpu_details()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info

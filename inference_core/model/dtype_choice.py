@@ -156,3 +156,24 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_details() -> dict:
+    """What tells hosts with the same model name apart (a VM often shows only 'AMD EPYC'): the CPU's family and model
+    numbers (/proc/cpuinfo; family 25 is AMD's Zen 3 and 4, 26 Zen 5) and its data cache sizes per level (/sys), where
+    Linux shows them; empty elsewhere."""
+    details = {}
+    try:
+        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        fields = {key.strip(): value.strip() for key, _, value in (line.partition(":")
+                                                                   for line in first_cpu.splitlines())}
+        details["family_model"] = f"{fields['cpu family']}/{fields['model']}"
+    except (OSError, KeyError):
+        pass
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "type").read_text().strip() in ("Data", "Unified"):
+                details[f"L{(index / 'level').read_text().strip()}"] = (index / "size").read_text().strip()
+        except OSError:
+            continue
+    return details

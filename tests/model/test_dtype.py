@@ -144,3 +144,23 @@ def test_the_bf16_matmul_decode_attention_agrees_with_fp32_sdpa_and_ignores_mask
     past = ~mask[:, 0, 0, :]  # [decodes, keys]: past each sequence's length (padding in the gathered buffer)
     gathered_k[past], gathered_v[past] = 1e4, -1e4  # finite, as the zeroed pool guarantees
     assert torch.equal(attend_decodes_matmul(q, k, v, mask, 0.25), out)
+
+
+def test_cpu_details_read_the_family_and_the_caches_where_linux_shows_them(tmp_path, monkeypatch):
+    """A VM that names its CPU only 'AMD EPYC' still tells Zen 4 (family 25) from Zen 5 (26) apart, and its caches."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n\n"
+                       "processor\t: 1\ncpu family\t: 99\nmodel\t\t: 9\n")
+    cache = tmp_path / "cache"
+    levels = [(1, "Data", "48K"), (1, "Instruction", "32K"), (3, "Unified", "32768K")]
+    for index, (level, kind, size) in enumerate(levels):
+        (cache / f"index{index}").mkdir(parents=True)
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (cache / f"index{index}" / name).write_text(f"{value}\n")
+    real_path = dtype_choice.Path
+    paths = {"/proc/cpuinfo": cpuinfo, "/sys/devices/system/cpu/cpu0/cache": cache}
+    monkeypatch.setattr(dtype_choice, "Path", lambda name: paths.get(name) or real_path(name))
+    assert dtype_choice.cpu_details() == {"family_model": "26/2", "L1": "48K", "L3": "32768K"}
+    paths["/proc/cpuinfo"] = tmp_path / "absent"
+    paths["/sys/devices/system/cpu/cpu0/cache"] = tmp_path / "absent"
+    assert dtype_choice.cpu_details() == {}

@@ -39,6 +39,8 @@ from server.app import create_app
 from serving.policy import ServePolicy
 from serving.pool import DEFAULT_MAX_RUN_S, EnginePool
 
+SHUTDOWN_GRACE_S = 5  # seconds a stop waits for open requests (a page's stream stays open while the page does)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
@@ -137,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     mode = "public mode" if pool.policy.public else "private mode"
     print(f"Serving the playground and its OpenAI-compatible API ({mode}) at http://{args.host}:{args.port} "
           f"(API base http://{args.host}:{args.port}/v1)", flush=True)
-    uvicorn.run(create_app(demo, pool), host=args.host, port=args.port, log_level="warning")
+    # A stop (Ctrl-C, or a host's SIGTERM) waits for open requests this long, then closes them: an open page holds a
+    # streaming connection that would otherwise keep the server up until the host kills it.
+    uvicorn.run(create_app(demo, pool), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import app
 import ui
 from ui.race_table import NUMBER_LABELS, SUMMARY_COLUMNS
 from serving.pool import EnginePool
@@ -67,8 +68,15 @@ def fresh_app(bundled, request):
         assert process.poll() is None, "app.py exited during start-up"
         yield f"http://127.0.0.1:{port}/"
     finally:
+        # A host's stop (SIGTERM) ends it within its grace period, even with a page still open (that page's stream
+        # kept it up until the host killed it, before app.SHUTDOWN_GRACE_S).
         process.terminate()
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=app.SHUTDOWN_GRACE_S + 15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            pytest.fail(f"app.py was still up {app.SHUTDOWN_GRACE_S + 15} s after SIGTERM")
 
 
 def _open(browser, url):
@@ -178,7 +186,11 @@ def _assert_numbers_agree(page) -> dict[str, dict]:
     (_, ttft_a, decode_a), (_, ttft_b, decode_b) = shown["A"]["table"], shown["B"]["table"]
     line = page.locator("#race-summary-notes .race-speedup")
     ttft_clause = line.locator('[data-figure="ttft"]')
-    assert float(ttft_clause.get_attribute("data-ratio")) == pytest.approx(ttft_b / ttft_a, rel=0.02, abs=0.01)
+    # The ratio comes from unrounded times, the shown TTFTs are whole ms: each is off by up to half a ms (on a fast
+    # host, a 13 ms TTFT shown as 13 is up to 3.8% off), so the ratio of the shown ones by up to the sum of both.
+    rounding = 0.5 / max(ttft_a, 1) + 0.5 / max(ttft_b, 1)
+    assert float(ttft_clause.get_attribute("data-ratio")) == pytest.approx(ttft_b / ttft_a, rel=rounding + 0.01,
+                                                                           abs=0.01)
     ttft_ratio = float(ttft_clause.get_attribute("data-ratio"))  # a ratio that rounds to 1.00x reads "the same"
     # The ratio comes from unrounded times, so two TTFTs shown as the same whole ms may still read 1.01x sooner.
     assert ("same" if round(ttft_ratio, 2) == 1.0 else "sooner" if ttft_ratio > 1 else "later") \
@@ -288,7 +300,7 @@ def test_first_race_after_a_fresh_start_measures_like_the_second(fresh_app, brow
     # Lane B (no KV cache) does the same work in both races; lane A's second race reuses this visitor's own blocks.
     assert 1 / FIRST_RACE_TOLERANCE <= ttft_b[0] / ttft_b[1] <= FIRST_RACE_TOLERANCE, ttft_b
     assert prompts_a == [(41, 0, 41), (41, 32, 9)]  # prompt tokens, from prefix cache, computed
-    page.close()
+    # The page stays open: `fresh_app` then checks that an open page does not keep app.py up after a stop.
 
 
 def test_bad_input_gets_a_message_in_the_page(served, browser):

@@ -39,6 +39,7 @@ Two ways to compile it (`CompiledDecoder(backend=...)`):
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import inspect
 import os
@@ -47,6 +48,7 @@ import sys
 import threading
 import time
 import weakref
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,6 +276,7 @@ class CompiledDecoder:
             self._graph_counter = torch._dynamo.utils.counters["stats"]  # "unique_graphs": graphs dynamo has traced
             self.graph = torch.compile(self.step, fullgraph=True, dynamic=False, mode=self.options.get("mode"))
         self._programs: dict[int, object] = {}  # aoti: bucket -> loaded package
+        self._package_paths: set[Path] = set()  # aoti: the files of the packages this engine has loaded
         self._ready_buckets: set[int] = set()  # buckets whose graph has run in this engine
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -452,11 +455,12 @@ class CompiledDecoder:
         process (by another engine with the same model and shapes), loaded from the disk cache, or exported, compiled
         and written there first."""
         key = self._package_key(args)
+        path = compile_cache_dir() / f"decode-{key}.pt2"
+        self._package_paths.add(path)
         with _PACKAGE_LOCK:
             program = _LOADED_PACKAGES.get(key)
             if program is not None:
                 return program
-            path = compile_cache_dir() / f"decode-{key}.pt2"
             if path.exists():
                 self.stats.from_disk += 1
                 os.utime(path)  # recently used: kept when the cache is trimmed
@@ -513,6 +517,27 @@ class CompiledDecoder:
     def ready(self, batch_size: int) -> bool:
         """Whether the graph of `batch_size`'s bucket has run once (compiled, or found compiled) in this engine."""
         return self.bucket_for(batch_size) in self._ready_buckets
+
+    def weight_memory(self) -> list[torch.Tensor]:
+        """The memory this engine's compiled steps read their weights from, in place: int64 views of this process's
+        readable mappings of each loaded package's shared library, whose constants are the frozen (and packed) weights.
+        `bench` times a sum over them beside its 1 GiB probe, since on a VM the two can lie in memory of different
+        speed. Empty where Linux's /proc/self/maps is absent, and for the torch.compile backend (no package)."""
+        libraries = set()
+        for path in self._package_paths:
+            with zipfile.ZipFile(path) as package:
+                libraries.update(Path(name).name for name in package.namelist() if name.endswith(".so"))
+        try:
+            lines = Path("/proc/self/maps").read_text().splitlines()
+        except OSError:
+            return []
+        views = []
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and Path(fields[5]).name in libraries and fields[1].startswith("r"):
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                views.append(torch.frombuffer((ctypes.c_char * (end - start)).from_address(start), dtype=torch.int64))
+        return views
 
     def _store(self, new_k, new_v, seqs, positions: list[int], position_tensor, read_index) -> None:
         """Write each layer's new k/v ([layers, B, kv_heads, d]) at the sequences' positions."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from inference_core.cli import main
 from inference_core.engine import compiled as compiled_module
 from inference_core.engine.compiled import batch_buckets, compile_unavailable
 from inference_core.model.llama import model_fingerprint
+from inference_core.roofline import read_rate
 
 pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None,
                                 reason=f"{compile_unavailable(torch.device('cpu'))}")
@@ -130,7 +132,30 @@ def test_bench_has_compiled_rows_with_their_warm_up(tiny, tmp_path):
     compiled = rows["paged+compile"]
     assert compiled["compile_warmup_s"] > 0 and compiled["compile"]["recompiles"] == 0
     assert compiled["decode_tokens_per_s"] > 0 and compiled["roofline_pct"] > 0
+    # The limit again at the rate its package's weights read in place (Linux shows the mappings), measured at the
+    # same moments as the 1 GiB probes: one before the runs, one after the repeat.
+    if Path("/proc/self/maps").exists():
+        assert len(compiled["weights_read_probes_gb_s"]) == 2 and compiled["weights_read_gb_s"] > 0
+        bandwidth = json.loads(path.read_text())["read_bandwidth_gb_s"]
+        assert compiled["roofline_pct_weights"] == pytest.approx(  # the same bytes a step, at the other rate
+            compiled["roofline_pct"] * bandwidth / compiled["weights_read_gb_s"], rel=0.05, abs=0.1)
+    assert "weights_read_gb_s" not in rows["paged"]
     assert main(["bench", "--model", tiny.name, "--configs", "paged+fast", "--no-hf"]) == 2  # unknown suffix
+
+
+def test_weight_memory_is_the_loaded_package_read_in_place(tiny):
+    """What `bench` probes beside its 1 GiB buffer: the mappings of the package's library, which hold the weights
+    (frozen into constants), none before a package is loaded."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("no /proc/self/maps here")
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", max_num_seqs=1, compile=True))
+    assert engine.decoder.weight_memory() == []
+    engine.warm_up_compiled()
+    views = engine.decoder.weight_memory()
+    weights = sum(parameter.numel() * parameter.element_size() for parameter in tiny.model.parameters())
+    assert views and all(view.dtype == torch.int64 for view in views)
+    assert sum(view.numel() * 8 for view in views) >= weights
+    assert read_rate(views, repeats=2) > 0
 
 
 def test_generate_compile_flag(tiny, capsys):

@@ -10,10 +10,10 @@ every token. `roofline_pct` is decode tokens/s as a percentage of the memory-ban
 script measures (summing a 1 GiB buffer, the best of 5 sums) over the bytes one decode step must read (weights plus
 the KV of the average context). The bandwidth is probed before the runs and after every repeat, and the limit uses
 the probes' median: a shared host's bandwidth moves during a run (on the 2-core development VM, between about 30 and
-80 GB/s), and one probe taken at either moment would set the limit for the whole run. On such a VM the memory a
-fresh buffer gets can also read faster than the memory the weights lie in, so a compiled row adds
+80 GB/s), and one probe taken at either moment would set the limit for the whole run. A compiled row adds
 `roofline_pct_weights`: the same limit at the rate a sum over its package's weights, read in place, reaches at the
-same moments (`CompiledDecoder.weight_memory`; `weights_read_gb_s`, the median of those probes).
+same moments (`CompiledDecoder.weight_memory`; `weights_read_gb_s`, the median of those probes), since at one moment
+the weights' memory and a fresh buffer read up to about 25% apart, in either direction, on that VM.
 """
 
 from __future__ import annotations
@@ -188,9 +188,8 @@ def run_bench(args) -> int:
           f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens", flush=True)
     probes = [measure_read_bandwidth(loaded.device)]  # and one after every repeat: their median sets the limit
     # A compiled row's weights where its package holds them, read in place at the same moments (`weight_memory`).
-    weight_views = {name: engine.decoder.weight_memory() for name, engine in engines.items()
-                    if engine.decoder is not None}
-    weight_views = {name: views for name, views in weight_views.items() if views}
+    weight_views = {name: views for name, engine in engines.items()
+                    if engine.decoder is not None and (views := engine.decoder.weight_memory())}
     weight_probes = {name: [read_rate(views)] for name, views in weight_views.items()}
     # 1. Warm-up: one short request per configuration, never timed.
     for run in runners.values():

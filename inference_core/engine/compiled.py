@@ -521,8 +521,8 @@ class CompiledDecoder:
     def weight_memory(self) -> list[torch.Tensor]:
         """The memory this engine's compiled steps read their weights from, in place: int64 views of this process's
         readable mappings of each loaded package's shared library, whose constants are the frozen (and packed) weights.
-        `bench` times a sum over them beside its 1 GiB probe, since on a VM the two can lie in memory of different
-        speed. Empty where Linux's /proc/self/maps is absent, and for the torch.compile backend (no package)."""
+        `bench` times a sum over them beside its 1 GiB probe: on the 2-core VM the two read up to about 25% apart at
+        one moment. Empty where Linux's /proc/self/maps is absent, and for the torch.compile backend (no package)."""
         libraries = set()
         for path in self._package_paths:
             with zipfile.ZipFile(path) as package:

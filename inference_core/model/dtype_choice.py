@@ -147,29 +147,27 @@ def _key(config: ModelConfig) -> str:
     return " | ".join(host + shape)
 
 
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo ('model name', 'cpu family', ...); empty where there is none."""
+    try:
+        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
+
+
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_details() -> dict:
     """What tells hosts with the same model name apart (a VM often shows only 'AMD EPYC'): the CPU's family and model
     numbers (/proc/cpuinfo; family 25 is AMD's Zen 3 and 4, 26 Zen 5) and its data cache sizes per level (/sys), where
     Linux shows them; empty elsewhere."""
-    details = {}
-    try:
-        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-        fields = {key.strip(): value.strip() for key, _, value in (line.partition(":")
-                                                                   for line in first_cpu.splitlines())}
-        details["family_model"] = f"{fields['cpu family']}/{fields['model']}"
-    except (OSError, KeyError):
-        pass
+    fields = _cpuinfo()
+    details = {"family_model": f"{fields['cpu family']}/{fields['model']}"} \
+        if "cpu family" in fields and "model" in fields else {}
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
             if (index / "type").read_text().strip() in ("Data", "Unified"):

@@ -43,6 +43,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -276,7 +277,7 @@ def decode_part(report: Report, shapes: list[str], device: torch.device, work: P
         try:
             if compiled:
                 cap = min(deadline - time.perf_counter(), max(3 * need, 60.0))
-                trace = report.out / f"trace-{shape}-{name}.json.gz" if name in PROFILED_ROWS else None
+                trace = report.out / trace_file(shape, name) if name in PROFILED_ROWS else None
                 row = row_in_child(directory, name, device, new_tokens, repeats, cap, trace)
             else:
                 if shape not in loaded:  # the previous shape's model goes first
@@ -374,6 +375,12 @@ def ours_decode(loaded, name: str, prompt: list[int], new_tokens: int, repeats: 
     engine.complete(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
     rates = [engine.complete(prompt, params).stats.decode_tokens_per_s for _ in range(repeats)]
     return statistics.median(rates), model, engine
+
+
+def trace_file(shape: str, name: str) -> str:
+    """The file name of a row's profiler trace, in letters, digits, '.', '_' and '-' alone ('graphs+steps8' gives
+    'graphs-steps8'), so that copying tools that refuse other characters in a name keep it."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", f"trace-{shape}-{name}.json.gz")
 
 
 def profile_engine(engine: Engine, prompt: list[int], trace: Path) -> dict:

@@ -551,7 +551,7 @@ class CompiledDecoder:
                 k_flat[:, slots[0]].copy_(new_k[:, 0])
                 v_flat[:, slots[0]].copy_(new_v[:, 0])
             else:
-                slots = torch.tensor(slots)
+                slots = torch.tensor(slots, device=k_flat.device)
                 k_flat.index_copy_(1, slots, new_k)
                 v_flat.index_copy_(1, slots, new_v)
         else:

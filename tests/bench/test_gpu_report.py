@@ -5,6 +5,7 @@ here (their CPU compile is the compiled step's own tests' business); every other
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -113,3 +114,11 @@ def test_a_profiled_row_records_its_steps_and_a_trace(smoke, tmp_path):
     assert (tmp_path / "trace.json.gz").stat().st_size > 0
     assert abs(sum(part["ms"] for part in profile["breakdown"]) - profile["step_ms"]) < 1e-6
     assert engine.blocks_in_use() == 0
+
+
+def test_trace_names_keep_to_plain_characters():
+    from inference_core.bench.gpu_report import PROFILED_ROWS, trace_file
+
+    names = [trace_file("llama-3-8b", row) for row in PROFILED_ROWS]
+    assert "trace-llama-3-8b-graphs-steps8.json.gz" in names
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", name) for name in names)

@@ -91,8 +91,8 @@ BATCH_COMPILE_S, SERVE_COMPILE_S = 300.0, 120.0
 OURS_SHARE = 0.7  # of the batch part, for our three modes; transformers' two rows have the rest
 COMPILED_ROW_S = 60.0  # a compiled row of 32 layers takes about this long (its compile; on an H100 one compile of
 # the 8B shape's step took about 50 s); eager rows a quarter of it
-CUDA_TEST_FILES = ("tests/engine/test_cuda.py", "tests/quant", "tests/kv", "tests/engine/test_compiled.py",
-                   "tests/engine/test_flex_attention.py")
+CUDA_TEST_FILES = ("tests/engine/test_cuda.py", "tests/engine/test_triton_attention.py", "tests/quant", "tests/kv",
+                   "tests/engine/test_compiled.py", "tests/engine/test_flex_attention.py")
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, vocab_size=4096, max_position_embeddings=2048)
 PROMPT_ID = "chat-short-1"

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_core.config import ConfigError
+from inference_core.engine import triton_attention
 from inference_core.model import row_kernel
 from inference_core.model.llama import CausalLM, Linear, model_fingerprint
 from inference_core.model.paths import cache_root
@@ -168,7 +169,10 @@ def _read_context(k_pool, v_pool, read_index, width: int, paged: bool):
 @torch.library.custom_op("inference_core::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      read_index: torch.Tensor, key_mask: torch.Tensor, scale: float, paged: bool) -> torch.Tensor:
-    """`_attend_one` over the context `_read_context` reads, as one op (q, k, v already in the attention dtype)."""
+    """`_attend_one` over the context `_read_context` reads, as one op (q, k, v already in the attention dtype). On
+    CUDA one Triton kernel (`triton_attention`) where it takes the layout; elsewhere the ATen ops."""
+    if q.is_cuda and triton_attention.enabled() and triton_attention.unsupported(q, k_pool, paged) is None:
+        return triton_attention.decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, scale, paged)
     k_ctx, v_ctx = _read_context(k_pool, v_pool, read_index, key_mask.shape[1], paged)
     return _attend_one(q, k, v, k_ctx.to(q.dtype), v_ctx.to(q.dtype), key_mask, scale)
 
@@ -279,6 +283,7 @@ class CompiledDecoder:
         self._package_paths: set[Path] = set()  # aoti: the files of the packages this engine has loaded
         self._ready_buckets: set[int] = set()  # buckets whose graph has run in this engine
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
+        self._key_positions = torch.arange(self.max_width * self.block_size, device=device)  # for the key masks
 
     def record_kernels(self) -> None:
         """Compile with inductor's kernel profiling, before the first step: each generated kernel then records itself
@@ -348,30 +353,41 @@ class CompiledDecoder:
         count = len(seqs)
         bucket = self.bucket_for(count)
         buffers = self._bucket_buffers(bucket)
+        # The host's inputs go to the device as one tensor (positions, then the input ids where the sequences give
+        # them, then the read index): on CUDA one copy that does not wait for the device (`_to_device`).
+        host = list(positions)
+        if input_ids is None:
+            host += [seq.token_ids[p] for seq, p in zip(seqs, positions)]
         if self.paged:
             width = self._width(-(-(max(positions) + 1) // self.block_size))
             # Padded with block 0; so are blocks released from a sliding window (FREED, -1): the key mask hides both.
-            rows = [([max(block, 0) for block in seq.block_table[:width]] + [0] * width)[:width] for seq in seqs]
-            read_index = buffers["read_index"][:, :width]
-            read_index[:count] = torch.tensor(rows, dtype=torch.int32)
-            read_index[count:] = 0
+            for seq in seqs:
+                host += ([max(block, 0) for block in seq.block_table[:width]] + [0] * width)[:width]
         else:
             width = self._width(max(positions) + 1)
-            read_index = buffers["read_index"]
-            read_index[:count] = torch.tensor([seq.cache_slot for seq in seqs], dtype=torch.long)
-            read_index[count:] = read_index[0]
+            host += [seq.cache_slot for seq in seqs]
+        staged = self._to_device(torch.tensor(host, dtype=torch.long))
+        position_tensor, staged = staged[:count], staged[count:]
         if input_ids is None:
-            input_ids = torch.tensor([seq.token_ids[p] for seq, p in zip(seqs, positions)], dtype=torch.long)
+            input_ids, staged = staged[:count], staged[count:]
+        if self.paged:
+            read_index = buffers["read_index"][:, :width]
+            read_index[:count] = staged.view(count, width)
+            read_index[count:] = 0
+        else:
+            read_index = buffers["read_index"]
+            read_index[:count] = staged
+            read_index[count:] = read_index[0]
         buffers["input_ids"][:count] = input_ids
         buffers["input_ids"][count:] = 0
-        position_tensor = torch.tensor(positions, dtype=torch.long)
         buffers["positions"][:count] = position_tensor
         buffers["positions"][count:] = 0
         keys = width * self.block_size
         key_mask = buffers["key_mask"][:, :keys]
-        key_mask[:count] = torch.arange(keys) < position_tensor[:, None]
+        key_positions = self._key_positions[:keys]
+        key_mask[:count] = key_positions < position_tensor[:, None]
         if self.kv_cache.sliding_window is not None:  # the own key (scored apart) is the window's last one
-            key_mask[:count] &= torch.arange(keys) > position_tensor[:, None] - self.kv_cache.sliding_window
+            key_mask[:count] &= key_positions > position_tensor[:, None] - self.kv_cache.sliding_window
         key_mask[count:] = False
         logits, new_k, new_v = self._call(bucket, buffers, read_index, key_mask)
         self._store(new_k[:, :count], new_v[:, :count], seqs, positions, buffers["positions"][:count],
@@ -389,6 +405,15 @@ class CompiledDecoder:
         width = self._width(2)
         read_index = buffers["read_index"][:, :width] if self.paged else buffers["read_index"]
         self._call(bucket, buffers, read_index, buffers["key_mask"][:, :width * self.block_size])
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """`host` on this decoder's device. On CUDA through pinned memory, a copy the host does not wait for (a copy
+        from pageable memory waits for the device to finish its queue, so the host could not prepare the next step,
+        or the next of `run_greedy`'s steps, while the device runs this one); torch's pinned-memory cache keeps the
+        block until the copy is done."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _width(self, needed: int) -> int:
         """The key width a step reads (positions, or blocks when paged): what the batch needs but at least 2 (a
@@ -551,7 +576,7 @@ class CompiledDecoder:
                 k_flat[:, slots[0]].copy_(new_k[:, 0])
                 v_flat[:, slots[0]].copy_(new_v[:, 0])
             else:
-                slots = torch.tensor(slots, device=k_flat.device)
+                slots = self._to_device(torch.tensor(slots))
                 k_flat.index_copy_(1, slots, new_k)
                 v_flat.index_copy_(1, slots, new_v)
         else:

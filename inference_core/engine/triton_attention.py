@@ -1,0 +1,93 @@
+"""The compiled decode step's attention on CUDA as one Triton kernel a layer.
+
+`compiled.decode_attention` (one query per sequence against its cached keys and its own new key, grouped-query heads)
+runs as ATen ops elsewhere: a gather of the context out of the KV pool, two casts, two matmuls, a softmax over the
+cached and the own score, and the sums around them. Inside a CUDA graph that is about 20 kernels a layer of one or
+two microseconds each: on an H100 at Llama-3-8B's shape, batch 1, 47 us a layer and 1.5 ms of an 8.3 ms step
+(`docs/benchmarks.md`, "GPU"), where the weights the layer reads take about 170 us. This kernel does the same in one
+launch: a program per (sequence, KV head) walks the sequence's positions, `CHUNK` at a time, straight from the pool
+(paged: through the block table; contiguous: in its slot), scores the group's query heads against each chunk of
+keys, and keeps an online softmax in fp32 that starts from the own key (so a sequence with no cached key, or a chunk
+whose keys are all masked, never divides by zero or subtracts infinities). The ids are expected to match the ATen
+ops' (the sums run in another order: fp32 rounding apart). What it buys is for the next GPU run to measure.
+
+Triton is imported on first use (it comes with torch's CUDA builds); where it is missing, or the layout is one the
+kernel does not take (`unsupported`), the ATen ops run. `INFERENCE_CORE_TRITON_ATTENTION=0` keeps the ATen ops, for
+an A/B on one machine. On the CPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how
+`tests/engine/test_triton_attention.py` checks it against the ATen ops without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CHUNK = 32  # cached positions a program reads at a time (two blocks of 16: two loads in flight per step of its loop)
+
+
+def enabled() -> bool:
+    """Whether the Triton kernel may run at all: asked for (the default) and Triton importable."""
+    return os.environ.get("INFERENCE_CORE_TRITON_ATTENTION", "1") != "0" and _triton() is not None
+
+
+@functools.cache
+def _triton():
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # not installed, or a build that does not load: the ATen ops run
+        return None
+    return triton
+
+
+def unsupported(q: torch.Tensor, k_pool: torch.Tensor, paged: bool) -> str | None:
+    """Why the kernel cannot take these inputs (None: it can). The V pool is laid out as the K pool."""
+    head_dim = q.shape[-1]
+    if k_pool.dtype not in POOL_DTYPES or q.dtype not in POOL_DTYPES:
+        return f"a {k_pool.dtype} KV pool"
+    if k_pool.stride(-1) != 1:
+        return "a KV pool whose head dimension is not contiguous"
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        return f"head size {head_dim} (a power of two from 16)"
+    if paged and k_pool.shape[1] & (k_pool.shape[1] - 1):
+        return f"block size {k_pool.shape[1]} (a power of two)"
+    return None
+
+
+def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, scale: float, paged: bool) -> torch.Tensor:
+    """The same function as `compiled._attend_one` over `compiled._read_context`, in one kernel launch.
+    q: [B, heads, d]; k, v: [B, kv_heads, d]; paged: k_pool, v_pool [blocks, block_size, kv_heads, d] and
+    read_index [B, blocks] (the block table); contiguous: k_pool, v_pool [slots, kv_heads, max_len, d] and read_index
+    [B] (slots); key_mask [B, keys], True where a cached key is attended. Returns [B, kv_heads, group, d] in q's
+    dtype."""
+    q, k, v = (tensor if tensor.stride(-1) == 1 else tensor.contiguous() for tensor in (q, k, v))
+    batch, kv_heads, head_dim = k.shape
+    group = q.shape[1] // kv_heads
+    out = torch.empty(batch, kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
+    keys = key_mask.shape[1]
+    if paged:  # [blocks, block_size, kv_heads, d]
+        block = k_pool.shape[1]
+        block_stride, position_stride, head_stride = k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)
+    else:  # [slots, kv_heads, max_len, d]
+        block = 1
+        block_stride, head_stride, position_stride = k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)
+    _kernel()[(batch, kv_heads)](
+        q, k, v, k_pool, v_pool, read_index, key_mask, out, keys, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        block_stride, position_stride, head_stride, read_index.stride(0), key_mask.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        GROUP=group, GROUP_PAD=max(1, 1 << (group - 1).bit_length()), CHUNK=CHUNK, BLOCK=block,
+        HEAD_DIM=head_dim, PAGED=paged)
+    return out
+
+
+@functools.cache
+def _kernel():
+    """The kernel, imported on first use (so that importing this module needs no Triton, and a test can set
+    `TRITON_INTERPRET` first)."""
+    from inference_core.engine._triton_attention_kernel import attend
+
+    return attend

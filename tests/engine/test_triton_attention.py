@@ -1,0 +1,77 @@
+"""The compiled step's Triton attention (`engine.triton_attention`) against the ATen ops it replaces
+(`compiled._attend_one` over `compiled._read_context`): paged and contiguous pools, grouped-query heads (groups of
+1, 3 and 4), masks with holes (a sliding window, padding rows), sequences with no cached key, fp32 and bf16. On CUDA
+the kernel runs compiled; on the CPU under Triton's interpreter, where Triton is installed (it comes with torch's
+CUDA builds, not with the CPU build the suite pins, so here these tests run on a GPU machine's `gpu-report` and on
+a CPU where Triton was installed by hand)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read by Triton's import and when the kernel is defined
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.cuda  # in the GPU run's tests (`pytest -m cuda`); on a CPU where Triton is installed too
+
+from inference_core.engine import triton_attention  # noqa: E402
+from inference_core.engine.compiled import _attend_one, _read_context  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(paged: bool, dtype, group: int, seed: int):
+    """Random inputs of one decode step: 3 sequences (the last a padding row with nothing cached), 2 KV heads."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, kv_heads, head_dim, block_size = 3, 2, 32, 8
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    q, k, v = rand(batch, kv_heads * group, head_dim), rand(batch, kv_heads, head_dim), rand(batch, kv_heads, head_dim)
+    if paged:  # 48 keys: a whole chunk of the kernel's and part of a second
+        blocks, lengths = 6, [45, 9, 0]
+        k_pool, v_pool = rand(24, block_size, kv_heads, head_dim), rand(24, block_size, kv_heads, head_dim)
+        table = torch.randperm(23, generator=generator)[:batch * blocks].view(batch, blocks) + 1
+        read_index = torch.zeros(batch, 8, dtype=torch.int32)  # wider than read: the step passes a view
+        read_index[:, :blocks] = table.to(torch.int32)
+        read_index = read_index[:, :blocks]
+        keys = blocks * block_size
+    else:
+        k_pool, v_pool = rand(5, kv_heads, 80, head_dim), rand(5, kv_heads, 80, head_dim)
+        read_index = torch.tensor([3, 0, 4])
+        keys, lengths = 70, [65, 9, 0]  # not a multiple of the kernel's chunk
+    key_mask = torch.arange(keys)[None, :] < torch.tensor(lengths)[:, None]
+    key_mask[0, :5] = False  # a sliding window's hole
+    tensors = [q, k, v, k_pool, v_pool, read_index, key_mask]
+    return [tensor.to(DEVICE) for tensor in tensors], keys
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_kernel_equals_the_aten_ops(paged, dtype, group):
+    (q, k, v, k_pool, v_pool, read_index, key_mask), keys = _case(paged, dtype, group, seed=group)
+    assert triton_attention.unsupported(q, k_pool, paged) is None
+    scale = 32 ** -0.5
+    width = read_index.shape[1] if paged else keys
+    k_ctx, v_ctx = _read_context(k_pool, v_pool, read_index, width, paged)
+    expected = _attend_one(q.float(), k.float(), v.float(), k_ctx.float(), v_ctx.float(), key_mask, scale)
+    out = triton_attention.decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, scale, paged)
+    assert out.shape == expected.shape and out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    # The padding row (nothing cached) attends to its own value alone.
+    torch.testing.assert_close(out[2].float(), v[2].float()[:, None, :].expand(-1, group, -1), rtol=1e-6, atol=1e-6)
+
+
+def test_unsupported_layouts_say_why():
+    q = torch.zeros(1, 4, 24)
+    assert "head size 24" in triton_attention.unsupported(q, torch.zeros(4, 16, 2, 24), paged=True)
+    assert "block size 12" in triton_attention.unsupported(torch.zeros(1, 4, 32), torch.zeros(4, 12, 2, 32), True)
+    assert "int8" in triton_attention.unsupported(torch.zeros(1, 4, 32), torch.zeros(4, 16, 2, 32,
+                                                                                        dtype=torch.int8), True)

@@ -28,18 +28,22 @@ Python of the scheduler, the runner and the engine's bookkeeping outside every r
 measured wall time (a clock read around each step, after a device synchronize) less every named category: the
 forward's unnamed ops (embedding, residual adds, the MLP's activation, casts) and what the profiler saw of no step.
 Inside the compiled graph, a recorded kernel (`--kernels`) goes by the ops its name lists, and the graph's own
-time between its kernels stays "compiled graph". On CUDA the categories are the device time of the kernels their
-ops launched, and "device idle" is the wall time the device spent waiting for the host (not yet run on a GPU).
+time between its kernels stays "compiled graph". On CUDA the categories are the device's: the kernels that ran in
+each step's range on the trace's device timeline, by their names (`device_kernel_category`: inductor's kernels list
+the ops they fuse; a CUDA graph's kernels are named there one by one), copies under "other", and "device idle" the
+rest of the step, the time the device waited for the host; `kernels` then lists the step's costliest kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import replace
@@ -119,9 +123,9 @@ def kernel_category(name: str) -> str:
     return next((category for names, category in KERNEL_WORDS if words & names), COMPILED)
 
 
-def attribute(event, totals: Counter, context: str = PYTHON, named: str | None = None, device: bool = False) -> None:
+def attribute(event, totals: Counter, context: str = PYTHON, named: str | None = None) -> None:
     """Add `event`'s time (us) to `totals` by category: see the module docstring. `named`: the innermost named range
-    around it; `device`: count ops' kernel time (CUDA) instead of their host time."""
+    around it."""
     name = event.name
     if name in RANGES:
         named = RANGES[name]
@@ -129,36 +133,90 @@ def attribute(event, totals: Counter, context: str = PYTHON, named: str | None =
         context, named = CONTEXTS[name], None
     else:  # a torch op (or a compiled graph's kernel): all of it, children included, to one category
         category = kernel_category(name) if named == COMPILED else named or op_category(name, context)
-        totals[category] += event.device_time_total if device else _duration(event)
+        totals[category] += _duration(event)
         return
     children = event.cpu_children
     for child in children:
-        attribute(child, totals, context, named, device)
-    if not device:
-        totals[named or context] += _duration(event) - sum(_duration(child) for child in children)
+        attribute(child, totals, context, named)
+    totals[named or context] += _duration(event) - sum(_duration(child) for child in children)
 
 
 def _duration(event) -> float:
     return event.time_range.end - event.time_range.start
 
 
-def breakdown(step_events: list, step_ms: float, device: bool = False) -> list[dict]:
+def breakdown(step_events: list, step_ms: float) -> list[dict]:
     """The mean step's categories: [{category, ms, share}] (ms per step, share of `step_ms`), each named category
     from the events of the `ic::step` ranges in `step_events` and "other" the rest of `step_ms`, so that they sum
-    to it. `device` (CUDA): kernel time per category, and the device's idle time in place of Python."""
+    to it."""
     totals: Counter = Counter()
     for event in step_events:
-        attribute(event, totals, device=device)
+        attribute(event, totals)
     per_step = {category: totals[category] / 1e3 / len(step_events) for category in CATEGORIES}
-    if device:
-        per_step[IDLE] = max(0.0, step_ms - sum(per_step.values()))
-        del per_step[PYTHON]
+    return _rows(per_step, step_ms)
+
+
+def _rows(per_step: dict, step_ms: float) -> list[dict]:
+    """[{category, ms, share}]: the categories with time (the compiled graph's only where it has some), and "other"
+    the rest of `step_ms`."""
     named = {category: ms for category, ms in per_step.items() if category != OTHER and (ms or category != COMPILED)}
     rows = [{"category": category, "ms": ms} for category, ms in named.items()]
     rows.append({"category": OTHER, "ms": step_ms - sum(named.values())})
     for row in rows:
         row["share"] = row["ms"] / step_ms
     return rows
+
+
+def device_kernel_category(name: str) -> str:
+    """The category of a kernel on a GPU, from its name: inductor's kernels list the ops they fuse (a norm fused into
+    a projection is a projection: 'triton_red_fused__fused_rms_norm__to_copy_mm_mul_t_13'), library kernels their
+    kind (a cuBLAS or CUTLASS GEMM is a projection, a softmax attention's); our Triton attention kernel is `attend`.
+    A pointwise kernel is never a projection: 'triton_poi_fused_add_index_mm_mul_roll_...' is RoPE on a projection's
+    output."""
+    words = set(re.split(r"[^a-z0-9]+", name.lower()))
+    if "index_copy" in name or "index_put" in name:
+        return KV_WRITES
+    if words & {"attend", "attention", "softmax", "flash", "fmha"}:
+        return ATTENTION
+    if "argmax" in name.lower() or words & {"multinomial", "topk", "sort"}:
+        return SAMPLING
+    pointwise = name.startswith("triton_poi")  # inductor names a pointwise kernel after the matmuls it reads too
+    if not pointwise and (words & {"mm", "bmm", "addmm", "gemv", "int4pack", "int8pack"} or "gemm" in name
+                          or name.startswith(("nvjet", "cutlass"))):
+        return PROJECTIONS
+    if words & {"rsqrt", "rms", "roll"}:
+        return NORMS
+    return COMPILED
+
+
+def device_breakdown(trace_events: list[dict], step_ms: float, top: int = 12) -> tuple[list[dict], list[dict]]:
+    """On a GPU, where the mean step's device time goes, from the profiler's Chrome trace: the kernels, copies and
+    sets that started inside each step's `ic::step` range (the host waits for the device at each step's end, so a
+    step's device work lies inside its range), by `device_kernel_category`, and "device idle" the rest of `step_ms`,
+    the time the device waited for the host. (The kernels a CUDA graph replays are on the trace's device timeline,
+    one by one, while the profiler's per-op device totals miss many of them.) Returns (breakdown, the `top`
+    costliest kernels: [{name, category, calls, ms}] per step)."""
+    steps = [(event["ts"], event["ts"] + event["dur"]) for event in trace_events
+             if event.get("cat") == "user_annotation" and event.get("name") == STEP]
+    if not steps:
+        raise ConfigError("the profiler's trace holds no recorded step")
+    per_category: Counter = Counter()
+    times, calls = Counter(), Counter()
+    for event in trace_events:
+        if event.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or not any(
+                start <= event["ts"] < end for start, end in steps):
+            continue
+        name = event["name"]
+        category = device_kernel_category(name) if event["cat"] == "kernel" else OTHER
+        per_category[category] += event["dur"]
+        times[name] += event["dur"]
+        calls[name] += 1
+    per_step = {category: per_category[category] / 1e3 / len(steps) for category in CATEGORIES if category != PYTHON}
+    per_step[IDLE] = max(0.0, step_ms - sum(per_step.values()))
+    rows = _rows(per_step, step_ms)
+    kernels = [{"name": name, "category": device_kernel_category(name), "calls": calls[name] / len(steps),
+                "ms": us / 1e3 / len(steps)} for name, us in times.most_common(top)]
+    return rows, kernels
 
 
 def run_profile(args) -> int:
@@ -242,11 +300,21 @@ def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | Non
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     walls, reports, step_events = [], [], []
 
+    trace_events: list[dict] = []
+
     def collect(profiler) -> None:  # the end of the recorded steps (the profiler clears its events after this)
         step_events.extend(event for event in profiler.events() if event.name == STEP)
         if trace:
             Path(trace).parent.mkdir(parents=True, exist_ok=True)
             profiler.export_chrome_trace(trace)
+        if cuda:  # the device's timeline is read from the trace (`device_breakdown`)
+            with tempfile.TemporaryDirectory() as folder:
+                path = Path(trace) if trace else Path(folder) / "trace.json"
+                if not trace:
+                    profiler.export_chrome_trace(str(path))
+                opener = gzip.open if path.suffix == ".gz" else open
+                with opener(path, "rt") as file:
+                    trace_events.extend(json.load(file)["traceEvents"])
 
     # 3. One untimed step with the profiler on (its first events cost more), then the recorded steps.
     with _graph_call_ranged(engine), profile(activities=activities, on_trace_ready=collect, acc_events=True,
@@ -261,12 +329,16 @@ def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | Non
             profiler.step()
     if not walls or not step_events:
         raise ConfigError("the requests ended before any step was recorded; raise --max-new-tokens.")
-    kernels = graph_kernels(step_events) if engine.decoder is not None else []
     if len(walls) < steps:
         print(f"[the requests ended after {len(walls)} of {steps} recorded steps]", file=sys.stderr)
     step_ms = statistics.mean(walls) * 1e3
+    if cuda:
+        rows, kernels = device_breakdown(trace_events, step_ms)
+    else:
+        rows = breakdown(step_events, step_ms)
+        kernels = graph_kernels(step_events) if engine.decoder is not None else []
     loaded = engine.loaded
-    return {"steps": len(walls), "step_ms": step_ms, "breakdown": breakdown(step_events, step_ms, device=cuda),
+    return {"steps": len(walls), "step_ms": step_ms, "breakdown": rows,
             "profiled_ms": statistics.mean(_duration(event) for event in step_events) / 1e3,
             "unprofiled_step_ms": statistics.mean(wall for wall, _ in unprofiled) * 1e3 if unprofiled else None,
             "model": loaded.display_name, "dtype": loaded.dtype_name, "device": str(loaded.device),
@@ -340,7 +412,8 @@ def format_table(report: dict) -> str:
     for row in report["breakdown"]:
         lines.append(f"| {row['category']} | {row['ms']:.3f} | {100 * row['share']:.1f}% |")
     if report["kernels"]:
-        lines += ["", "| kernel in the compiled graph | category | calls per step | ms per step |", "|---|---|---|---|"]
+        where = "on the device" if report["device"].startswith("cuda") else "in the compiled graph"
+        lines += ["", f"| kernel {where} | category | calls per step | ms per step |", "|---|---|---|---|"]
         lines += [f"| {kernel['name'][:90]} | {kernel['category']} | {kernel['calls']:.0f} | {kernel['ms']:.3f} |"
                   for kernel in report["kernels"]]
     elif report["compiled"]:

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from inference_core.bench.profile import (ATTENTION, CATEGORIES, COMPILED, KV_WRITES, NORMS, OTHER, PROJECTIONS,
-                                          PYTHON, SAMPLING, attribute, breakdown, graph_kernels, kernel_category)
+from inference_core.bench.profile import (ATTENTION, CATEGORIES, COMPILED, IDLE, KV_WRITES, NORMS, OTHER,
+                                          PROJECTIONS, PYTHON, SAMPLING, attribute, breakdown, device_breakdown,
+                                          device_kernel_category, graph_kernels, kernel_category)
 from inference_core.cli import main
 from tiny_models import build_tiny_model
 
@@ -153,3 +154,40 @@ def test_a_compiled_graphs_kernels_go_by_the_ops_their_names_list():
         ("cpp_fused__to_copy__weight_int8pack_mm_add_mean_mul_pow_rsqrt", PROJECTIONS, 2, pytest.approx(0.020)),
         ("cpp_fused__softmax__to_copy_add_masked_fill_sum", ATTENTION, 2, pytest.approx(0.008)),
         ("cpp_fused_mul_silu_slice", COMPILED, 1, pytest.approx(0.002))]
+
+
+def test_a_gpu_steps_device_time_is_read_off_the_traces_device_timeline():
+    """On CUDA the breakdown is the device's: the kernels (a CUDA graph's one by one, as the trace lists them) and
+    copies that started inside each step's range, by name, and the rest of the mean step "device idle". Names as an
+    H100 run's trace gave them."""
+    assert device_kernel_category("triton_red_fused__fused_rms_norm__to_copy_add_embedding_mm_mul_t_7") == PROJECTIONS
+    assert device_kernel_category("nvjet_sm90_tst_8x64_64x16_4x1_v_bz_TNN") == PROJECTIONS
+    assert device_kernel_category("attend") == ATTENTION  # our Triton attention (engine.triton_attention)
+    assert device_kernel_category("void (anonymous namespace)::softmax_warp_forward<c10::BFloat16>") == ATTENTION
+    assert device_kernel_category("triton_poi_fused_add_index_mm_mul_roll_slice_unsqueeze_view_3") == NORMS  # RoPE
+    assert device_kernel_category("triton_per_fused__fused_rms_norm__to_copy_12") == NORMS
+    assert device_kernel_category("void at::native::index_copy_kernel_impl<float>") == KV_WRITES
+    assert device_kernel_category("void at::native::reduce_kernel<ArgMaxOps<float>>") == SAMPLING
+    assert device_kernel_category("triton_poi_fused_slice_stack_4") == COMPILED
+
+    def event(cat, name, ts, dur):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "ph": "X"}
+
+    events = []
+    for start in (0, 1000):  # two steps of 1000 us: 600 us of kernels and copies, 400 idle
+        events += [event("user_annotation", "ic::step", start, 1000),
+                   event("cpu_op", "aten::mm", start + 5, 50),  # host events count for nothing here
+                   event("kernel", "triton_red_fused_mm_t_view_5", start + 100, 400),
+                   event("kernel", "attend", start + 510, 50),
+                   event("kernel", "attend", start + 570, 50),
+                   event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", start + 50, 10),
+                   event("kernel", "triton_per_fused__fused_rms_norm__to_copy_12", start + 700, 90)]
+    events.append(event("kernel", "triton_red_fused_mm_t_view_5", 2500, 400))  # after the last step: left out
+    rows, kernels = device_breakdown(events, step_ms=1.0)
+    ms = {row["category"]: row["ms"] for row in rows}
+    assert ms[PROJECTIONS] == pytest.approx(0.4) and ms[ATTENTION] == pytest.approx(0.1)
+    assert ms[NORMS] == pytest.approx(0.09) and ms[OTHER] == pytest.approx(0.01)  # the copy
+    assert ms[IDLE] == pytest.approx(0.4) and sum(ms.values()) == pytest.approx(1.0)
+    assert PYTHON not in ms
+    assert [(k["name"], k["calls"], k["ms"]) for k in kernels][:2] == [
+        ("triton_red_fused_mm_t_view_5", 1, pytest.approx(0.4)), ("attend", 2, pytest.approx(0.1))]

@@ -106,9 +106,14 @@ def _hover_token(page, selector: str):
 
 
 def _set_race_tokens(page, count: int) -> None:
+    from playwright.sync_api import expect
+
     _unfold(page, "race-options")
     page.fill("#race-max-new-tokens input[type=number]", str(count))
     page.keyboard.press("Enter")
+    page.keyboard.press("Tab")  # the box hands its value to the slider when it loses focus too
+    # Run reads the slider: wait until it holds the count (once, a race clicked at once ran the default length).
+    expect(page.locator("#race-max-new-tokens input[type=range]")).to_have_value(str(count))
 
 
 def _open_chat(browser, url):

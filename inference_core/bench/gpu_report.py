@@ -19,7 +19,8 @@ budget (a row not started in time is listed in `left_out`):
    16-256 (seeded), at most 128 sequences a step: our continuous, dynamic and static batching (each mode in a process
    of its own; compiled decode on a GPU where the part's share leaves time to compile), transformers' static
    batches, and transformers one request at a time on the first 4 requests (its tokens/s does not depend on how
-   many).
+   many); between them, a profile of a few eager decode steps of 64 sequences (where a batched step's time goes:
+   kernels, or the device waiting for the host).
 4. `serve`: the playground's own path on the device (`python -m server.serve_check`): a race of two lanes, a chat
    turn and one streamed API completion through the engine pool and its loop, each with its TTFT and tokens/s.
 5. `tests`: the CUDA tests (`pytest -m cuda` over the files that hold them), each test's outcome recorded (those
@@ -88,7 +89,8 @@ GOAL_ROWS = {"llama-3-8b": ("graphs", "graphs+steps8", "hf-static-compiled", "gr
 # per bucket and width) printed no row in 78 s, nor did the compiled race lane in 32 s. Short of it they run eager,
 # and the report says so.
 BATCH_COMPILE_S, SERVE_COMPILE_S = 300.0, 120.0
-OURS_SHARE = 0.7  # of the batch part, for our three modes; transformers' two rows have the rest
+OURS_SHARE = 0.7  # of the batch part, for our three modes; a profiled eager step and transformers' rows have the rest
+BATCH_PROFILE_S = 20.0  # the profiled eager batch step runs where this much of the part is left (about 5 s on an H100)
 COMPILED_ROW_S = 60.0  # a compiled row of 32 layers takes about this long (its compile; on an H100 one compile of
 # the 8B shape's step took about 50 s); eager rows a quarter of it
 CUDA_TEST_FILES = ("tests/engine/test_cuda.py", "tests/engine/test_triton_attention.py", "tests/quant", "tests/kv",
@@ -446,18 +448,43 @@ def batch_part(report: Report, device: torch.device, work: Path, args, deadline:
             except subprocess.TimeoutExpired:
                 report.leave_out(f"batch {mode}", "stopped at its share of the budget")
     loaded = load_model(str(directory), device=str(device), dtype="bfloat16")
+    profile = None
+    if deadline - time.perf_counter() >= BATCH_PROFILE_S:
+        trace = report.out / trace_file("qwen3-0.6b", f"batch-{seqs // 2}")
+        try:
+            profile = profile_batch(loaded, rows, seqs // 2, trace)
+        except Exception as error:
+            report.error("batch profile", error)
+        finally:
+            free_device()
+    else:
+        report.leave_out("batch profile")
     peers = batch_bench(loaded, directory, rows, [0.0] * requests, lengths, [], ["hf-static", "hf-sequential"],
                         seqs, peer_requests=peer_requests, settings={"arrival": "burst", "output_lengths": spec},
                         deadline=deadline)
     result = {**peers, "rows": ours["rows"] + peers["rows"], "left_out": ours["left_out"] + peers["left_out"]}
     result["arguments"]["compile"] = compiled  # our rows'
+    if profile is not None:
+        result["profile"] = profile
     report.data["left_out"] += [f"batch {name}: budget" for name in result["left_out"]]
     by_name = {row["name"]: row["throughput_tokens_per_s"] for row in result["rows"]}
     if "continuous" in by_name and "hf-sequential" in by_name:
         result["continuous_vs_hf_sequential"] = round(by_name["continuous"] / by_name["hf-sequential"], 2)
     del loaded
     return {key: result[key] for key in ("arguments", "rows", "left_out", "output_lengths")} | {
-        key: result[key] for key in ("continuous_vs_hf_sequential",) if key in result}
+        key: result[key] for key in ("continuous_vs_hf_sequential", "profile") if key in result}
+
+
+def profile_batch(loaded, rows: list[dict], size: int, trace: Path) -> dict:
+    """A few eager decode steps of a continuous engine with `size` requests running (`profile_requests`): where a
+    batched step's time goes on this device, the kernels against the time the device waits for the host."""
+    engine = Engine(loaded, EngineConfig(kv_mode="paged", max_num_seqs=size, batching="continuous"))
+    steps, warmup = 6, 2
+    params = SamplingParams(max_new_tokens=tokens_needed(steps, warmup), ignore_eos=True)
+    requests = [engine.make_request(rows[index % len(rows)]["prompt"], params, chat=False) for index in range(size)]
+    report = profile_requests(engine, requests, steps, warmup, str(trace))
+    return {"trace": trace.name, "kernels": report["kernels"][:8], **{
+        key: report[key] for key in ("batch_size", "steps", "step_ms", "unprofiled_step_ms", "breakdown", "work")}}
 
 
 def serve_part(report: Report, device: torch.device, work: Path, args, deadline: float) -> dict:
@@ -506,6 +533,11 @@ def markdown(data: dict) -> str:
         lines += [f"| {row['name']} | {row['requests']} | {row['throughput_tokens_per_s']:.0f} | "
                   f"{row['ttft_ms_p50']:.0f} | {row['latency_ms_p50']:.0f} | {row['mean_batch_size']:.1f} |"
                   for row in batch["rows"]]
+    if batch.get("profile"):
+        profile = batch["profile"]
+        shares = ", ".join(f"{part['category']} {part['ms']:.2f}" for part in profile["breakdown"] if part["ms"] > 0)
+        lines += ["", f"an eager decode step of {profile['batch_size']:.0f} sequences, profiled: "
+                  f"{profile['step_ms']:.2f} ms ({shares} ms; trace {profile['trace']})"]
     serve = data["parts"].get("serve", {})
     if serve.get("runs"):
         lines += ["", f"serving path ({serve.get('how')}):", "", "| run | lane | TTFT ms | tok/s | tokens |",

@@ -37,6 +37,10 @@ def test_smoke_report_has_every_part(smoke):
     assert {"continuous", "dynamic", "static", "hf-static", "hf-sequential"} == set(batch)
     assert batch["continuous"]["output_tokens"] == sum(report["parts"]["batch"]["output_lengths"])
     assert batch["hf-sequential"]["requests"] == 2  # the first requests only
+    profile = report["parts"]["batch"]["profile"]  # a profiled eager step of half the batch's most sequences
+    assert profile["batch_size"] == 4 and profile["work"] == {"decode": 4 * profile["steps"]}  # decodes only
+    assert sum(part["ms"] for part in profile["breakdown"]) == pytest.approx(profile["step_ms"])
+    assert "an eager decode step of 4 sequences, profiled" in markdown
     serve = report["parts"]["serve"]
     assert [run["run"] for run in serve["runs"]] == ["race", "race", "chat turn", "API completion (streamed)"]
     assert all(run["tokens"] == 8 and run["ttft_ms"] > 0 for run in serve["runs"])

@@ -26,6 +26,8 @@ import torch
 
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHUNK = 32  # cached positions a program reads at a time (two blocks of 16: two loads in flight per step of its loop)
+# The [group, chunk, head size] products a warp holds (128 a thread); a larger group gets 8 warps instead of 4.
+WARP_PRODUCTS = 4096
 
 
 def enabled() -> bool:
@@ -66,6 +68,7 @@ def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, scale: float
     q, k, v = (tensor if tensor.stride(-1) == 1 else tensor.contiguous() for tensor in (q, k, v))
     batch, kv_heads, head_dim = k.shape
     group = q.shape[1] // kv_heads
+    group_pad = max(1, 1 << (group - 1).bit_length())
     out = torch.empty(batch, kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
     keys = key_mask.shape[1]
     if paged:  # [blocks, block_size, kv_heads, d]
@@ -79,8 +82,8 @@ def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, scale: float
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_stride, position_stride, head_stride, read_index.stride(0), key_mask.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        GROUP=group, GROUP_PAD=max(1, 1 << (group - 1).bit_length()), CHUNK=CHUNK, BLOCK=block,
-        HEAD_DIM=head_dim, PAGED=paged)
+        GROUP=group, GROUP_PAD=group_pad, CHUNK=CHUNK, BLOCK=block, HEAD_DIM=head_dim, PAGED=paged,
+        num_warps=4 if group_pad * CHUNK * head_dim <= WARP_PRODUCTS * 4 else 8)
     return out
 
 

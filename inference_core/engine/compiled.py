@@ -171,7 +171,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
                      read_index: torch.Tensor, key_mask: torch.Tensor, scale: float, paged: bool) -> torch.Tensor:
     """`_attend_one` over the context `_read_context` reads, as one op (q, k, v already in the attention dtype). On
     CUDA one Triton kernel (`triton_attention`) where it takes the layout; elsewhere the ATen ops."""
-    if q.is_cuda and triton_attention.enabled() and triton_attention.unsupported(q, k_pool, paged) is None:
+    if triton_attention.used(q.device, q.dtype, k_pool, paged):
         return triton_attention.decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, scale, paged)
     k_ctx, v_ctx = _read_context(k_pool, v_pool, read_index, key_mask.shape[1], paged)
     return _attend_one(q, k, v, k_ctx.to(q.dtype), v_ctx.to(q.dtype), key_mask, scale)
@@ -263,6 +263,9 @@ class CompiledDecoder:
             self.options.pop("row_kernel", None)
         self.stats = CompileStats(mode=describe_options(device, self.options, self.backend),
                                   warmup_s=time.perf_counter() - started)
+        if self.backend == "torch.compile" and device.type == "cuda":  # its attention: `decode_attention`
+            self.stats.mode += ", " + triton_attention.describe(
+                device, model.layers[0].self_attn.attention_dtype, kv_cache.k[0], self.paged)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir() / "inductor"))
         model.rope_tables(model.embed_tokens.weight.dtype)  # built now: a graph traced before would be rebuilt after
         self.step = DecodeGraph(model, self.paged, self.block_size,

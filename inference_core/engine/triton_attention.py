@@ -45,10 +45,11 @@ def _triton():
     return triton
 
 
-def unsupported(q: torch.Tensor, k_pool: torch.Tensor, paged: bool) -> str | None:
-    """Why the kernel cannot take these inputs (None: it can). The V pool is laid out as the K pool."""
-    head_dim = q.shape[-1]
-    if k_pool.dtype not in POOL_DTYPES or q.dtype not in POOL_DTYPES:
+def unsupported(dtype: torch.dtype, k_pool: torch.Tensor, paged: bool) -> str | None:
+    """Why the kernel cannot take queries of `dtype` over this pool (None: it can). The V pool is laid out as the K
+    pool."""
+    head_dim = k_pool.shape[-1]
+    if k_pool.dtype not in POOL_DTYPES or dtype not in POOL_DTYPES:
         return f"a {k_pool.dtype} KV pool"
     if k_pool.stride(-1) != 1:
         return "a KV pool whose head dimension is not contiguous"
@@ -57,6 +58,21 @@ def unsupported(q: torch.Tensor, k_pool: torch.Tensor, paged: bool) -> str | Non
     if paged and k_pool.shape[1] & (k_pool.shape[1] - 1):
         return f"block size {k_pool.shape[1]} (a power of two)"
     return None
+
+
+def used(device: torch.device, dtype: torch.dtype, k_pool: torch.Tensor, paged: bool) -> bool:
+    """Whether `compiled.decode_attention` runs this kernel for queries of `dtype` over this pool on `device`."""
+    return device.type == "cuda" and enabled() and unsupported(dtype, k_pool, paged) is None
+
+
+def describe(device: torch.device, dtype: torch.dtype, k_pool: torch.Tensor, paged: bool) -> str:
+    """Which attention the compiled step runs on CUDA, in words (for its compile stats)."""
+    if used(device, dtype, k_pool, paged):
+        return "attention: one Triton kernel a layer"
+    if not enabled():
+        return "attention: ATen ops (" + ("INFERENCE_CORE_TRITON_ATTENTION=0" if _triton() is not None
+                                          else "Triton is not installed") + ")"
+    return f"attention: ATen ops (the Triton kernel does not take {unsupported(dtype, k_pool, paged)})"
 
 
 def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, scale: float, paged: bool) -> torch.Tensor:

@@ -3,7 +3,8 @@
 1, 3 and 4), masks with holes (a sliding window, padding rows), sequences with no cached key, fp32 and bf16. On CUDA
 the kernel runs compiled; on the CPU under Triton's interpreter, where Triton is installed (it comes with torch's
 CUDA builds, not with the CPU build the suite pins, so here these tests run on a GPU machine's `gpu-report` and on
-a CPU where Triton was installed by hand)."""
+a CPU where Triton was installed by hand). Which layouts it takes, and how the compiled step's stats name it, is
+checked everywhere."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read by Triton's import and when the kernel is defined
 
-triton = pytest.importorskip("triton")
-pytestmark = pytest.mark.cuda  # in the GPU run's tests (`pytest -m cuda`); on a CPU where Triton is installed too
-
 from inference_core.engine import triton_attention  # noqa: E402
 from inference_core.engine.compiled import _attend_one, _read_context  # noqa: E402
+
+pytestmark = pytest.mark.cuda  # in the GPU run's tests (`pytest -m cuda`)
+needs_triton = pytest.mark.skipif(triton_attention._triton() is None, reason="Triton is not installed")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,12 +52,13 @@ def _case(paged: bool, dtype, group: int, seed: int):
     return [tensor.to(DEVICE) for tensor in tensors], keys
 
 
+@needs_triton
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_kernel_equals_the_aten_ops(paged, dtype, group):
     (q, k, v, k_pool, v_pool, read_index, key_mask), keys = _case(paged, dtype, group, seed=group)
-    assert triton_attention.unsupported(q, k_pool, paged) is None
+    assert triton_attention.unsupported(q.dtype, k_pool, paged) is None
     scale = 32 ** -0.5
     width = read_index.shape[1] if paged else keys
     k_ctx, v_ctx = _read_context(k_pool, v_pool, read_index, width, paged)
@@ -70,8 +72,16 @@ def test_kernel_equals_the_aten_ops(paged, dtype, group):
 
 
 def test_unsupported_layouts_say_why():
-    q = torch.zeros(1, 4, 24)
-    assert "head size 24" in triton_attention.unsupported(q, torch.zeros(4, 16, 2, 24), paged=True)
-    assert "block size 12" in triton_attention.unsupported(torch.zeros(1, 4, 32), torch.zeros(4, 12, 2, 32), True)
-    assert "int8" in triton_attention.unsupported(torch.zeros(1, 4, 32), torch.zeros(4, 16, 2, 32,
-                                                                                        dtype=torch.int8), True)
+    assert "head size 24" in triton_attention.unsupported(torch.float32, torch.zeros(4, 16, 2, 24), paged=True)
+    assert "block size 12" in triton_attention.unsupported(torch.float32, torch.zeros(4, 12, 2, 32), paged=True)
+    assert triton_attention.unsupported(torch.float32, torch.zeros(4, 2, 12, 32), paged=False) is None  # positions
+    assert "int8" in triton_attention.unsupported(torch.bfloat16, torch.zeros(4, 16, 2, 32, dtype=torch.int8), True)
+    pool, cuda = torch.zeros(4, 16, 2, 32), torch.device("cuda")
+    assert not triton_attention.used(torch.device("cpu"), torch.float32, pool, True)  # CUDA only
+    if triton_attention._triton() is None:
+        assert triton_attention.describe(cuda, torch.float32, pool, True) == (
+            "attention: ATen ops (Triton is not installed)")
+        return
+    assert triton_attention.describe(cuda, torch.float32, pool, True) == "attention: one Triton kernel a layer"
+    assert "does not take head size 24" in triton_attention.describe(cuda, torch.float32, torch.zeros(4, 16, 2, 24),
+                                                                     True)

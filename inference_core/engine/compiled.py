@@ -373,25 +373,21 @@ class CompiledDecoder:
         position_tensor, staged = staged[:count], staged[count:]
         if input_ids is None:
             input_ids, staged = staged[:count], staged[count:]
-        if self.paged:
-            read_index = buffers["read_index"][:, :width]
-            read_index[:count] = staged.view(count, width)
-            read_index[count:] = 0
-        else:
-            read_index = buffers["read_index"]
-            read_index[:count] = staged
-            read_index[count:] = read_index[0]
+        read_index = buffers["read_index"][:, :width] if self.paged else buffers["read_index"]
+        read_index[:count] = staged.view(count, width) if self.paged else staged
         buffers["input_ids"][:count] = input_ids
-        buffers["input_ids"][count:] = 0
         buffers["positions"][:count] = position_tensor
-        buffers["positions"][count:] = 0
         keys = width * self.block_size
         key_mask = buffers["key_mask"][:, :keys]
         key_positions = self._key_positions[:keys]
-        key_mask[:count] = key_positions < position_tensor[:, None]
+        torch.lt(key_positions, position_tensor[:, None], out=key_mask[:count])
         if self.kv_cache.sliding_window is not None:  # the own key (scored apart) is the window's last one
             key_mask[:count] &= key_positions > position_tensor[:, None] - self.kv_cache.sliding_window
-        key_mask[count:] = False
+        if count < bucket:  # padding rows: token 0 at position 0 in block 0 (or the first row's slot), no cached key
+            read_index[count:] = 0 if self.paged else read_index[0]
+            buffers["input_ids"][count:] = 0
+            buffers["positions"][count:] = 0
+            key_mask[count:] = False
         logits, new_k, new_v = self._call(bucket, buffers, read_index, key_mask)
         self._store(new_k[:, :count], new_v[:, :count], seqs, positions, buffers["positions"][:count],
                     read_index[:count])

@@ -42,11 +42,13 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import inspect
+import itertools
 import os
 import shutil
 import sys
 import threading
 import time
+import types
 import weakref
 import zipfile
 from dataclasses import dataclass
@@ -277,11 +279,17 @@ class CompiledDecoder:
                                  if name not in ("mode", "row_kernel")}
         if self.backend == "torch.compile":
             # Dynamo keeps the graphs of one function together and stops compiling past `recompile_limit` of them;
-            # every engine's buckets (and every model, KV layout and pool size) are separate graphs of the step.
+            # each decoder's step is a function of its own (`own_step_function`), a graph per bucket class.
             # (torch._dynamo is read as an attribute: torch loads it on first use, a second's import at start-up.)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self._graph_counter = torch._dynamo.utils.counters["stats"]  # "unique_graphs": graphs dynamo has traced
-            self.graph = torch.compile(self.step, fullgraph=True, dynamic=False, mode=self.options.get("mode"))
+            mode = self.options.get("mode")  # as options: torch.compile takes a mode or options, and the guards' filter
+            # is an option
+            options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+            if module_guards_kept() is None:  # this decoder's graphs alone in their cache (`own_step_function`)
+                options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+                self.stats.mode += ", module guards skipped"
+            self.graph = torch.compile(own_step_function(self.step), fullgraph=True, dynamic=False, options=options)
         self._programs: dict[int, object] = {}  # aoti: bucket -> loaded package
         self._package_paths: set[Path] = set()  # aoti: the files of the packages this engine has loaded
         self._ready_buckets: set[int] = set()  # buckets whose graph has run in this engine
@@ -581,6 +589,34 @@ class CompiledDecoder:
         else:
             cache.k[:, read_index, :, position_tensor] = new_k.transpose(0, 1)
             cache.v[:, read_index, :, position_tensor] = new_v.transpose(0, 1)
+
+
+_STEP_NUMBERS = itertools.count()
+
+
+def own_step_function(step: DecodeGraph):
+    """`step.forward` as a method whose code object is its own. Dynamo keeps compiled graphs by code object: were
+    every decoder of a process to compile `DecodeGraph.forward` itself, all of their graphs would share one cache,
+    and only dynamo's guards on the modules would tell one decoder's model from another's (a quantized copy, say,
+    with inputs of the same shapes). Those guards cost about 110 us a call on an H100's host and 100-170 us on a
+    2-core CPU (docs/benchmarks.md, "GPU"). With a code object of its own a decoder's cache holds its graphs alone,
+    all of one model, so the guards on that model's modules can be skipped (`module_guards_kept`)."""
+    forward = DecodeGraph.forward
+    name = f"decode_step_{next(_STEP_NUMBERS)}"
+    code = forward.__code__.replace(co_name=name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {}))
+    function = types.FunctionType(code, forward.__globals__, name, forward.__defaults__, forward.__closure__)
+    return types.MethodType(function, step)
+
+
+def module_guards_kept() -> str | None:
+    """Why dynamo keeps its guards on the compiled step's modules (None: they are skipped). The step's modules do not
+    change after its decoder is built (the weights are the graph's inputs, read at each call), so those guards only
+    cost time; `INFERENCE_CORE_MODULE_GUARDS=1` keeps them, for an A/B or should a torch need them."""
+    if os.environ.get("INFERENCE_CORE_MODULE_GUARDS", "0") == "1":
+        return "INFERENCE_CORE_MODULE_GUARDS=1"
+    if not hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
+        return f"torch {torch.__version__} cannot skip them"
+    return None
 
 
 BACKENDS = ("aoti", "torch.compile")

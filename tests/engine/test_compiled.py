@@ -242,3 +242,22 @@ def test_torch_compile_backend_compiles_once_for_every_width(tiny, kv_mode, monk
     assert compiled.decoder.step.opaque_attention and compiled.decoder.width_buckets
     stats = compiled.compile_stats()
     assert stats["recompiles"] == 0 and stats["graphs"] <= 2 and stats["compiled_steps"] > 0
+
+
+def test_torch_compile_backend_engines_keep_their_graphs_apart(tiny, monkeypatch):
+    """With the guards on the step's modules skipped (they cost 100-170 us a call), each decoder compiles a code
+    object of its own, so that one engine never runs another's graph: a model and its int8 copy, whose steps take
+    inputs of the same shapes, compiled in one process one after the other, each equal to its own eager engine."""
+    from inference_core.quant.linear import QuantConfig
+    from inference_core.quant.quantize import quantize
+
+    monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
+    monkeypatch.setattr(compiled_module, "default_options", lambda device, model=None: {})
+    settings = dict(kv_mode="paged", block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_seq_len=96)
+    first, _ = compiled_matches_eager(tiny, **settings)
+    quantized = quantize(load_model(tiny.name, device="cpu", dtype="float32"), QuantConfig("int8"))
+    second, _ = compiled_matches_eager(quantized, **settings)
+    assert "module guards skipped" in second.compile_stats()["mode"]
+    assert first.decoder.graph is not second.decoder.graph
+    codes = {engine.decoder.graph.__wrapped__.__code__ for engine in (first, second)}
+    assert len(codes) == 2 and compiled_module.DecodeGraph.forward.__code__ not in codes

@@ -592,20 +592,30 @@ class CompiledDecoder:
 
 
 _STEP_NUMBERS = itertools.count()
+# model -> {(paged, block size, opaque attention): the step function of its decoders}
+_STEP_FUNCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STEP_FUNCTIONS_LOCK = threading.Lock()
 
 
 def own_step_function(step: DecodeGraph):
-    """`step.forward` as a method whose code object is its own. Dynamo keeps compiled graphs by code object: were
-    every decoder of a process to compile `DecodeGraph.forward` itself, all of their graphs would share one cache,
-    and only dynamo's guards on the modules would tell one decoder's model from another's (a quantized copy, say,
-    with inputs of the same shapes). Those guards cost about 110 us a call on an H100's host and 100-170 us on a
-    2-core CPU (docs/benchmarks.md, "GPU"). With a code object of its own a decoder's cache holds its graphs alone,
-    all of one model, so the guards on that model's modules can be skipped (`module_guards_kept`)."""
-    forward = DecodeGraph.forward
-    name = f"decode_step_{next(_STEP_NUMBERS)}"
-    code = forward.__code__.replace(co_name=name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {}))
-    function = types.FunctionType(code, forward.__globals__, name, forward.__defaults__, forward.__closure__)
-    return types.MethodType(function, step)
+    """`step.forward` as a method whose code object belongs to `step`'s model (and step layout) alone. Dynamo keeps
+    compiled graphs by code object: were every decoder of a process to compile `DecodeGraph.forward` itself, all of
+    their graphs would share one cache, and only dynamo's guards on the modules would tell one model from another (a
+    quantized copy, say, whose step takes inputs of the same shapes). Those guards cost about 110 us a call on an
+    H100's host and 100-170 us on a 2-core CPU (docs/benchmarks.md, "GPU"). With a code object per model, its cache
+    holds that model's graphs alone, so the guards on its modules can be skipped (`module_guards_kept`), and the
+    engines of one model (a race's two lanes) still share their graphs."""
+    key = (step.paged, step.block_size, step.opaque_attention)
+    with _STEP_FUNCTIONS_LOCK:
+        functions = _STEP_FUNCTIONS.setdefault(step.model, {})
+        if key not in functions:
+            forward = DecodeGraph.forward
+            name = f"decode_step_{next(_STEP_NUMBERS)}"
+            code = forward.__code__.replace(co_name=name, **({"co_qualname": name} if sys.version_info >= (3, 11)
+                                                             else {}))
+            functions[key] = types.FunctionType(code, forward.__globals__, name, forward.__defaults__,
+                                                forward.__closure__)
+    return types.MethodType(functions[key], step)
 
 
 def module_guards_kept() -> str | None:

@@ -245,9 +245,10 @@ def test_torch_compile_backend_compiles_once_for_every_width(tiny, kv_mode, monk
 
 
 def test_torch_compile_backend_engines_keep_their_graphs_apart(tiny, monkeypatch):
-    """With the guards on the step's modules skipped (they cost 100-170 us a call), each decoder compiles a code
-    object of its own, so that one engine never runs another's graph: a model and its int8 copy, whose steps take
-    inputs of the same shapes, compiled in one process one after the other, each equal to its own eager engine."""
+    """With the guards on the step's modules skipped (they cost 100-170 us a call), each model's decoders compile a
+    code object of their own, so that one model's engine never runs another's graph: a model and its int8 copy,
+    whose steps take inputs of the same shapes, compiled in one process one after the other, each equal to its own
+    eager engine; while a second engine of the first model shares its graphs (a race's two lanes compile once)."""
     from inference_core.quant.linear import QuantConfig
     from inference_core.quant.quantize import quantize
 
@@ -261,3 +262,7 @@ def test_torch_compile_backend_engines_keep_their_graphs_apart(tiny, monkeypatch
     assert first.decoder.graph is not second.decoder.graph
     codes = {engine.decoder.graph.__wrapped__.__code__ for engine in (first, second)}
     assert len(codes) == 2 and compiled_module.DecodeGraph.forward.__code__ not in codes
+    again = Engine(tiny, EngineConfig(**settings, compile=True))
+    again.complete(prompt(12, seed=5), greedy(4))
+    assert again.decoder.graph.__wrapped__.__code__ is first.decoder.graph.__wrapped__.__code__
+    assert again.compile_stats()["graphs"] == 0 and again.compile_stats()["recompiles"] == 0

@@ -279,14 +279,14 @@ class CompiledDecoder:
                                  if name not in ("mode", "row_kernel")}
         if self.backend == "torch.compile":
             # Dynamo keeps the graphs of one function together and stops compiling past `recompile_limit` of them;
-            # each decoder's step is a function of its own (`own_step_function`), a graph per bucket class.
+            # each model's step is a function of its own (`own_step_function`), with a graph per bucket class.
             # (torch._dynamo is read as an attribute: torch loads it on first use, a second's import at start-up.)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self._graph_counter = torch._dynamo.utils.counters["stats"]  # "unique_graphs": graphs dynamo has traced
             mode = self.options.get("mode")  # as options: torch.compile takes a mode or options, and the guards' filter
             # is an option
             options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
-            if module_guards_kept() is None:  # this decoder's graphs alone in their cache (`own_step_function`)
+            if module_guards_kept() is None:  # this model's graphs alone in their cache (`own_step_function`)
                 options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
                 self.stats.mode += ", module guards skipped"
             self.graph = torch.compile(own_step_function(self.step), fullgraph=True, dynamic=False, options=options)
@@ -620,8 +620,8 @@ def own_step_function(step: DecodeGraph):
 
 def module_guards_kept() -> str | None:
     """Why dynamo keeps its guards on the compiled step's modules (None: they are skipped). The step's modules do not
-    change after its decoder is built (the weights are the graph's inputs, read at each call), so those guards only
-    cost time; `INFERENCE_CORE_MODULE_GUARDS=1` keeps them, for an A/B or should a torch need them."""
+    change after its decoders are built (the weights are the graph's inputs, read at each call), so those guards only
+    cost time; `INFERENCE_CORE_MODULE_GUARDS=1` keeps them (for an A/B, or a torch where skipping them fails)."""
     if os.environ.get("INFERENCE_CORE_MODULE_GUARDS", "0") == "1":
         return "INFERENCE_CORE_MODULE_GUARDS=1"
     if not hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):

@@ -508,6 +508,12 @@ def serve_part(report: Report, device: torch.device, work: Path, args, deadline:
     return json.loads(result.read_text())
 
 
+def _profile_line(profile: dict) -> str:
+    """A profiled step in words: its time, the categories that took any, and its trace."""
+    shares = ", ".join(f"{part['category']} {part['ms']:.2f}" for part in profile["breakdown"] if part["ms"] > 0)
+    return f"{profile['step_ms']:.2f} ms ({shares} ms; trace {profile['trace']})"
+
+
 def markdown(data: dict) -> str:
     lines = [f"# GPU report: {data.get('device')}", "",
              f"torch {data['torch']}, CUDA {data.get('cuda')}, copy bandwidth {data.get('copy_bandwidth_gb_s')} GB/s "
@@ -519,10 +525,7 @@ def markdown(data: dict) -> str:
         lines.append(f"| {row['shape']} | {row['name']} | {row['batch']} | {row['decode_tokens_per_s']:.1f} | "
                      f"{row['roofline_pct']} | {speedup} |")
     for row in (row for row in data["rows"] if row.get("profile")):
-        profile = row["profile"]
-        shares = ", ".join(f"{part['category']} {part['ms']:.2f}" for part in profile["breakdown"] if part["ms"] > 0)
-        lines += ["", f"{row['shape']} {row['name']}, a profiled step: {profile['step_ms']:.2f} ms ({shares} ms; "
-                  f"trace {profile['trace']})"]
+        lines += ["", f"{row['shape']} {row['name']}, a profiled step: {_profile_line(row['profile'])}"]
     batch = data["parts"].get("batch", {})
     if batch.get("rows"):
         lines += ["", f"batch-bench at qwen3-0.6b: {batch['arguments']['requests']} requests, output lengths "
@@ -534,10 +537,8 @@ def markdown(data: dict) -> str:
                   f"{row['ttft_ms_p50']:.0f} | {row['latency_ms_p50']:.0f} | {row['mean_batch_size']:.1f} |"
                   for row in batch["rows"]]
     if batch.get("profile"):
-        profile = batch["profile"]
-        shares = ", ".join(f"{part['category']} {part['ms']:.2f}" for part in profile["breakdown"] if part["ms"] > 0)
-        lines += ["", f"an eager decode step of {profile['batch_size']:.0f} sequences, profiled: "
-                  f"{profile['step_ms']:.2f} ms ({shares} ms; trace {profile['trace']})"]
+        lines += ["", f"an eager decode step of {batch['profile']['batch_size']:.0f} sequences, profiled: "
+                  f"{_profile_line(batch['profile'])}"]
     serve = data["parts"].get("serve", {})
     if serve.get("runs"):
         lines += ["", f"serving path ({serve.get('how')}):", "", "| run | lane | TTFT ms | tok/s | tokens |",

@@ -304,16 +304,16 @@ def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | Non
 
     def collect(profiler) -> None:  # the end of the recorded steps (the profiler clears its events after this)
         step_events.extend(event for event in profiler.events() if event.name == STEP)
-        if trace:
-            Path(trace).parent.mkdir(parents=True, exist_ok=True)
-            profiler.export_chrome_trace(trace)
-        if cuda:  # the device's timeline is read from the trace (`device_breakdown`)
-            with tempfile.TemporaryDirectory() as folder:
-                path = Path(trace) if trace else Path(folder) / "trace.json"
-                if not trace:
-                    profiler.export_chrome_trace(str(path))
-                opener = gzip.open if path.suffix == ".gz" else open
-                with opener(path, "rt") as file:
+        if not (trace or cuda):
+            return
+        # On CUDA the device's timeline is read back from the trace (`device_breakdown`): where none was asked for,
+        # from a temporary one.
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(trace) if trace else Path(folder) / "trace.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(path))
+            if cuda:
+                with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as file:
                     trace_events.extend(json.load(file)["traceEvents"])
 
     # 3. One untimed step with the profiler on (its first events cost more), then the recorded steps.

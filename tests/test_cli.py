@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from inference_core.bench import batching
 from inference_core.bench.batching import ROW_KEYS, parse_arrivals, percentile, rate_sweep, run_engine
 from inference_core.bench.latency import LatencyTargets
 from inference_core.cli import main
@@ -240,6 +241,26 @@ def test_batch_bench_json_rows(bundled, one_torch_thread, tmp_path, capsys):
     assert (report["arguments"]["slo_ttft_ms"], report["arguments"]["slo_tpot_ms"]) == (600000.0, None)
     assert {"processor", "cpu_capability", "torch"} <= set(report["machine"])
     assert "| continuous | 3 |" in capsys.readouterr().out
+
+
+def test_batch_bench_keeps_the_rows_it_finished(bundled, one_torch_thread, tmp_path, monkeypatch):
+    """The JSON is written after each row: a run that stops part-way (here the second mode fails; in the GPU report a
+    run stopped at its share of the budget) leaves the rows before it on disk."""
+    calls = []
+
+    def failing_on_the_second_mode(*args):
+        calls.append(args)
+        if len(calls) == 3:  # the second mode's warm-up (each mode: a warm-up, then the timed run)
+            raise RuntimeError("stopped")
+        return run_engine(*args)
+
+    monkeypatch.setattr(batching, "run_engine", failing_on_the_second_mode)
+    path = tmp_path / "batch.json"
+    prompts = [{"prompt": "Say hello.", "kind": "chat"}]
+    with pytest.raises(RuntimeError, match="stopped"):
+        batching.batch_bench(bundled, None, prompts, [0.0, 0.0], [2, 2], ["none", "continuous"], [], 2,
+                             json_path=str(path))
+    assert [row["name"] for row in json.loads(path.read_text())["rows"]] == ["none"]
 
 
 def test_batch_bench_rate_sweep(bundled, one_torch_thread, capsys):

@@ -26,6 +26,7 @@ person picks a mode and a rate (drawn by `ui.frontier`).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -262,7 +263,8 @@ def run_batch_bench(args) -> int:
                   settings=settings, targets=targets)
     model_dir = resolve_model_dir(args.model)
     if rates is None:
-        report = batch_bench(loaded, model_dir, rows, offsets, lengths, modes, peers, args.max_num_seqs, **common)
+        report = batch_bench(loaded, model_dir, rows, offsets, lengths, modes, peers, args.max_num_seqs, **common,
+                             json_path=args.json_path)
     else:
         report = rate_sweep(loaded, model_dir, rows, rates, args.seed, lengths, modes, peers, args.max_num_seqs,
                             **common)
@@ -295,9 +297,10 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
                 lengths: list[int], modes: list[str], peers: list[str], max_num_seqs: int,
                 kv_cache_tokens: int | None = None, compile: bool = False, peer_requests: int | None = None,
                 settings: dict | None = None, deadline: float = math.inf,
-                targets: LatencyTargets | None = None) -> dict:
-    """Every row of one batch-bench run on a loaded model; prints each row as it is measured. A row not started
-    by `deadline` (time.perf_counter) is listed in `left_out`. `targets`: the latency targets goodput counts."""
+                targets: LatencyTargets | None = None, json_path: str | None = None) -> dict:
+    """Every row of one batch-bench run on a loaded model; prints each row as it is measured, and writes the report
+    so far to `json_path` after each (a run stopped part-way keeps the rows it finished). A row not started by
+    `deadline` (time.perf_counter) is listed in `left_out`. `targets`: the latency targets goodput counts."""
     tokenizing = Engine(loaded, EngineConfig(kv_mode="none"))  # holds no KV memory
     distinct = [tokenizing.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion")
                 for row in prompt_rows]
@@ -331,6 +334,7 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
         run_engine(engine, *warmup)
         report["rows"].append(summarize(mode, *run_engine(engine, prompts, offsets, lengths), targets))
         print(format_row(report["rows"][-1]), flush=True)
+        save_partial(report, json_path)
         del engine  # its KV pool goes before the next one is made
     # 2. transformers: one model for both peers, a warm-up per row, the first `peer_count` requests.
     peer = HFPeer(loaded, model_dir) if peers and time.perf_counter() < deadline else None
@@ -342,4 +346,14 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
         timed = run_hf(peer, name, prompts[:peer_count], offsets[:peer_count], lengths[:peer_count], max_num_seqs)
         report["rows"].append(summarize(name, *timed, targets))
         print(format_row(report["rows"][-1]), flush=True)
+        save_partial(report, json_path)
     return report
+
+
+def save_partial(report: dict, path: str | None) -> None:
+    """The report as it stands, written to `path` (when given) in place of what was there, quietly."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(path).with_name(Path(path).name + ".partial")
+        partial.write_text(json.dumps(report, indent=2))
+        os.replace(partial, path)

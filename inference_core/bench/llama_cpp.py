@@ -7,8 +7,8 @@ What it owns: finding the GGUF that llama.cpp can run for a `--model` (the bundl
   is fed those ids (`Llama.eval`), never text, so both engines compute on the same tokens. As a check, each prompt's
   ids are rendered to text by llama.cpp (special tokens included) and tokenized back by llama.cpp (special tokens
   parsed, no BOS added): `prompt_tokens_match` in the row says whether every prompt came back as the same ids, i.e.
-  whether llama.cpp would have tokenized the chat text exactly as we do (tests/bench/test_peer_llama_cpp.py checks the same
-  on the chat text our template renders).
+  whether llama.cpp would have tokenized the chat text exactly as we do (tests/bench/test_peer_llama_cpp.py checks
+  the same on the chat text our template renders).
 - The same definitions as bench.py: the KV cache is emptied before each run (`Llama.reset()` rewinds to position 0,
   and the next `eval` removes every cached position), so TTFT is a cold prompt: prompt eval plus the first argmax.
   Decode tokens/s counts the tokens after the first over the time from the first token to the last; each token is one

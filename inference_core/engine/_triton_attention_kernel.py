@@ -6,14 +6,15 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["keys"])
-def attend(q_ptr, k_ptr, v_ptr, k_pool, v_pool, index_ptr, mask_ptr, out_ptr, keys, scale,
+def attend(q_ptr, k_ptr, v_ptr, k_pool, v_pool, index_ptr, mask_ptr, lengths_ptr, out_ptr, keys, scale,
            q_batch, q_head, k_batch, k_head, v_batch, v_head, block_stride, position_stride, head_stride,
            index_stride, mask_stride, out_batch, out_head, out_group,
            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
            HEAD_DIM: tl.constexpr, PAGED: tl.constexpr):
-    """One program per (sequence, KV head): the group's query heads against the sequence's first `keys` cached
-    positions, CHUNK at a time (paged: position p lies in block read_index[seq, p // BLOCK], at p % BLOCK; contiguous:
-    in slot read_index[seq]), those with a False key mask left out, and the own key and value."""
+    """One program per (sequence, KV head): the group's query heads against the sequence's cached positions
+    [0, min(lengths[seq], keys)), CHUNK at a time (paged: position p lies in block read_index[seq, p // BLOCK], at
+    p % BLOCK; contiguous: in slot read_index[seq]), those with a False key mask left out, and the own key and value.
+    Nothing of the block table or the mask past the sequence's own length is read."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     groups = tl.arange(0, GROUP_PAD)
@@ -30,9 +31,10 @@ def attend(q_ptr, k_ptr, v_ptr, k_pool, v_pool, index_ptr, mask_ptr, out_ptr, ke
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32) + own_v[None, :]
     if not PAGED:
         slot = tl.load(index_ptr + seq * index_stride).to(tl.int64)
-    for start in range(0, keys, CHUNK):
+    length = tl.minimum(tl.load(lengths_ptr + seq), keys)
+    for start in range(0, length, CHUNK):
         positions = start + lanes
-        inside = positions < keys
+        inside = positions < length
         if PAGED:
             block = tl.load(index_ptr + seq * index_stride + positions // BLOCK, mask=inside, other=0).to(tl.int64)
             rows = block * block_stride + (positions % BLOCK) * position_stride

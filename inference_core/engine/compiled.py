@@ -15,10 +15,13 @@ the KV cache, and is written so that a compiler can turn it into a few fused ker
   returns the logits and every layer's new k and v, which `store` writes into the cache with one indexed copy each
   (an in-place write inside the graph measured slower than eager: the compiler copied whole cache buffers).
 - The key width is the batch's longest context (paged: whole blocks), marked dynamic so that one compiled graph
-  serves every length. On CUDA, where a CUDA graph is recorded for each shape it meets, the width is rounded up to
-  a power of two (of blocks, or positions), so a few recordings serve every length and a short context never reads
-  the cache's whole width; the batch dimension is dynamic there too (buckets above 1), so one inductor compile
-  serves every bucket and each bucket records its own CUDA graph.
+  serves every length. On CUDA, where a CUDA graph is recorded for each shape it meets, the attention is one Triton
+  kernel a layer (`triton_attention`) that reads each sequence up to its own position: the graph then takes the
+  buffers' whole width, so one recording a bucket serves every length. Where the ATen ops run instead, which read
+  the whole width they are given, the width is rounded up to a power of two (of blocks, or positions), so a few
+  recordings serve every length and a short context never reads the cache's whole width. The batch dimension is
+  dynamic there too (buckets above 1), so one inductor compile serves every bucket and each bucket records its own
+  CUDA graph.
 
 Nothing inside the step syncs with the host or loops over sequences. Prefill, chunked prefill, mixed steps and
 speculative verification stay on the eager path.
@@ -149,7 +152,7 @@ class DecodeGraph(nn.Module):
             if self.opaque_attention:
                 dtype = attn.attention_dtype
                 out = decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), k_pool[index], v_pool[index],
-                                       read_index, key_mask, attn.scale, self.paged)
+                                       read_index, key_mask, positions, attn.scale, self.paged)
             else:
                 k_ctx, v_ctx = _read_context(k_pool[index], v_pool[index], read_index, width, self.paged)
                 out = _attend_one_fused(q, k, v, k_ctx, v_ctx, key_mask, attn.scale)
@@ -170,17 +173,20 @@ def _read_context(k_pool, v_pool, read_index, width: int, paged: bool):
 
 @torch.library.custom_op("inference_core::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     read_index: torch.Tensor, key_mask: torch.Tensor, scale: float, paged: bool) -> torch.Tensor:
+                     read_index: torch.Tensor, key_mask: torch.Tensor, positions: torch.Tensor, scale: float,
+                     paged: bool) -> torch.Tensor:
     """`_attend_one` over the context `_read_context` reads, as one op (q, k, v already in the attention dtype). On
-    CUDA one Triton kernel (`triton_attention`) where it takes the layout; elsewhere the ATen ops."""
+    CUDA one Triton kernel (`triton_attention`) where it takes the layout, which reads each sequence's keys up to its
+    position only; elsewhere the ATen ops, over the key mask's whole width."""
     if triton_attention.used(q.device, q.dtype, k_pool, paged):
-        return triton_attention.decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, scale, paged)
+        return triton_attention.decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, positions, scale,
+                                                 paged)
     k_ctx, v_ctx = _read_context(k_pool, v_pool, read_index, key_mask.shape[1], paged)
     return _attend_one(q, k, v, k_ctx.to(q.dtype), v_ctx.to(q.dtype), key_mask, scale)
 
 
 @decode_attention.register_fake
-def _decode_attention_shape(q, k, v, k_pool, v_pool, read_index, key_mask, scale, paged):
+def _decode_attention_shape(q, k, v, k_pool, v_pool, read_index, key_mask, positions, scale, paged):
     batch, kv_heads, head_dim = k.shape
     return q.new_empty(batch, kv_heads, q.shape[1] // kv_heads, head_dim)
 
@@ -247,10 +253,15 @@ class CompiledDecoder:
                           else kv_cache.max_seq_len)
         self.buckets = batch_buckets(max_num_seqs)
         self.backend = backend or default_backend(device)
-        # torch.compile (CUDA's backend) records a CUDA graph per shape: widths are rounded up to powers of two.
-        self.width_buckets = self.backend == "torch.compile"
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown compile backend {self.backend!r}; one of {', '.join(BACKENDS)}")
+        # The key width the graph takes. torch.compile (CUDA's backend) records a CUDA graph per shape: with the
+        # Triton attention, which reads each sequence up to its own position only, the graph takes the buffers'
+        # whole width (one recording a bucket, whatever the contexts); with the ATen ops, which read the whole width
+        # they are given, the width the batch needs rounded up to a power of two. AOTInductor: the width needed.
+        self.whole_width = self.backend == "torch.compile" and triton_attention.used(
+            device, model.layers[0].self_attn.attention_dtype, kv_cache.k[0], self.paged)
+        self.width_buckets = self.backend == "torch.compile" and not self.whole_width
         self.options = dict(options if options is not None else default_options(device, model))
         # Our projection kernel, where asked and where it runs (AOTInductor only: it is chosen while exporting). Its
         # build, on a machine's first start (about 35 s), counts as warm-up.
@@ -381,16 +392,18 @@ class CompiledDecoder:
         position_tensor, staged = staged[:count], staged[count:]
         if input_ids is None:
             input_ids, staged = staged[:count], staged[count:]
-        read_index = buffers["read_index"][:, :width] if self.paged else buffers["read_index"]
-        read_index[:count] = staged.view(count, width) if self.paged else staged
+        read_index, key_mask = self._graph_inputs(buffers, width)
+        keys = width * self.block_size  # what this step fills (`whole_width`: the graph reads no further)
+        if self.paged:
+            read_index[:count, :width] = staged.view(count, width)
+        else:
+            read_index[:count] = staged
         buffers["input_ids"][:count] = input_ids
         buffers["positions"][:count] = position_tensor
-        keys = width * self.block_size
-        key_mask = buffers["key_mask"][:, :keys]
         key_positions = self._key_positions[:keys]
-        torch.lt(key_positions, position_tensor[:, None], out=key_mask[:count])
+        torch.lt(key_positions, position_tensor[:, None], out=key_mask[:count, :keys])
         if self.kv_cache.sliding_window is not None:  # the own key (scored apart) is the window's last one
-            key_mask[:count] &= key_positions > position_tensor[:, None] - self.kv_cache.sliding_window
+            key_mask[:count, :keys] &= key_positions > position_tensor[:, None] - self.kv_cache.sliding_window
         if count < bucket:  # padding rows: token 0 at position 0 in block 0 (or the first row's slot), no cached key
             read_index[count:] = 0 if self.paged else read_index[0]
             buffers["input_ids"][count:] = 0
@@ -409,9 +422,15 @@ class CompiledDecoder:
         buffers = self._bucket_buffers(bucket)
         for buffer in buffers.values():
             buffer.zero_()
-        width = self._width(2)
+        self._call(bucket, buffers, *self._graph_inputs(buffers, self._width(2)))
+
+    def _graph_inputs(self, buffers: dict[str, torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The read index and the key mask the graph takes: views of the bucket's buffers `width` wide (blocks, or
+        positions), or whole (`whole_width`)."""
+        if self.whole_width:
+            width = self.max_width
         read_index = buffers["read_index"][:, :width] if self.paged else buffers["read_index"]
-        self._call(bucket, buffers, read_index, buffers["key_mask"][:, :width * self.block_size])
+        return read_index, buffers["key_mask"][:, :width * self.block_size]
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """`host` on this decoder's device. On CUDA through pinned memory, a copy the host does not wait for (a copy
@@ -459,11 +478,11 @@ class CompiledDecoder:
         input_ids, positions, read_index, key_mask, _, _ = args
         # maybe_mark_dynamic: where the compiler specializes a size after all, it compiles again (counted in
         # `recompiles`, which the tests hold at 0) instead of failing the step.
-        if self.max_width >= 2:
+        if self.max_width >= 2 and not self.whole_width:
             torch._dynamo.maybe_mark_dynamic(key_mask, 1)
             if self.paged:
                 torch._dynamo.maybe_mark_dynamic(read_index, 1)
-        if self.width_buckets and bucket > 1:  # one compile for every bucket above 1; each records its own graph
+        if bucket > 1:  # one compile for every bucket above 1; each records its own graph
             for tensor in (input_ids, positions, read_index, key_mask):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
         graphs_before = self._graph_counter["unique_graphs"]

@@ -75,12 +75,14 @@ def describe(device: torch.device, dtype: torch.dtype, k_pool: torch.Tensor, pag
     return f"attention: ATen ops (the Triton kernel does not take {unsupported(dtype, k_pool, paged)})"
 
 
-def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, scale: float, paged: bool) -> torch.Tensor:
+def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, scale: float,
+                     paged: bool) -> torch.Tensor:
     """The same function as `compiled._attend_one` over `compiled._read_context`, in one kernel launch.
     q: [B, heads, d]; k, v: [B, kv_heads, d]; paged: k_pool, v_pool [blocks, block_size, kv_heads, d] and
     read_index [B, blocks] (the block table); contiguous: k_pool, v_pool [slots, kv_heads, max_len, d] and read_index
-    [B] (slots); key_mask [B, keys], True where a cached key is attended. Returns [B, kv_heads, group, d] in q's
-    dtype."""
+    [B] (slots); key_mask [B, keys], True where a cached key is attended; lengths [B]: each sequence's cached
+    positions (its position: keys at or past it are never read, whatever the mask and the block table hold there).
+    Returns [B, kv_heads, group, d] in q's dtype."""
     q, k, v = (tensor if tensor.stride(-1) == 1 else tensor.contiguous() for tensor in (q, k, v))
     batch, kv_heads, head_dim = k.shape
     group = q.shape[1] // kv_heads
@@ -94,7 +96,7 @@ def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, scale: float
         block = 1
         block_stride, head_stride, position_stride = k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)
     _kernel()[(batch, kv_heads)](
-        q, k, v, k_pool, v_pool, read_index, key_mask, out, keys, scale,
+        q, k, v, k_pool, v_pool, read_index, key_mask, lengths, out, keys, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_stride, position_stride, head_stride, read_index.stride(0), key_mask.stride(0),
         out.stride(0), out.stride(1), out.stride(2),

@@ -245,7 +245,8 @@ class ContiguousKVCache(_Storage):
 
     def load(self, layer: int, index: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         slot, context = batch.cache_slots[index], batch.context_lens[index]
-        return self.decode(self.k_layers[layer][slot, :, :context]), self.decode(self.v_layers[layer][slot, :, :context])
+        k, v = self.k_layers[layer][slot, :, :context], self.v_layers[layer][slot, :, :context]
+        return self.decode(k), self.decode(v)
 
     def load_decodes(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """[decodes, kv_heads, longest context, head_dim]: the decoding slots' buffers up to the longest context."""

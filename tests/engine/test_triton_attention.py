@@ -48,7 +48,7 @@ def _case(paged: bool, dtype, group: int, seed: int):
         keys, lengths = 70, [65, 9, 0]  # not a multiple of the kernel's chunk
     key_mask = torch.arange(keys)[None, :] < torch.tensor(lengths)[:, None]
     key_mask[0, :5] = False  # a sliding window's hole
-    tensors = [q, k, v, k_pool, v_pool, read_index, key_mask]
+    tensors = [q, k, v, k_pool, v_pool, read_index, key_mask, torch.tensor(lengths)]
     return [tensor.to(DEVICE) for tensor in tensors], keys
 
 
@@ -57,18 +57,29 @@ def _case(paged: bool, dtype, group: int, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_kernel_equals_the_aten_ops(paged, dtype, group):
-    (q, k, v, k_pool, v_pool, read_index, key_mask), keys = _case(paged, dtype, group, seed=group)
+    (q, k, v, k_pool, v_pool, read_index, key_mask, lengths), keys = _case(paged, dtype, group, seed=group)
     assert triton_attention.unsupported(q.dtype, k_pool, paged) is None
     scale = 32 ** -0.5
     width = read_index.shape[1] if paged else keys
     k_ctx, v_ctx = _read_context(k_pool, v_pool, read_index, width, paged)
     expected = _attend_one(q.float(), k.float(), v.float(), k_ctx.float(), v_ctx.float(), key_mask, scale)
-    out = triton_attention.decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, scale, paged)
+    out = triton_attention.decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, scale, paged)
     assert out.shape == expected.shape and out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
     # The padding row (nothing cached) attends to its own value alone.
     torch.testing.assert_close(out[2].float(), v[2].float()[:, None, :].expand(-1, group, -1), rtol=1e-6, atol=1e-6)
+    # The compiled step on CUDA passes its buffers whole: past each sequence's length, the block table and the mask
+    # hold what earlier steps left there (blocks of other sequences, keys marked attended). None of it is read.
+    stale_index = torch.cat([read_index, torch.randint(1, 24, (3, 4), dtype=read_index.dtype, device=DEVICE)], 1) \
+        if paged else read_index
+    extra = 4 * 8 if paged else 10
+    stale_mask = torch.cat([key_mask, torch.ones(3, extra, dtype=torch.bool, device=DEVICE)], 1)
+    stale_mask[:, :keys] |= torch.arange(keys, device=DEVICE)[None, :] >= lengths[:, None]
+    if not paged:  # the pool's slots are as wide as the mask
+        k_pool, v_pool = (torch.cat([pool, pool[:, :, :extra]], 2) for pool in (k_pool, v_pool))
+    whole = triton_attention.decode_attention(q, k, v, k_pool, v_pool, stale_index, stale_mask, lengths, scale, paged)
+    torch.testing.assert_close(whole, out, rtol=0, atol=0)
 
 
 def test_unsupported_layouts_say_why():
@@ -85,3 +96,38 @@ def test_unsupported_layouts_say_why():
     assert triton_attention.describe(cuda, torch.float32, pool, True) == "attention: one Triton kernel a layer"
     assert "does not take head size 24" in triton_attention.describe(cuda, torch.float32, torch.zeros(4, 16, 2, 24),
                                                                      True)
+
+
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled step's CUDA tests run the kernel")
+@pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
+def test_compiled_step_with_the_kernel_takes_whole_buffers(tmp_path, kv_mode, monkeypatch):
+    """CUDA's compiled step (torch.compile, the attention an op the compiler does not look into) with the kernel,
+    here on the CPU under Triton's interpreter: the graph takes the bucket's buffers whole, whatever the contexts, so
+    one compile serves bucket 1 and one every bucket above it, with no width marked dynamic; ids equal eager's while
+    contexts grow through 2 to 16 blocks and batches shrink from 4 to 1."""
+    from conftest import compiled_matches_eager
+    from tiny_models import build_tiny_model
+
+    from inference_core.engine import compiled as compiled_module
+
+    if compiled_module.compile_unavailable(torch.device("cpu")) is not None:
+        pytest.skip(compiled_module.compile_unavailable(torch.device("cpu")))
+    monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
+    monkeypatch.setattr(compiled_module, "default_options", lambda device, model=None: {})
+    monkeypatch.setattr(triton_attention, "used",
+                        lambda device, dtype, pool, paged: triton_attention.unsupported(dtype, pool, paged) is None)
+    widths, call = set(), compiled_module.CompiledDecoder._call_compiled
+
+    def recording_widths(self, bucket, args):
+        widths.add(args[3].shape[1])  # the key mask's
+        return call(self, bucket, args)
+
+    monkeypatch.setattr(compiled_module.CompiledDecoder, "_call_compiled", recording_widths)
+    compiled, _ = compiled_matches_eager(build_tiny_model(tmp_path), kv_mode=kv_mode, block_size=4, max_num_seqs=4,
+                                         max_num_batched_tokens=64, max_seq_len=96)
+    decoder = compiled.decoder
+    assert decoder.whole_width and not decoder.width_buckets
+    assert widths == {96}  # the whole width, every step
+    stats = compiled.compile_stats()
+    assert stats["recompiles"] == 0 and stats["graphs"] <= 2 and stats["compiled_steps"] > 0

@@ -64,6 +64,7 @@ class KVCache(Protocol):
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None: ...
     def load(self, layer: int, index: int, batch) -> tuple[torch.Tensor, torch.Tensor]: ...
     def load_decodes(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def load_chunks(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 SCALE_BYTES = 4  # an int8 row's fp32 scale, stored as 4 int8 bytes after the head_dim values
@@ -154,6 +155,13 @@ class RecomputeKVCache:
     def load_decodes(self, layer: int, batch):
         raise AssertionError("mode none has no cached decodes: every sequence is forwarded whole")
 
+    def load_chunks(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """[chunks, kv_heads, longest, head_dim]: each batched sequence's own k/v (its keys are its queries)."""
+        chunks = batch.chunks
+        shape = (chunks.count, chunks.longest) + self._k.shape[1:]
+        return (self._k.index_select(0, chunks.query_index).view(shape).transpose(1, 2),
+                self._v.index_select(0, chunks.query_index).view(shape).transpose(1, 2))
+
 
 class ContiguousKVCache(_Storage):
     kv_mode = "contiguous"
@@ -227,6 +235,9 @@ class ContiguousKVCache(_Storage):
         if batch.num_decodes > 1:
             batch.decode_slots = torch.tensor(batch.cache_slots[:batch.num_decodes], dtype=torch.long,
                                               device=self.device)
+        if batch.chunks is not None:
+            batch.chunks.slots = torch.tensor(batch.cache_slots[batch.chunks.first:], dtype=torch.long,
+                                              device=self.device)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None:
         # k, v: [tokens, kv_heads, head_dim] for all sequences of the batch, in batch.query_ranges order.
@@ -250,9 +261,15 @@ class ContiguousKVCache(_Storage):
 
     def load_decodes(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """[decodes, kv_heads, longest context, head_dim]: the decoding slots' buffers up to the longest context."""
-        longest = batch.max_decode_context
-        return (self.decode(self.k_layers[layer][:, :, :longest].index_select(0, batch.decode_slots)),
-                self.decode(self.v_layers[layer][:, :, :longest].index_select(0, batch.decode_slots)))
+        return self._gather(layer, batch.decode_slots, batch.max_decode_context)
+
+    def load_chunks(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """[chunks, kv_heads, longest context, head_dim]: the batched sequences' slots up to the longest context."""
+        return self._gather(layer, batch.chunks.slots, batch.chunks.longest)
+
+    def _gather(self, layer: int, slots: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.decode(self.k_layers[layer][:, :, :longest].index_select(0, slots)),
+                self.decode(self.v_layers[layer][:, :, :longest].index_select(0, slots)))
 
 
 class PagedKVCache(_Storage):
@@ -402,9 +419,16 @@ class PagedKVCache(_Storage):
 
     def load_decodes(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """One gather for every decoding sequence: [decodes, kv_heads, longest context, head_dim] each."""
-        num_decodes, longest = batch.num_decodes, batch.max_decode_context
-        tables = batch.block_tables[:num_decodes, :-(-longest // self.block_size)]  # [decodes, blocks] int32
-        shape = (num_decodes, -1) + self.k_layers[layer].shape[2:]  # [decodes, max_blocks * block_size, kv_heads, d]
+        return self._gather(layer, batch.block_tables[:batch.num_decodes], batch.max_decode_context)
+
+    def load_chunks(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One gather for every batched sequence (`runner.ChunkBatch`): [chunks, kv_heads, longest, head_dim]."""
+        return self._gather(layer, batch.block_tables[batch.chunks.first:], batch.chunks.longest)
+
+    def _gather(self, layer: int, tables: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of each row of `tables` ([rows, blocks] int32) up to `longest` positions."""
+        tables = tables[:, :-(-longest // self.block_size)]
+        shape = (tables.shape[0], -1) + self.k_layers[layer].shape[2:]  # [rows, blocks * block_size, kv_heads, d]
         k = self.k_layers[layer].index_select(0, tables.flatten()).view(shape)[:, :longest].transpose(1, 2)
         v = self.v_layers[layer].index_select(0, tables.flatten()).view(shape)[:, :longest].transpose(1, 2)
         return self.decode(k), self.decode(v)

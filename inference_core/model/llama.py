@@ -260,6 +260,14 @@ class Attention(nn.Module):
                 out = self._attend(q_d, k_d, v_d, batch.decode_mask, False)
             outputs.append(out.reshape(num_decodes, self.q_size))
             first = num_decodes
+        chunks = batch.chunks
+        if chunks is not None:  # the prefill chunks (and a lone decode) in one padded call
+            most = chunks.query_index.shape[0] // chunks.count
+            q_c = q.index_select(0, chunks.query_index).view(chunks.count, most, self.num_heads, self.head_dim)
+            k_c, v_c = kv_cache.load_chunks(self.layer_index, batch)  # [chunks, kv_heads, longest, head_dim]
+            out = self._attend(q_c.transpose(1, 2), k_c, v_c, chunks.mask, False)  # [chunks, heads, most, d]
+            outputs.append(out.transpose(1, 2).reshape(-1, self.q_size).index_select(0, chunks.rows))
+            first = len(batch.query_ranges)
         for i in range(first, len(batch.query_ranges)):  # prefill chunks (and a lone decode), one at a time
             start, end = batch.query_ranges[i]
             q_i = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, new_tokens, head_dim]

@@ -75,3 +75,45 @@ def test_kv_memory_a_batched_decode_may_read_is_finite(bundled):
     assert torch.isfinite(contiguous.kv_cache.k[:, slot]).all() and torch.isfinite(contiguous.kv_cache.v[:, slot]).all()
     contiguous.kv_cache.free(seq)
 
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-chunks"))
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window-6"])
+@pytest.mark.parametrize("kv_mode", ["paged", "contiguous", "none"])
+def test_prefill_chunks_in_one_call_equal_one_at_a_time(tiny, kv_mode, window, monkeypatch):
+    """One forward with a lone decode, a prompt after a prefix-cache hit (paged), a fresh prompt and a middle chunk
+    of a longer one: attended in one padded call (`runner.ChunkBatch`), the logits and the KV written equal those of
+    the same forward attending each sequence alone (CHUNK_PADDING 0; the padded call is taken here whatever its
+    padding, 10 times the scores the chunks need)."""
+    from inference_core.engine import runner as runner_module
+
+    def forward(padding: float):
+        monkeypatch.setattr(runner_module, "CHUNK_PADDING", padding)
+        engine = make_engine(tiny, kv_mode, block_size=4, max_num_seqs=4, sliding_window=window)
+        shared = list(range(3, 15))
+        engine.complete(shared + [20], SamplingParams(max_new_tokens=1))  # its full blocks stay cached (paged)
+        seqs = [Sequence(list(ids)) for ids in (list(range(40, 49)), shared + [21, 22, 23], list(range(60, 71)),
+                                                 list(range(80, 102)))]
+        for seq in seqs:
+            engine.kv_cache.allocate(seq)
+        engine.runner.run([seqs[0], seqs[3]], [8, 8])  # the first almost whole; the last's first chunk
+        cached = seqs[1].num_computed_tokens
+        news = [1, len(seqs[1]) - cached, len(seqs[2]), 8]
+        batch = engine.runner.prepare(seqs, news)
+        logits = engine.runner.run(seqs, news)
+        written = [engine.kv_cache.k.clone()] if kv_mode != "none" else []
+        return logits, written, batch.chunks, cached
+
+    batched, batched_kv, chunks, cached = forward(10.0)
+    alone, alone_kv, none, _ = forward(0.0)
+    assert none is None and chunks is not None and chunks.count == 4
+    assert cached == (12 if kv_mode == "paged" else 0)  # the prefix hit: that chunk starts at position 12
+    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(batched_kv, alone_kv):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

@@ -31,7 +31,7 @@ def attend(q_ptr, k_ptr, v_ptr, k_pool, v_pool, index_ptr, mask_ptr, lengths_ptr
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32) + own_v[None, :]
     if not PAGED:
         slot = tl.load(index_ptr + seq * index_stride).to(tl.int64)
-    length = tl.minimum(tl.load(lengths_ptr + seq), keys)
+    length = tl.minimum(tl.load(lengths_ptr + seq).to(tl.int32), keys)
     for start in range(0, length, CHUNK):
         positions = start + lanes
         inside = positions < length

@@ -9,6 +9,9 @@ checked everywhere."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +134,41 @@ def test_compiled_step_with_the_kernel_takes_whole_buffers(tmp_path, kv_mode, mo
     assert widths == {96}  # the whole width, every step
     stats = compiled.compile_stats()
     assert stats["recompiles"] == 0 and stats["graphs"] <= 2 and stats["compiled_steps"] > 0
+
+
+# Run in a process of its own: this module sets TRITON_INTERPRET, under which Triton builds its own library functions
+# for the interpreter, and compiling then fails for reasons of the mix, not of the kernel.
+COMPILE_FOR_H100 = """
+import inspect, sys
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from inference_core.engine._triton_attention_kernel import attend
+from inference_core.engine.triton_attention import CHUNK
+
+paged = sys.argv[1] == "paged"
+pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16",
+            "index_ptr": "*i32" if paged else "*i64", "mask_ptr": "*i1", "lengths_ptr": "*i64", "out_ptr": "*bf16"}
+strides = ("q_batch", "q_head", "k_batch", "k_head", "v_batch", "v_head", "block_stride", "position_stride",
+           "head_stride", "index_stride", "mask_stride", "out_batch", "out_head", "out_group")
+constants = {"GROUP": 4, "GROUP_PAD": 4, "CHUNK": CHUNK, "BLOCK": 16 if paged else 1, "HEAD_DIM": 128, "PAGED": paged}
+signature = {**pointers, "keys": "i32", "scale": "fp32", **dict.fromkeys(strides, "i64"),
+             **dict.fromkeys(constants, "constexpr")}
+assert list(signature) == list(inspect.signature(attend.fn).parameters), "the kernel's arguments changed"
+source = ASTSource(fn=attend, signature=signature,
+                   constexprs={(list(signature).index(name),): value for name, value in constants.items()})
+print(len(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]))
+"""
+
+
+@needs_triton
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_kernel_compiles_for_an_h100(paged):
+    """The interpreter runs what compiled Triton refuses (a Python `int()` of a loaded length, say, runs there and
+    fails here): the kernel is compiled for an H100 (sm_90) down to its binary, with no GPU needed, as the compiled
+    step calls it for bf16 at head size 128, a group of 4 and block size 16."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100, "paged" if paged else "contiguous"], env=env,
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) > 0  # bytes of the binary

@@ -144,10 +144,9 @@ class ModelRunner:
             if window is not None:  # the decode's query is at position context - 1
                 visible &= keys[None, :] >= contexts - window
             batch.decode_mask = visible[:, None, None, :]
-        batch.chunks = self._chunk_batch(batch, window)
+        if getattr(self.kv_cache, "flex_layout", None) is None:  # flex attention has block masks of its own
+            batch.chunks = self._chunk_batch(batch, window)
         self.kv_cache.prepare([seqs[index] for index in order], batch)
-        if batch.flex is not None:  # flex attention reads the pool through its own block masks
-            batch.chunks = None
         return batch
 
     def _chunk_batch(self, batch: ForwardBatch, window: int | None) -> ChunkBatch | None:

@@ -42,7 +42,7 @@ from inference_core.bench.batch_table import format_header, format_row, format_s
 from inference_core.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from inference_core.bench.speed import forward_clock, load_hf_model, machine_info, write_report
 from inference_core.config import BATCHING_MODES, ConfigError, EngineConfig
-from inference_core.engine.engine import Engine
+from inference_core.engine.engine import Engine, StepReport
 from inference_core.engine.request import FinishEvent, TokenEvent
 from inference_core.model.checkpoint import resolve_model_dir
 from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
@@ -94,9 +94,11 @@ def parse_output_lengths(spec: str | None, count: int, max_new_tokens: int, seed
     return [lengths[i % len(lengths)] for i in range(count)]
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], offsets: list[float], lengths: list[int] | int):
+def run_engine(engine: Engine, prompts: list[list[int]], offsets: list[float], lengths: list[int] | int,
+               reports: list[StepReport] | None = None):
     """Submit each request at its arrival time (with its own max_new_tokens, `lengths`) and step the engine until
-    all are done. Returns the timings and the batch size of every engine step that ran work."""
+    all are done. Returns the timings and the batch size of every engine step that ran work; `reports`, where given,
+    gets those steps' reports."""
     if isinstance(lengths, int):
         lengths = [lengths] * len(prompts)
     start = time.perf_counter()
@@ -128,6 +130,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], offsets: list[float], l
             report = engine.step()
             if report.batch_size:
                 batch_sizes.append(report.batch_size)
+                if reports is not None:
+                    reports.append(report)
             continue
         next_arrival_s = timings[submitted].arrival - time.perf_counter() if submitted < len(prompts) else math.inf
         if math.isinf(wait_s) and math.isinf(next_arrival_s):
@@ -188,6 +192,30 @@ def run_hf(peer: HFPeer, name: str, prompts: list[list[int]], offsets: list[floa
         batch_sizes += peer.generate(prompts[first:end], timings[first:end], lengths[first:end])
         first = end
     return timings, batch_sizes
+
+
+def step_kinds(reports: list[StepReport]) -> dict:
+    """A timed run's engine steps by what they ran: decodes only, prefill chunks only, or both in one forward
+    (`mixed`; and `other`, speculative work): for each, the steps, their median milliseconds, their mean batch and
+    their share of the run's step time. Where a mode's time goes: on a GPU a mixed step runs eager even where decode
+    steps run compiled."""
+    groups: dict[str, list[StepReport]] = {}
+    for report in reports:
+        kinds = {kind for _, kind, _ in report.work}
+        name = "decode" if kinds == {"decode"} else "prefill" if kinds == {"prefill"} else \
+            "mixed" if kinds == {"decode", "prefill"} else "other"
+        groups.setdefault(name, []).append(report)
+    total_ms = sum(report.duration_ms for report in reports) or 1.0
+    return {name: {"steps": len(group), "median_ms": round(statistics.median(r.duration_ms for r in group), 2),
+                   "mean_batch": round(statistics.mean(r.batch_size for r in group), 1),
+                   "time_pct": round(100 * sum(r.duration_ms for r in group) / total_ms, 1)}
+            for name, group in sorted(groups.items())}
+
+
+def format_step_kinds(name: str, kinds: dict) -> str:
+    return f"{name} steps: " + "; ".join(
+        f"{kind} {entry['steps']} (median {entry['median_ms']:.1f} ms, mean batch {entry['mean_batch']:.1f}, "
+        f"{entry['time_pct']:.0f}% of the time)" for kind, entry in kinds.items())
 
 
 def summarize(name: str, timings: list[Timing], batch_sizes: list[int], targets: LatencyTargets | None = None) -> dict:
@@ -288,7 +316,7 @@ def rate_sweep(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], ra
     report = {"arguments": {**runs[0]["arguments"], "arrival": None, "rates": rates}, "machine": runs[0]["machine"],
               "prompt_tokens": runs[0]["prompt_tokens"], "output_lengths": lengths, "sweep": sweep,
               "runs": [{"rate_requests_per_s": rate, "arrivals_s": run["arrivals_s"], "rows": run["rows"],
-                        "left_out": run["left_out"]} for rate, run in zip(rates, runs)]}
+                        "steps": run["steps"], "left_out": run["left_out"]} for rate, run in zip(rates, runs)]}
     print(format_sweep(report), flush=True)
     return report
 
@@ -319,7 +347,8 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
                  "slo_ttft_ms": targets.ttft_ms if targets else None,
                  "slo_tpot_ms": targets.tpot_ms if targets else None}
     report = {"arguments": arguments, "machine": machine, "arrivals_s": [round(s, 4) for s in offsets],
-              "prompt_tokens": [len(ids) for ids in prompts], "output_lengths": lengths, "rows": [], "left_out": []}
+              "prompt_tokens": [len(ids) for ids in prompts], "output_lengths": lengths, "rows": [], "steps": {},
+              "left_out": []}
     print(format_header(report), flush=True)
     # 1. Our modes: a fresh engine each (no prefix cache: batching alone is compared), one warm-up, the timed run.
     for mode in modes:
@@ -332,7 +361,9 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
             for bucket in engine.decoder.buckets:
                 engine.decoder.warm_up(bucket)
         run_engine(engine, *warmup)
-        report["rows"].append(summarize(mode, *run_engine(engine, prompts, offsets, lengths), targets))
+        steps: list[StepReport] = []
+        report["rows"].append(summarize(mode, *run_engine(engine, prompts, offsets, lengths, steps), targets))
+        report["steps"][mode] = step_kinds(steps)
         print(format_row(report["rows"][-1]), flush=True)
         save_partial(report, json_path)
         del engine  # its KV pool goes before the next one is made
@@ -347,6 +378,8 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
         report["rows"].append(summarize(name, *timed, targets))
         print(format_row(report["rows"][-1]), flush=True)
         save_partial(report, json_path)
+    for mode, kinds in report["steps"].items():
+        print(format_step_kinds(mode, kinds), flush=True)
     return report
 
 

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from inference_core.bench.batching import batch_bench, parse_output_lengths
+from inference_core.bench.batching import batch_bench, format_step_kinds, parse_output_lengths
 from inference_core.bench.profile import profile_requests, tokens_needed
 from inference_core.bench.prompts import load_prompts
 from inference_core.bench.speed import decode_bytes_per_step, forward_clock, load_hf_model, machine_info
@@ -427,7 +427,7 @@ def batch_part(report: Report, device: torch.device, work: Path, args, deadline:
     lengths = parse_output_lengths(spec, requests, 0, seed=0)
     rows = [row for row in load_prompts() if row["kind"] != "completion"]
     compiled = device.type == "cuda" and deadline - time.perf_counter() >= BATCH_COMPILE_S
-    modes, ours = ["continuous", "dynamic", "static"], []
+    modes, ours, steps = ["continuous", "dynamic", "static"], [], {}
     with tempfile.TemporaryDirectory() as folder:
         prompts = Path(folder) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -445,7 +445,8 @@ def batch_part(report: Report, device: torch.device, work: Path, args, deadline:
         except subprocess.CalledProcessError as error:
             report.error("batch-bench of our modes", error)
         if result.exists():
-            ours = json.loads(result.read_text())["rows"]
+            written = json.loads(result.read_text())
+            ours, steps = written["rows"], written["steps"]
     not_run = [mode for mode in modes if mode not in {row["name"] for row in ours}]
     loaded = load_model(str(directory), device=str(device), dtype="bfloat16")
     profile = None
@@ -462,7 +463,7 @@ def batch_part(report: Report, device: torch.device, work: Path, args, deadline:
     peers = batch_bench(loaded, directory, rows, [0.0] * requests, lengths, [], ["hf-static", "hf-sequential"],
                         seqs, peer_requests=peer_requests, settings={"arrival": "burst", "output_lengths": spec},
                         deadline=deadline)
-    result = {**peers, "rows": ours + peers["rows"], "left_out": not_run + peers["left_out"]}
+    result = {**peers, "rows": ours + peers["rows"], "steps": steps, "left_out": not_run + peers["left_out"]}
     result["arguments"]["compile"] = compiled  # our rows'
     if profile is not None:
         result["profile"] = profile
@@ -471,7 +472,7 @@ def batch_part(report: Report, device: torch.device, work: Path, args, deadline:
     if "continuous" in by_name and "hf-sequential" in by_name:
         result["continuous_vs_hf_sequential"] = round(by_name["continuous"] / by_name["hf-sequential"], 2)
     del loaded
-    return {key: result[key] for key in ("arguments", "rows", "left_out", "output_lengths")} | {
+    return {key: result[key] for key in ("arguments", "rows", "steps", "left_out", "output_lengths")} | {
         key: result[key] for key in ("continuous_vs_hf_sequential", "profile") if key in result}
 
 
@@ -536,6 +537,7 @@ def markdown(data: dict) -> str:
         lines += [f"| {row['name']} | {row['requests']} | {row['throughput_tokens_per_s']:.0f} | "
                   f"{row['ttft_ms_p50']:.0f} | {row['latency_ms_p50']:.0f} | {row['mean_batch_size']:.1f} |"
                   for row in batch["rows"]]
+        lines += [""] + [f"- {format_step_kinds(mode, kinds)}" for mode, kinds in batch.get("steps", {}).items()]
     if batch.get("profile"):
         lines += ["", f"an eager decode step of {batch['profile']['batch_size']:.0f} sequences, profiled: "
                   f"{_profile_line(batch['profile'])}"]

@@ -156,6 +156,8 @@ class ModelRunner:
         ranges, positions = batch.query_ranges[first:], batch.position_ranges[first:]
         if len(ranges) < 2:
             return None
+        if self.kv_cache.kv_mode == "none" and any(first_pos for first_pos, _ in positions):
+            return None  # mode none keeps no keys: a sequence's keys are its queries (an early-exit pass moves them)
         news = [end - start for start, end in ranges]
         contexts = batch.context_lens[first:]
         most, longest = max(news), max(contexts)

@@ -336,6 +336,12 @@ class CompiledDecoder:
                 "read_index": torch.zeros(index_shape, dtype=index_dtype, device=self.device),
                 "key_mask": torch.zeros(bucket, width * self.block_size, dtype=torch.bool, device=self.device),
             }
+            if self.backend == "torch.compile" and self.device.type == "cuda":
+                # Filled in place before each step: the bucket's CUDA graph reads them where they are, as it reads
+                # the KV pool, instead of copying them in (the width views of the ATen attention's steps are other
+                # tensors, and are copied).
+                for buffer in buffers.values():
+                    torch._dynamo.mark_static_address(buffer, guard=False)
         return buffers
 
     def bucket_for(self, batch_size: int) -> int | None:

@@ -94,9 +94,10 @@ def test_compiled_decode_with_cuda_graphs_equals_eager(tiny_cuda, kv_mode):
                                          max_num_batched_tokens=32)
     stats = compiled.compile_stats()
     assert stats["compiled_steps"] > 0 and stats["recompiles"] == 0
-    # The graphs read the KV pool in place (not copied in before each replay).
-    assert {getattr(pool, "_dynamo_static_input_type", None) for pool in (compiled.kv_cache.k, compiled.kv_cache.v)} \
-        == {"unguarded"}
+    # The graphs read the KV pool and the buckets' input buffers in place (not copied in before each replay).
+    inputs = [compiled.kv_cache.k, compiled.kv_cache.v] + [
+        buffer for buffers in compiled.decoder._buffers.values() for buffer in buffers.values()]
+    assert {getattr(tensor, "_dynamo_static_input_type", None) for tensor in inputs} == {"unguarded"}
     graphs = stats["graphs"]
     for ids, new_tokens in mixed_requests():
         compiled.submit(ids, greedy(new_tokens))

@@ -301,13 +301,14 @@ class CompiledDecoder:
                 options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
                 self.stats.mode += ", module guards skipped"
             self.graph = torch.compile(own_step_function(self.step), fullgraph=True, dynamic=False, options=options)
-            if device.type == "cuda":
-                # The KV pool keeps its address: a CUDA graph reads it in place. An input not marked so is copied
-                # into the graph's own buffer before every replay (both pools, whole: 9.4 GB a step for 256 requests
-                # at Qwen3-0.6B's shape) and held twice. Unguarded: another engine's pool (a race's other lane) is a
-                # recording of its own under the same compile. (Not on the CPU, where freezing could fold it in.)
-                for pool in (kv_cache.k, kv_cache.v):
-                    torch._dynamo.mark_static_address(pool, guard=False)
+        # The KV pool keeps its address: a CUDA graph reads it in place. An input not marked so is copied into the
+        # graph's own buffer before every replay (both pools, whole: 9.4 GB a step for 256 requests at Qwen3-0.6B's
+        # shape) and held twice. Unguarded: another engine's pool (a race's other lane) is a recording of its own
+        # under the same compile. Not where inductor freezes (the CPU's options): it makes static inputs constants.
+        self.static_inputs = self.backend == "torch.compile" and not self._inductor_config.get("freezing")
+        if self.static_inputs:
+            for pool in (kv_cache.k, kv_cache.v):
+                torch._dynamo.mark_static_address(pool, guard=False)
         self._programs: dict[int, object] = {}  # aoti: bucket -> loaded package
         self._package_paths: set[Path] = set()  # aoti: the files of the packages this engine has loaded
         self._ready_buckets: set[int] = set()  # buckets whose graph has run in this engine
@@ -336,7 +337,7 @@ class CompiledDecoder:
                 "read_index": torch.zeros(index_shape, dtype=index_dtype, device=self.device),
                 "key_mask": torch.zeros(bucket, width * self.block_size, dtype=torch.bool, device=self.device),
             }
-            if self.backend == "torch.compile" and self.device.type == "cuda":
+            if self.static_inputs:
                 # Filled in place before each step: the bucket's CUDA graph reads them where they are, as it reads
                 # the KV pool, instead of copying them in (the width views of the ATen attention's steps are other
                 # tensors, and are copied).

@@ -22,7 +22,9 @@ from tiny_models import build_tiny_model, prompt, run_to_end
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams, load_model
 from inference_core.cli import main
 from inference_core.engine import compiled as compiled_module
+from inference_core.engine import engine as engine_module
 from inference_core.engine.compiled import batch_buckets, compile_unavailable
+from inference_core.engine.engine import make_kv_cache
 from inference_core.model.llama import model_fingerprint
 from inference_core.roofline import read_rate
 
@@ -236,12 +238,21 @@ def test_torch_compile_backend_compiles_once_for_every_width(tiny, kv_mode, monk
     while contexts grow through widths 2 to 16 blocks and batches shrink from 4 to 1, with two compiles in all (bucket
     1, and one for every bucket above it) and none again."""
     monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
-    monkeypatch.setattr(compiled_module, "default_options", lambda device, model=None: {})
+    monkeypatch.setattr(engine_module, "default_options", lambda device, model=None: {})  # as CUDA: no freezing
     compiled, _ = compiled_matches_eager(tiny, kv_mode=kv_mode, block_size=4, max_num_seqs=4,
                                          max_num_batched_tokens=64, max_seq_len=96)
     assert compiled.decoder.step.opaque_attention and compiled.decoder.width_buckets
     stats = compiled.compile_stats()
     assert stats["recompiles"] == 0 and stats["graphs"] <= 2 and stats["compiled_steps"] > 0
+    # Its KV pool and its buckets' input buffers are static inputs (on CUDA read in place by the graphs); never
+    # where inductor freezes, which would make them constants.
+    decoder = compiled.decoder
+    inputs = [compiled.kv_cache.k, compiled.kv_cache.v] + [
+        buffer for buffers in decoder._buffers.values() for buffer in buffers.values()]
+    assert decoder.static_inputs and {getattr(t, "_dynamo_static_input_type", None) for t in inputs} == {"unguarded"}
+    frozen = compiled_module.CompiledDecoder(tiny.model, make_kv_cache(tiny, EngineConfig(kv_mode=kv_mode), 96),
+                                             tiny.device, 1, 96, options={"freezing": True}, backend="torch.compile")
+    assert not frozen.static_inputs and not hasattr(frozen.kv_cache.k, "_dynamo_static_input_type")
 
 
 def test_torch_compile_backend_engines_keep_their_graphs_apart(tiny, monkeypatch):
@@ -253,7 +264,7 @@ def test_torch_compile_backend_engines_keep_their_graphs_apart(tiny, monkeypatch
     from inference_core.quant.quantize import quantize
 
     monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
-    monkeypatch.setattr(compiled_module, "default_options", lambda device, model=None: {})
+    monkeypatch.setattr(engine_module, "default_options", lambda device, model=None: {})  # as CUDA: no freezing
     settings = dict(kv_mode="paged", block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_seq_len=96)
     first, _ = compiled_matches_eager(tiny, **settings)
     quantized = quantize(load_model(tiny.name, device="cpu", dtype="float32"), QuantConfig("int8"))

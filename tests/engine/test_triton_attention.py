@@ -113,11 +113,12 @@ def test_compiled_step_with_the_kernel_takes_whole_buffers(tmp_path, kv_mode, mo
     from tiny_models import build_tiny_model
 
     from inference_core.engine import compiled as compiled_module
+    from inference_core.engine import engine as engine_module
 
     if compiled_module.compile_unavailable(torch.device("cpu")) is not None:
         pytest.skip(compiled_module.compile_unavailable(torch.device("cpu")))
     monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
-    monkeypatch.setattr(compiled_module, "default_options", lambda device, model=None: {})
+    monkeypatch.setattr(engine_module, "default_options", lambda device, model=None: {})  # as CUDA: no freezing
     monkeypatch.setattr(triton_attention, "used",
                         lambda device, dtype, pool, paged: triton_attention.unsupported(dtype, pool, paged) is None)
     widths, call = set(), compiled_module.CompiledDecoder._call_compiled

@@ -440,9 +440,9 @@ class CompiledDecoder:
 
     def _graph_inputs(self, buffers: dict[str, torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The read index and the key mask the graph takes: views of the bucket's buffers `width` wide (blocks, or
-        positions), or whole (`whole_width`)."""
+        positions), or the buffers themselves (`whole_width`: the static inputs their graph reads in place)."""
         if self.whole_width:
-            width = self.max_width
+            return buffers["read_index"], buffers["key_mask"]
         read_index = buffers["read_index"][:, :width] if self.paged else buffers["read_index"]
         return read_index, buffers["key_mask"][:, :width * self.block_size]
 

@@ -125,6 +125,8 @@ def test_compiled_step_with_the_kernel_takes_whole_buffers(tmp_path, kv_mode, mo
 
     def recording_widths(self, bucket, args):
         widths.add(args[3].shape[1])  # the key mask's
+        buffers = self._buffers[bucket]  # passed themselves (static inputs), not views of them
+        assert args[2] is buffers["read_index"] and args[3] is buffers["key_mask"]
         return call(self, bucket, args)
 
     monkeypatch.setattr(compiled_module.CompiledDecoder, "_call_compiled", recording_widths)

@@ -26,7 +26,6 @@ person picks a mode and a rate (drawn by `ui.frontier`).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -365,7 +364,7 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
         report["rows"].append(summarize(mode, *run_engine(engine, prompts, offsets, lengths, steps), targets))
         report["steps"][mode] = step_kinds(steps)
         print(format_row(report["rows"][-1]), flush=True)
-        save_partial(report, json_path)
+        write_report(report, json_path, quiet=True)
         del engine  # its KV pool goes before the next one is made
     # 2. transformers: one model for both peers, a warm-up per row, the first `peer_count` requests.
     peer = HFPeer(loaded, model_dir) if peers and time.perf_counter() < deadline else None
@@ -377,16 +376,8 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
         timed = run_hf(peer, name, prompts[:peer_count], offsets[:peer_count], lengths[:peer_count], max_num_seqs)
         report["rows"].append(summarize(name, *timed, targets))
         print(format_row(report["rows"][-1]), flush=True)
-        save_partial(report, json_path)
+        write_report(report, json_path, quiet=True)
     for mode, kinds in report["steps"].items():
         print(format_step_kinds(mode, kinds), flush=True)
     return report
 
-
-def save_partial(report: dict, path: str | None) -> None:
-    """The report as it stands, written to `path` (when given) in place of what was there, quietly."""
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(path).with_name(Path(path).name + ".partial")
-        partial.write_text(json.dumps(report, indent=2))
-        os.replace(partial, path)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -326,12 +327,16 @@ def parse_config(name: str) -> tuple[EngineConfig, str]:
                          row_kernel="inductor-mm" not in extras), quant[0] if quant else "none")
 
 
-def write_report(report: dict, path: str | None) -> None:
-    """A benchmark's JSON report, written to `path` (folders made as needed) when one was given."""
+def write_report(report: dict, path: str | None, quiet: bool = False) -> None:
+    """A benchmark's JSON report, written to `path` (folders made as needed; the file replaced whole, so a run
+    stopped while writing leaves the last report) when one was given, and said unless `quiet`."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(report, indent=2))
-        print(f"wrote {path}")
+        partial = Path(path).with_name(Path(path).name + ".partial")
+        partial.write_text(json.dumps(report, indent=2))
+        os.replace(partial, path)
+        if not quiet:
+            print(f"wrote {path}")
 
 
 def format_table(report: dict) -> str:

@@ -259,8 +259,8 @@ class CompiledDecoder:
         # Triton attention, which reads each sequence up to its own position only, the graph takes the buffers'
         # whole width (one recording a bucket, whatever the contexts); with the ATen ops, which read the whole width
         # they are given, the width the batch needs rounded up to a power of two. AOTInductor: the width needed.
-        self.whole_width = self.backend == "torch.compile" and triton_attention.used(
-            device, model.layers[0].self_attn.attention_dtype, kv_cache.k[0], self.paged)
+        attention = (device, model.layers[0].self_attn.attention_dtype, kv_cache.k[0], self.paged)
+        self.whole_width = self.backend == "torch.compile" and triton_attention.used(*attention)
         self.width_buckets = self.backend == "torch.compile" and not self.whole_width
         self.options = dict(options if options is not None else default_options(device, model))
         # Our projection kernel, where asked and where it runs (AOTInductor only: it is chosen while exporting). Its
@@ -277,8 +277,7 @@ class CompiledDecoder:
         self.stats = CompileStats(mode=describe_options(device, self.options, self.backend),
                                   warmup_s=time.perf_counter() - started)
         if self.backend == "torch.compile" and device.type == "cuda":  # its attention: `decode_attention`
-            self.stats.mode += ", " + triton_attention.describe(
-                device, model.layers[0].self_attn.attention_dtype, kv_cache.k[0], self.paged)
+            self.stats.mode += ", " + triton_attention.describe(*attention)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir() / "inductor"))
         model.rope_tables(model.embed_tokens.weight.dtype)  # built now: a graph traced before would be rebuilt after
         self.step = DecodeGraph(model, self.paged, self.block_size,

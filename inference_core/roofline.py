@@ -87,9 +87,10 @@ def read_bandwidth(device: torch.device, size_bytes: int, repeats: int) -> float
 
 
 def read_rate(views: list[torch.Tensor], repeats: int = 5) -> float:
-    """Bytes per second a sum over `views` (memory already there, read in place) achieves, the best of `repeats`."""
+    """Bytes per second a sum over `views` (memory already there, read in place, on one device) achieves, the best
+    of `repeats`."""
     size = sum(view.numel() * view.element_size() for view in views)
-    return size / min(timed_runs(torch.device("cpu"), lambda: [view.sum() for view in views], repeats))
+    return size / min(timed_runs(views[0].device, lambda: [view.sum() for view in views], repeats))
 
 
 def _bandwidth(device: torch.device, repeats: int) -> float:

@@ -15,6 +15,7 @@ import pytest
 from inference_core.bench import batching
 from inference_core.bench.batching import ROW_KEYS, parse_arrivals, percentile, rate_sweep, run_engine
 from inference_core.bench.latency import LatencyTargets
+from inference_core.bench.speed import paired_roofline_pct
 from inference_core.cli import main
 from inference_core.config import EngineConfig
 from inference_core.engine.engine import Engine
@@ -148,10 +149,20 @@ def test_bench_json_rows(bundled, tmp_path, capsys):
     for row in report["rows"]:
         assert {"name", "kv", "decode_tokens_per_s", "ttft_ms", "prefill_tokens_per_s", "roofline_pct"} <= set(row)
         assert row["decode_tokens_per_s"] > 0 and 0 < row["roofline_pct"] < 100
+        low, high = row["roofline_pct_paired_range"]  # one run: its probe alone sets the limit
+        assert 0 < low == row["roofline_pct_paired"] == high < 100
     assert report["rows"][-1]["speedup_vs_hf"] == 1.0
     probes = report["read_bandwidth_probes_gb_s"]  # before the runs and after the one repeat; the limit: their median
     assert len(probes) == 2 and min(probes) <= report["read_bandwidth_gb_s"] <= max(probes)
     assert "| contiguous |" in capsys.readouterr().out
+
+
+def test_paired_roofline_takes_each_run_against_its_own_probe():
+    runs = [{"decode_tokens_per_s": 100.0, "read_bytes_per_s": 1e9},  # limit 200 tok/s at 5 MB a step: 50%
+            {"decode_tokens_per_s": 150.0, "read_bytes_per_s": 2e9},  # limit 400: 37.5%
+            {"decode_tokens_per_s": 90.0, "read_bytes_per_s": 1e9}]  # limit 200: 45%
+    assert paired_roofline_pct(runs, 5e6) == (45.0, [37.5, 50.0])
+    # Against the probes' median (1e9 B/s: 200 tok/s) the median run (100 tok/s) would read 50%.
 
 
 # --- batching ---------------------------------------------------------------------------------------------------------

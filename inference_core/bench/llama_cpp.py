@@ -159,4 +159,6 @@ def absent_row(model_spec: str, reason: str, peer: str = "llama.cpp") -> dict:
     name = name.replace("llama.cpp", peer, 1)
     return {"name": name, "kv": None, "quant": None, "weights_mib": None, "compile": None, "compile_warmup_s": None,
             "compile_rss_mib": None, "decode_tokens_per_s": None, "ttft_ms": None, "prefill_tokens_per_s": None,
-            "prefill_long_tokens_per_s": None, "roofline_pct": None, "runs": 0, "speedup_vs_hf": None, "absent": reason}
+            "prefill_long_tokens_per_s": None, "roofline_pct": None, "roofline_pct_paired": None,
+            "roofline_pct_paired_range": None, "decode_tokens_per_s_runs": None,
+            "read_probes_after_runs_gb_s": None, "runs": 0, "speedup_vs_hf": None, "absent": reason}

@@ -14,6 +14,11 @@ the probes' median: a shared host's bandwidth moves during a run (on the 2-core 
 `roofline_pct_weights`: the same limit at the rate a sum over its package's weights, read in place, reaches at the
 same moments (`CompiledDecoder.weight_memory`; `weights_read_gb_s`, the median of those probes), since at one moment
 the weights' memory and a fresh buffer read up to about 25% apart, in either direction, on that VM.
+`roofline_pct_paired` pairs each timed run with the same probe taken right after it (on one 1 GiB buffer kept for
+the whole bench): the median over the runs of each run's tokens/s against the limit its own probe sets, with the
+runs' `roofline_pct_paired_range`, the runs' rates and the probes (`decode_tokens_per_s_runs`,
+`read_probes_after_runs_gb_s`). On that VM the bandwidth moves for seconds at a time, so a run and the probe right
+after it see the same memory more often than a run and a median taken over minutes.
 """
 
 from __future__ import annotations
@@ -47,7 +52,18 @@ DEFAULT_PROMPT_IDS = ("chat-short-1", "code-2", "grounded-1", "long-2")
 HF_ROW = "hf-transformers"
 
 
-def measure_read_bandwidth(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+def paired_roofline_pct(runs: list[dict], bytes_per_step: float) -> tuple[float, list[float]]:
+    """Each run's decode tokens/s as a percentage of the limit that the probe read right after it sets
+    (`read_bytes_per_s` over `bytes_per_step`): their median, and their lowest and highest."""
+    pcts = [100 * run["decode_tokens_per_s"] * bytes_per_step / run["read_bytes_per_s"] for run in runs]
+    return statistics.median(pcts), [min(pcts), max(pcts)]
+
+
+PROBE_BYTES = 1 << 30  # the bandwidth probe: a sum over a 1 GiB fp32 buffer, the best of PROBE_REPEATS
+PROBE_REPEATS = 5
+
+
+def measure_read_bandwidth(device: torch.device, size_bytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> float:
     """Bytes per second that a full read of a large fp32 buffer achieves (best of `repeats`)."""
     return read_bandwidth(device, size_bytes, repeats)
 
@@ -192,6 +208,7 @@ def run_bench(args) -> int:
     weight_views = {name: views for name, engine in engines.items()
                     if engine.decoder is not None and (views := engine.decoder.weight_memory())}
     weight_probes = {name: [read_rate(views)] for name, views in weight_views.items()}
+    paired_buffer = [torch.ones(PROBE_BYTES // 4, device=loaded.device)]  # the probe read after every timed run
     # 1. Warm-up: one short request per configuration, never timed.
     for run in runners.values():
         run(prompts[0][1], 8)
@@ -200,7 +217,8 @@ def run_bench(args) -> int:
     for repeat in range(args.repeats):
         for prompt_id, ids in prompts:
             for name, run in runners.items():
-                results[name].append(run(ids, args.max_new_tokens))
+                results[name].append({**run(ids, args.max_new_tokens),
+                                      "read_bytes_per_s": read_rate(paired_buffer, PROBE_REPEATS)})
             print(f"  repeat {repeat + 1}/{args.repeats}, {prompt_id}: " + ", ".join(
                 f"{name} {results[name][-1]['decode_tokens_per_s']:.1f}" for name in runners) + " tok/s", flush=True)
         if llama_bench is not None:
@@ -237,12 +255,17 @@ def run_bench(args) -> int:
                          "weights_mib": round(weight_bytes(row_model.model) / 2**20, 1),
                          "compile": engines[name].compile_stats() if name in engines else None,
                          "compile_warmup_s": compile_warmup.get(name), "compile_rss_mib": compile_rss.get(name)}
+        paired, paired_range = paired_roofline_pct(runs, bandwidth / row_limit)
         table.append({**described, "decode_tokens_per_s": round(decode, 2),
                       "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 1),
                       "prefill_tokens_per_s": round(statistics.median(r["prefill_tokens_per_s"] for r in runs), 1),
                       "prefill_long_tokens_per_s": round(statistics.median(long_prefill[name]), 1)
                       if long_prefill[name] else None,
-                      "roofline_pct": round(100 * decode / row_limit, 1), "runs": len(runs)})
+                      "roofline_pct": round(100 * decode / row_limit, 1), "roofline_pct_paired": round(paired, 1),
+                      "roofline_pct_paired_range": [round(pct, 1) for pct in paired_range],
+                      "decode_tokens_per_s_runs": [round(run["decode_tokens_per_s"], 1) for run in runs],
+                      "read_probes_after_runs_gb_s": [round(run["read_bytes_per_s"] / 1e9, 2) for run in runs],
+                      "runs": len(runs)})
         if name in weight_probes:  # the same limit at the rate the weights' own memory was read
             rate = statistics.median(weight_probes[name])
             weights_limit = row_limit * rate / bandwidth  # the same bytes a step, read at that rate
@@ -346,17 +369,18 @@ def format_table(report: dict) -> str:
              f"{report['read_bandwidth_gb_s']} GB/s (median of {len(probes)} probes, {min(probes)}-{max(probes)}) "
              f"-> decode limit {report['roofline_tokens_per_s']} tok/s",
              f"| config | decode tok/s | vs transformers | TTFT ms | prefill tok/s | prefill tok/s ({long}) | "
-             "roofline % | roofline % at its weights' read rate (GB/s) |", "|---|---|---|---|---|---|---|---|"]
+             "roofline % | roofline % at its weights' read rate (GB/s) | roofline %, each run against a probe after it "
+             "(range) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         if row.get("absent"):
-            lines.append(f"| {row['name']} | absent: {row['absent']} | | | | | | |")
+            lines.append(f"| {row['name']} | absent: {row['absent']} | | | | | | | |")
             continue
         speedup = f"{row['speedup_vs_hf']:.2f}x" if row["speedup_vs_hf"] else "-"
         weights = (f"{row['roofline_pct_weights']:.0f} ({row['weights_read_gb_s']})" if row.get("weights_read_gb_s")
                    else "-")
         lines.append(f"| {row['name']} | {row['decode_tokens_per_s']:.1f} | {speedup} | {_cell(row['ttft_ms'])} | "
                      f"{_cell(row['prefill_tokens_per_s'])} | {_cell(row.get('prefill_long_tokens_per_s'))} | "
-                     f"{row['roofline_pct']:.0f} | {weights} |")
+                     f"{row['roofline_pct']:.0f} | {weights} | {_paired_cell(row)} |")
     for pair in report.get("ours_vs_peers", []):
         lines.append(f"ours best / {pair['peer']}, decode: {pair['ours']} {pair['ours_decode_tokens_per_s']:.1f} / "
                      f"{pair['peer_decode_tokens_per_s']:.1f} tok/s = {pair['ratio']:.2f}x")
@@ -365,6 +389,13 @@ def format_table(report: dict) -> str:
 
 def _cell(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
+
+
+def _paired_cell(row: dict) -> str:
+    if row.get("roofline_pct_paired") is None:  # llama-bench's rows, and reports from before the paired probe
+        return "-"
+    low, high = row["roofline_pct_paired_range"]
+    return f"{row['roofline_pct_paired']:.0f} ({low:.0f}-{high:.0f})"
 
 
 def machine_info(device: torch.device) -> dict:

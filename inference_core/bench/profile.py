@@ -85,6 +85,7 @@ OP_NAMES = (
 KERNEL_WORDS = (({"gemm", "mm", "bmm", "addmm", "linear", "int8pack", "int4pack"}, PROJECTIONS),
                 ({"softmax"}, ATTENTION), ({"rsqrt", "roll"}, NORMS))
 ROW_KERNEL = "inference_core::linear_rows"  # our projection kernel (model.row_kernel), called from the graph
+ATTENTION_KERNEL = "inference_core::attend_paged"  # our paged attention kernel (model.attention_kernel)
 SAMPLING_OPS = {"softmax", "_softmax", "log_softmax", "_log_softmax", "argmax", "multinomial", "topk", "sort",
                 "cumsum", "exponential_"}  # outside the forward only (inside it softmax is attention's)
 
@@ -118,6 +119,8 @@ def kernel_category(name: str) -> str:
     attention."""
     if name == ROW_KERNEL:
         return PROJECTIONS
+    if name == ATTENTION_KERNEL:
+        return ATTENTION
     # Inductor names a kernel after the ops whose outputs it reads too: our op's name in it is not a projection.
     words = set(name.rsplit("::", 1)[-1].replace(ROW_KERNEL.split("::")[1], "").split("_"))
     return next((category for names, category in KERNEL_WORDS if words & names), COMPILED)

@@ -334,20 +334,24 @@ def resident_mib() -> float:
 def parse_config(name: str) -> tuple[EngineConfig, str]:
     """A bench row's name -> its engine config and weight quantization: a KV mode, with '+compile' for compiled
     decode, '+stepsN' for N compiled decode steps a host round trip, '+inductor-mm' for compiled decode with the
-    matmuls inductor picks instead of our projection kernel (model.row_kernel) and '+int8' or '+int4' for quantized
+    matmuls inductor picks instead of our projection kernel (model.row_kernel), '+inductor-attention' with the
+    attention inductor compiles instead of ours (model.attention_kernel) and '+int8' or '+int4' for quantized
     weights (e.g. paged+compile+int8, paged+compile+steps8)."""
     kv_mode, *extras = name.split("+")
     quant = [extra for extra in extras if extra in ("int8", "int4")]
     steps = [int(extra[5:]) for extra in extras if re.fullmatch(r"steps\d+", extra)]
-    if any(extra not in ("compile", "int8", "int4", "inductor-mm") and not re.fullmatch(r"steps\d+", extra)
+    if any(extra not in ("compile", "int8", "int4", "inductor-mm", "inductor-attention")
+           and not re.fullmatch(r"steps\d+", extra)
            for extra in extras) \
             or len(quant) > 1 or len(steps) > 1 or len(set(extras)) < len(extras):
         raise ConfigError(f"unknown bench configuration {name!r}: use a KV mode (none, contiguous, paged), with "
                           "'+compile' for compiled decode, '+stepsN' for N decode steps a round trip, '+inductor-mm' "
-                          "for inductor's matmuls instead of our projection kernel and '+int8' or '+int4' for "
-                          "quantized weights (e.g. paged+compile+int8).")
+                          "for inductor's matmuls instead of our projection kernel, '+inductor-attention' for "
+                          "inductor's attention instead of our attention kernel and '+int8' or '+int4' for quantized "
+                          "weights (e.g. paged+compile+int8).")
     return (EngineConfig(kv_mode=kv_mode, compile="compile" in extras, decode_steps=steps[0] if steps else 1,
-                         row_kernel="inductor-mm" not in extras), quant[0] if quant else "none")
+                         row_kernel="inductor-mm" not in extras, attention_kernel="inductor-attention" not in extras),
+            quant[0] if quant else "none")
 
 
 def write_report(report: dict, path: str | None, quiet: bool = False) -> None:

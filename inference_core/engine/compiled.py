@@ -30,12 +30,14 @@ Two ways to compile it (`CompiledDecoder(backend=...)`):
 
 - `aoti` (the CPU's default): `torch.export` of the step, with the key width as a dynamic dimension, compiled ahead
   of time by AOTInductor with the same inductor options (freezing, max-autotune) into a package on disk
-  (`compile_cache_dir()`), one per model, dtype, KV layout and batch bucket. With the option `row_kernel` (the
-  default for bf16 projections on an AVX-512 CPU), the projections of buckets up to `row_kernel.MAX_ROWS` run
-  through our kernel (`model.row_kernel`) instead of the matmul inductor picks. A second start loads the package in
-  a few seconds instead of compiling again: `torch.compile` cannot keep a frozen graph in its own caches (its
-  prepacked oneDNN weights do not pickle), so it rebuilt the graph each start (about 70% of a first compile). Measured
-  on the bundled model, fp32, batch 1: the same step time as `torch.compile` with those options (23.7 vs 23.6 ms).
+  (`compile_cache_dir()`), one per model, dtype, KV layout and batch bucket. With the options `row_kernel` and
+  `attention_kernel` (the default for a bf16 model on an AVX-512 CPU), the bf16 projections of buckets up to
+  `row_kernel.MAX_ROWS` run through our kernel (`model.row_kernel`) instead of the matmul inductor picks, and the
+  attention over a bf16 paged pool through our attention kernel (`model.attention_kernel`). A second start loads the
+  package in a few seconds instead of compiling again: `torch.compile` cannot keep a frozen graph in its own caches
+  (its prepacked oneDNN weights do not pickle), so it rebuilt the graph each start (about 70% of a first compile).
+  Measured on the bundled model, fp32, batch 1: the same step time as `torch.compile` with those options (23.7 vs
+  23.6 ms).
 - `torch.compile` (CUDA's default, with CUDA graphs through `mode="reduce-overhead"`): compiled in the process, on
   the first step of each bucket; inductor's disk cache keeps its generated kernels between starts.
 """
@@ -63,8 +65,8 @@ from torch import nn
 
 from inference_core.config import ConfigError
 from inference_core.engine import triton_attention
-from inference_core.model import row_kernel
-from inference_core.model.llama import CausalLM, Linear, model_fingerprint
+from inference_core.model import attention_kernel, row_kernel
+from inference_core.model.llama import CausalLM, model_fingerprint
 from inference_core.model.paths import cache_root
 
 # Inductor options for the CPU decode step, the fastest of those measured by
@@ -121,10 +123,12 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraph(nn.Module):
     """The decode step as a pure function of its inputs (see the module docstring). `paged` selects how the KV pool is
-    read. Attention runs in each layer's `attention_dtype` as an opaque op (`decode_attention`), else inline in fp32
-    (`_attend_one_fused`; the CPU's attention dtype)."""
+    read. Attention runs in each layer's `attention_dtype` as an opaque op (`decode_attention`), else in fp32: through
+    our CPU kernel (`model.attention_kernel`) where `our_attention` asks for it and it takes the layer, else inline
+    (`_attend_one_fused`), for inductor to compile."""
 
-    def __init__(self, model: CausalLM, paged: bool, block_size: int, opaque_attention: bool = False):
+    def __init__(self, model: CausalLM, paged: bool, block_size: int, opaque_attention: bool = False,
+                 our_attention: bool = False):
         super().__init__()
         self.model = model
         self.paged = paged
@@ -133,6 +137,7 @@ class DecodeGraph(nn.Module):
         # size that changes from step to step, then reaches no kernel inductor generates, so no lowering decision
         # can specialize it (on CUDA inductor split the softmax over the width and fixed the width to a constant).
         self.opaque_attention = opaque_attention
+        self.our_attention = our_attention  # our CPU kernel where it takes a layer (`model.attention_kernel`)
 
     def forward(self, input_ids, positions, read_index, key_mask, k_pool, v_pool):
         """input_ids, positions: [B]; read_index: contiguous [B] slots, paged [B, blocks] int32 block table;
@@ -153,6 +158,8 @@ class DecodeGraph(nn.Module):
                 dtype = attn.attention_dtype
                 out = decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), k_pool[index], v_pool[index],
                                        read_index, key_mask, positions, attn.scale, self.paged)
+            elif self.paged and self.our_attention and attention_kernel.takes(q, k, k_pool):
+                out = attention_kernel.attend(q, k, v, k_pool[index], v_pool[index], read_index, key_mask, attn.scale)
             else:
                 k_ctx, v_ctx = _read_context(k_pool[index], v_pool[index], read_index, width, self.paged)
                 out = _attend_one_fused(q, k, v, k_ctx, v_ctx, key_mask, attn.scale)
@@ -263,30 +270,32 @@ class CompiledDecoder:
         self.whole_width = self.backend == "torch.compile" and triton_attention.used(*attention)
         self.width_buckets = self.backend == "torch.compile" and not self.whole_width
         self.options = dict(options if options is not None else default_options(device, model))
-        # Our projection kernel, where asked and where it runs (AOTInductor only: it is chosen while exporting). Its
-        # build, on a machine's first start (about 35 s), counts as warm-up.
+        # Our kernels (projections, paged attention), where asked and where they run (AOTInductor only: they are
+        # chosen while exporting). Their build, on a machine's first start (about 35 s), counts as warm-up.
         started = time.perf_counter()
-        if not self.options.get("row_kernel"):
+        ours = [name for name in ("row_kernel", "attention_kernel") if self.options.get(name)]
+        if not ours:
             self.row_kernel_off = "not asked for"
         elif self.backend != "aoti":
             self.row_kernel_off = "it is chosen while exporting (the aoti backend)"
         else:
             self.row_kernel_off = row_kernel.unavailable()
         if self.row_kernel_off is not None:
-            self.options.pop("row_kernel", None)
+            for name in ours:
+                self.options.pop(name)
         self.stats = CompileStats(mode=describe_options(device, self.options, self.backend),
                                   warmup_s=time.perf_counter() - started)
         if self.backend == "torch.compile" and device.type == "cuda":  # its attention: `decode_attention`
             self.stats.mode += ", " + triton_attention.describe(*attention)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir() / "inductor"))
         model.rope_tables(model.embed_tokens.weight.dtype)  # built now: a graph traced before would be rebuilt after
-        self.step = DecodeGraph(model, self.paged, self.block_size,
-                                opaque_attention=self.backend == "torch.compile").eval()
+        self.step = DecodeGraph(model, self.paged, self.block_size, opaque_attention=self.backend == "torch.compile",
+                                our_attention="attention_kernel" in self.options).eval()
         # Inductor options are applied as a config patch around each call, not through torch.compile(options=...):
         # freezing (weights as constants, prepacked for oneDNN) is decided outside what `options` patches, and
         # measured no faster than no freezing when passed that way.
         self._inductor_config = {name: value for name, value in self.options.items()
-                                 if name not in ("mode", "row_kernel")}
+                                 if name not in ("mode", "row_kernel", "attention_kernel")}
         if self.backend == "torch.compile":
             # Dynamo keeps the graphs of one function together and stops compiling past `recompile_limit` of them;
             # each model's step is a function of its own (`own_step_function`), with a graph per bucket class.
@@ -665,9 +674,10 @@ BACKENDS = ("aoti", "torch.compile")
 _PACKAGE_LOCK = threading.Lock()
 # Loaded packages by key, shared by the engines of one process while any of them holds one.
 _LOADED_PACKAGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_CODE_FINGERPRINT = hashlib.blake2b(  # the model, this module and our kernel's (whose packed weights a package holds)
-    "".join(inspect.getsource(module) for module in (sys.modules[CausalLM.__module__], sys.modules[__name__],
-                                                      row_kernel)).encode(), digest_size=12).hexdigest()
+_CODE_FINGERPRINT = hashlib.blake2b(  # the model, this module and our kernels' (whose ops and packed weights a package
+    "".join(inspect.getsource(module) for module in (  # holds)
+        sys.modules[CausalLM.__module__], sys.modules[__name__], row_kernel, attention_kernel)).encode(),
+    digest_size=12).hexdigest()
 
 
 def trim_compile_cache(limit_gb: float | None = None) -> None:
@@ -700,9 +710,8 @@ def default_options(device: torch.device, model: nn.Module | None = None) -> dic
     options = dict(CPU_OPTIONS)
     if model is not None and any(getattr(module, "scheme", None) == "int8" for module in model.modules()):
         options.update(INT8_CPU_OPTIONS)
-    if model is not None and any(isinstance(module, Linear) and module.weight.dtype == torch.bfloat16
-                                 for module in model.modules()):
-        options["row_kernel"] = True  # used where it can run (`CompiledDecoder.row_kernel_off` says why not)
+    if model is not None and model.embed_tokens.weight.dtype == torch.bfloat16:  # our kernels, used where they run
+        options["row_kernel"] = options["attention_kernel"] = True  # (`CompiledDecoder.row_kernel_off`: why not)
     return options
 
 

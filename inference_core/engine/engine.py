@@ -101,6 +101,8 @@ class Engine:
             options = default_options(loaded.device, loaded.model)
             if not config.row_kernel:
                 options.pop("row_kernel", None)
+            if not config.attention_kernel:
+                options.pop("attention_kernel", None)
             self.decoder = CompiledDecoder(loaded.model, self.kv_cache, loaded.device, config.max_num_seqs,
                                            self.max_seq_len, options)
         self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device, self.decoder)

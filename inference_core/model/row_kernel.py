@@ -21,6 +21,8 @@ with the compiler inductor uses anyway (and ninja, a pinned requirement). `traci
 `model.llama.Linear` call it for inputs it takes (`takes`); the pack is then part of the graph, on a weight that
 freezing made a constant, so the compiler folds it into the package once. Where it cannot run (no AVX-512, not bf16,
 more rows, a failed build: `unavailable`), the projection stays `F.linear`, whose kernels inductor picks itself.
+
+The same build holds our paged attention op (`model.attention_kernel`): one extension, one build, one `unavailable`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.cpp_extension
 
+from inference_core.model import attention_kernel
 from inference_core.model.paths import cache_root
 
 BLOCK = 48  # output features per packed block (three 16-lane fp32 vectors)
@@ -166,16 +169,18 @@ def unavailable() -> str | None:
 def _build() -> str | None:
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return f"it needs AVX-512 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
-    name = "inference_core_rows_" + hashlib.blake2b((SOURCE + repr(FLAGS) + torch.__version__).encode(),
+    source = SOURCE + attention_kernel.SOURCE  # one extension: our projection and attention ops
+    name = "inference_core_rows_" + hashlib.blake2b((source + repr(FLAGS) + torch.__version__).encode(),
                                                      digest_size=6).hexdigest()
     directory = cache_root() / "row-kernel" / name
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        torch.utils.cpp_extension.load_inline(name, cpp_sources=SOURCE, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        torch.utils.cpp_extension.load_inline(name, cpp_sources=source, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                               build_directory=str(directory), is_python_module=False)
     except (RuntimeError, OSError) as error:  # no compiler, no ninja, a failed build: inductor's matmuls instead
         return f"its build failed ({str(error).splitlines()[0][:200]})"
     torch.library.register_fake("inference_core::linear_rows")(_fake)
+    attention_kernel.register_fake()
     return None
 
 

@@ -77,14 +77,21 @@ def test_it_is_refused_without_avx512(monkeypatch):
 
 @pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
 def test_compiled_decode_uses_it_for_bf16_unless_switched_off(tiny_bf16, reason):
-    """The default options ask for it with bf16 weights (where it cannot run, the decoder says why and leaves it out);
-    EngineConfig(row_kernel=False) keeps inductor's matmuls, under a package key of its own."""
-    on = Engine(tiny_bf16, EngineConfig(kv_mode="paged", compile=True, max_num_seqs=1)).decoder
-    off = Engine(tiny_bf16, EngineConfig(kv_mode="paged", compile=True, max_num_seqs=1, row_kernel=False)).decoder
-    assert ("row-kernel" in on.stats.mode) == (reason is None) and on.row_kernel_off == reason
-    assert "row-kernel" not in off.stats.mode and off.row_kernel_off == "not asked for"
+    """The default options ask for it and for our attention kernel (`model.attention_kernel`) with a bf16 model
+    (where they cannot run, the decoder says why and leaves them out); EngineConfig(row_kernel=False) keeps
+    inductor's matmuls, attention_kernel=False inductor's attention, each under a package key of its own."""
+    settings = dict(kv_mode="paged", compile=True, max_num_seqs=1)
+    on = Engine(tiny_bf16, EngineConfig(**settings)).decoder
+    no_mm = Engine(tiny_bf16, EngineConfig(**settings, row_kernel=False)).decoder
+    off = Engine(tiny_bf16, EngineConfig(**settings, row_kernel=False, attention_kernel=False)).decoder
+    for word in ("row-kernel", "attention-kernel"):
+        assert (word in on.stats.mode) == (reason is None) and on.row_kernel_off == reason
+    assert "row-kernel" not in no_mm.stats.mode and ("attention-kernel" in no_mm.stats.mode) == (reason is None)
+    assert "kernel" not in off.stats.mode and off.row_kernel_off == "not asked for"
+    assert on.step.our_attention == no_mm.step.our_attention == (reason is None) and not off.step.our_attention
     args = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-    assert (on._package_key(args) != off._package_key(args)) == (reason is None)
+    keys = {on._package_key(args), no_mm._package_key(args), off._package_key(args)}
+    assert len(keys) == (3 if reason is None else 1)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,95 @@
+"""Our paged attention kernel for compiled decode on AVX-512 CPUs (`inference_core.model.attention_kernel`): the op
+against the fp32 attention inductor compiles otherwise (`_attend_one_fused` over `_read_context`), which layers it
+takes, and that an exported step calls it only where asked. The compiled step is checked on the bundled
+model against eager (tests/engine/test_compiled.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import TINY, write_word_level_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import inference_core
+from inference_core.engine.compiled import DecodeGraph, _attend_one_fused, _read_context, compile_unavailable
+from inference_core.model import attention_kernel, row_kernel
+
+
+@pytest.fixture(scope="module")
+def op():
+    reason = row_kernel.unavailable() if compile_unavailable(torch.device("cpu")) is None else "no C++ compiler"
+    if reason is not None:
+        pytest.skip(f"the op cannot run here: {reason}")
+
+
+def paged_case(batch: int, blocks: int, kv_heads: int, group: int, head_dim: int, seed: int):
+    """Random bf16 pools of 64 blocks of 16, a block table of `blocks` per row, masks of different lengths with a
+    hole (a sliding window's edge), the last row with nothing cached (a bucket's padding row)."""
+    generator = torch.Generator().manual_seed(seed)
+    pool = (64, 16, kv_heads, head_dim)
+    k_pool = torch.randn(pool, generator=generator).bfloat16()
+    v_pool = torch.randn(pool, generator=generator).bfloat16()
+    table = torch.randint(0, 64, (batch, blocks), generator=generator, dtype=torch.int32)
+    lengths = torch.randint(1, blocks * 16 + 1, (batch,), generator=generator)
+    mask = torch.arange(blocks * 16)[None, :] < lengths[:, None]
+    mask[:, 3] = False
+    if batch > 1:
+        mask[-1] = False
+    q = torch.randn(batch, kv_heads * group * head_dim, generator=generator).bfloat16()
+    k = torch.randn(batch, kv_heads, head_dim, generator=generator).bfloat16()
+    v = torch.randn(batch, kv_heads, head_dim, generator=generator).bfloat16()
+    return q, k, v, k_pool, v_pool, table, mask
+
+
+@pytest.mark.parametrize("batch, blocks, kv_heads, group, head_dim", [
+    (1, 9, 3, 3, 64),  # the bundled model at 144 keys
+    (2, 32, 3, 3, 64),
+    (4, 3, 2, 4, 128),
+    (3, 5, 1, 8, 64),
+    (2, 2, 4, 1, 128),
+    (1, 1, 8, 2, 128),  # Qwen3-0.6B's heads, one block
+])
+def test_the_op_equals_the_attention_inductor_compiles(op, batch, blocks, kv_heads, group, head_dim):
+    q, k, v, k_pool, v_pool, table, mask = paged_case(batch, blocks, kv_heads, group, head_dim, seed=blocks)
+    k_ctx, v_ctx = _read_context(k_pool, v_pool, table, blocks, paged=True)
+    want = _attend_one_fused(q, k, v, k_ctx, v_ctx, mask, head_dim**-0.5)
+    got = attention_kernel.attend(q, k, v, k_pool, v_pool, table, mask, head_dim**-0.5)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_it_takes_bf16_paged_pools_of_the_head_sizes_it_knows():
+    q, k = torch.zeros(1, 9 * 64).bfloat16(), torch.zeros(1, 3, 64).bfloat16()
+    pool = torch.zeros(2, 8, 16, 3, 64)  # [layers, blocks, block, KV heads, head_dim]
+    assert attention_kernel.takes(q, k, pool.bfloat16())
+    assert not attention_kernel.takes(q, k, pool)  # fp32
+    assert not attention_kernel.takes(q, k, pool.to(torch.int8))  # the int8 KV cache
+    assert not attention_kernel.takes(q, k, pool.bfloat16()[0])  # a contiguous cache's layout
+    assert not attention_kernel.takes(torch.zeros(1, 27 * 64), k, pool.bfloat16())  # 9 query heads a KV head
+    odd = torch.zeros(1, 3, 96)
+    assert not attention_kernel.takes(torch.zeros(1, 9 * 96), odd, torch.zeros(2, 8, 16, 3, 96).bfloat16())
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """A 1-layer random Llama with head_dim 64 (the tiny models' 16 is not one the op takes), in bf16."""
+    directory = tmp_path_factory.mktemp("tiny-llama-d64")
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**TINY, "num_hidden_layers": 1, "head_dim": 64}, tie_word_embeddings=False)
+    LlamaForCausalLM(config).eval().save_pretrained(str(directory))
+    write_word_level_tokenizer(directory)
+    return inference_core.load_model(str(directory), device="cpu", dtype="bfloat16")
+
+
+def test_an_exported_step_calls_it_only_where_asked(op, wide_heads):
+    pool = torch.randn(1, 8, 16, 2, 64).bfloat16()
+    args = (torch.tensor([5, 7]), torch.tensor([40, 3]), torch.tensor([[1, 2, 3], [4, 0, 0]], dtype=torch.int32),
+            torch.arange(48)[None, :] < torch.tensor([[40], [3]]), pool, pool.clone())
+    outputs = {}
+    for ours in (True, False):
+        step = DecodeGraph(wide_heads.model, paged=True, block_size=16, our_attention=ours).eval()
+        with torch.no_grad():
+            program = torch.export.export(step, args)
+        assert ("attend_paged" in str(program.graph)) == ours
+        outputs[ours] = program.module()(*args)
+    torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=2e-2, atol=2e-2)  # logits, bf16 projections

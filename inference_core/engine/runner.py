@@ -65,7 +65,9 @@ class ForwardBatch:
     position_ranges: list[tuple[int, int]]  # per sequence: positions [first, last) being computed
     context_lens: list[int]  # per sequence: tokens it attends to after this step (cached + new)
     is_causal: list[bool]  # per sequence: SDPA's own causal mask fits (queries and keys start together)
-    attention_masks: list[torch.Tensor | None]  # per sequence: [new, context] bool mask where SDPA's does not fit
+    # Per sequence attending alone: a [new, context] bool mask where SDPA's own does not fit (None where it does, and
+    # for the sequences attending together: batched decodes, chunks in one call).
+    attention_masks: list[torch.Tensor | None]
     max_decode_context: int = 0  # the longest context among the decodes
     decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_decode_context] bool: key j < context length
     # Filled by the KV cache's prepare(): contiguous slots, or paged write slots and block tables.
@@ -97,7 +99,7 @@ class ModelRunner:
         num_decodes = sum(is_decode)
         input_ids: list[int] = []
         positions: list[int] = []
-        query_ranges, position_ranges, context_lens, is_causal, masks = [], [], [], [], []
+        query_ranges, position_ranges, context_lens, is_causal = [], [], [], []
         window = self.kv_cache.sliding_window
         logit_rows: dict[int, list[int]] = {}
         for index in order:
@@ -111,21 +113,8 @@ class ModelRunner:
             context_lens.append(context)
             last = start + new_tokens - num_padding[index]  # one past the last real token
             logit_rows[index] = list(range(last - min(num_logits, last - start), last))
-            if window is not None and context > window:
-                # Sliding window: query at position p sees keys p - window + 1 .. p.
-                query_positions = torch.arange(first, context, device=self.device)[:, None]
-                keys = torch.arange(context, device=self.device)[None, :]
-                masks.append((keys <= query_positions) & (keys > query_positions - window))
-                is_causal.append(False)
-            elif new_tokens == 1 or new_tokens == context:
-                # One query sees everything before it; or queries and keys start together (plain causal).
-                is_causal.append(new_tokens > 1)
-                masks.append(None)
-            else:
-                # New tokens after a cached prefix: query i (position first + i) sees keys 0..first + i.
-                masks.append(torch.ones(new_tokens, context, dtype=torch.bool, device=self.device)
-                             .tril(diagonal=first))
-                is_causal.append(False)
+            # SDPA's own causal mask fits where queries and keys start together and no window cuts the keys.
+            is_causal.append(new_tokens > 1 and first == 0 and (window is None or context <= window))
         starts = [start for start, _ in query_ranges] + [len(input_ids)]
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -135,7 +124,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             num_decodes=num_decodes, query_ranges=query_ranges, order=order, position_ranges=position_ranges,
-            context_lens=context_lens, is_causal=is_causal, attention_masks=masks)
+            context_lens=context_lens, is_causal=is_causal, attention_masks=[None] * len(seqs))
         if num_decodes > 1:
             batch.max_decode_context = max(context_lens[:num_decodes])
             keys = torch.arange(batch.max_decode_context, device=self.device)
@@ -146,8 +135,24 @@ class ModelRunner:
             batch.decode_mask = visible[:, None, None, :]
         if getattr(self.kv_cache, "flex_layout", None) is None:  # flex attention has block masks of its own
             batch.chunks = self._chunk_batch(batch, window)
+        # The sequences that attend one at a time: after the batched decodes, unless the chunks attend in one call.
+        alone = len(seqs) if batch.chunks is not None else num_decodes if num_decodes > 1 else 0
+        for i in range(alone, len(seqs)):
+            batch.attention_masks[i] = self._sequence_mask(*position_ranges[i], window)
         self.kv_cache.prepare([seqs[index] for index in order], batch)
         return batch
+
+    def _sequence_mask(self, first: int, context: int, window: int | None) -> torch.Tensor | None:
+        """The [new, context] bool mask of a sequence forwarding positions [first, context) alone, where SDPA's own
+        (causal, or none for one query) does not fit: None where it does (`ForwardBatch.is_causal`)."""
+        if window is not None and context > window:  # query at position p sees keys p - window + 1 .. p
+            query_positions = torch.arange(first, context, device=self.device)[:, None]
+            keys = torch.arange(context, device=self.device)[None, :]
+            return (keys <= query_positions) & (keys > query_positions - window)
+        if context - first == 1 or first == 0:  # one query sees everything before it; or plain causal
+            return None
+        # New tokens after a cached prefix: query i (position first + i) sees keys 0..first + i.
+        return torch.ones(context - first, context, dtype=torch.bool, device=self.device).tril(diagonal=first)
 
     def _chunk_batch(self, batch: ForwardBatch, window: int | None) -> ChunkBatch | None:
         """The sequences after the decodes (all of them where fewer than two decode) as one padded attention call,

@@ -108,11 +108,16 @@ def test_prefill_chunks_in_one_call_equal_one_at_a_time(tiny, kv_mode, window, m
         batch = engine.runner.prepare(seqs, news)
         logits = engine.runner.run(seqs, news)
         written = [engine.kv_cache.k.clone()] if kv_mode != "none" else []
-        return logits, written, batch.chunks, cached
+        return logits, written, batch, cached
 
-    batched, batched_kv, chunks, cached = forward(10.0)
-    alone, alone_kv, none, _ = forward(0.0)
-    assert none is None and chunks is not None and chunks.count == 4
+    batched, batched_kv, together, cached = forward(10.0)
+    alone, alone_kv, apart, _ = forward(0.0)
+    chunks = together.chunks
+    assert apart.chunks is None and chunks is not None and chunks.count == 4
+    # Attending alone, a chunk after cached tokens (mode none recomputes from 0) or cut by the window needs a mask of
+    # its own; attending together, none is built.
+    assert any(mask is not None for mask in apart.attention_masks) == (kv_mode != "none" or window is not None)
+    assert together.attention_masks == [None] * 4
     assert cached == (12 if kv_mode == "paged" else 0)  # the prefix hit: that chunk starts at position 12
     torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
     for ours, theirs in zip(batched_kv, alone_kv):

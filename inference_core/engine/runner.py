@@ -64,9 +64,10 @@ class ForwardBatch:
     order: list[int]  # the caller's index of each sequence, in the flat batch's order
     position_ranges: list[tuple[int, int]]  # per sequence: positions [first, last) being computed
     context_lens: list[int]  # per sequence: tokens it attends to after this step (cached + new)
-    is_causal: list[bool]  # per sequence: SDPA's own causal mask fits (queries and keys start together)
-    # Per sequence attending alone: a [new, context] bool mask where SDPA's own does not fit (None where it does, and
-    # for the sequences attending together: batched decodes, chunks in one call).
+    # Per sequence attending alone: SDPA's own causal mask fits (queries and keys start together, no window cuts the
+    # keys), or else a [new, context] bool mask where one is needed (`ModelRunner._sequence_mask`). False and None for
+    # the sequences attending together (batched decodes, chunks in one call).
+    is_causal: list[bool]
     attention_masks: list[torch.Tensor | None]
     max_decode_context: int = 0  # the longest context among the decodes
     decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_decode_context] bool: key j < context length
@@ -99,7 +100,7 @@ class ModelRunner:
         num_decodes = sum(is_decode)
         input_ids: list[int] = []
         positions: list[int] = []
-        query_ranges, position_ranges, context_lens, is_causal = [], [], [], []
+        query_ranges, position_ranges, context_lens = [], [], []
         window = self.kv_cache.sliding_window
         logit_rows: dict[int, list[int]] = {}
         for index in order:
@@ -113,8 +114,6 @@ class ModelRunner:
             context_lens.append(context)
             last = start + new_tokens - num_padding[index]  # one past the last real token
             logit_rows[index] = list(range(last - min(num_logits, last - start), last))
-            # SDPA's own causal mask fits where queries and keys start together and no window cuts the keys.
-            is_causal.append(new_tokens > 1 and first == 0 and (window is None or context <= window))
         starts = [start for start, _ in query_ranges] + [len(input_ids)]
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -124,7 +123,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             num_decodes=num_decodes, query_ranges=query_ranges, order=order, position_ranges=position_ranges,
-            context_lens=context_lens, is_causal=is_causal, attention_masks=[None] * len(seqs))
+            context_lens=context_lens, is_causal=[False] * len(seqs), attention_masks=[None] * len(seqs))
         if num_decodes > 1:
             batch.max_decode_context = max(context_lens[:num_decodes])
             keys = torch.arange(batch.max_decode_context, device=self.device)
@@ -138,13 +137,15 @@ class ModelRunner:
         # The sequences that attend one at a time: after the batched decodes, unless the chunks attend in one call.
         alone = len(seqs) if batch.chunks is not None else num_decodes if num_decodes > 1 else 0
         for i in range(alone, len(seqs)):
-            batch.attention_masks[i] = self._sequence_mask(*position_ranges[i], window)
+            first, context = position_ranges[i]
+            batch.attention_masks[i] = mask = self._sequence_mask(first, context, window)
+            batch.is_causal[i] = mask is None and context - first > 1  # one query: no mask at all
         self.kv_cache.prepare([seqs[index] for index in order], batch)
         return batch
 
     def _sequence_mask(self, first: int, context: int, window: int | None) -> torch.Tensor | None:
         """The [new, context] bool mask of a sequence forwarding positions [first, context) alone, where SDPA's own
-        (causal, or none for one query) does not fit: None where it does (`ForwardBatch.is_causal`)."""
+        (causal, or none for one query) does not fit: None where it does."""
         if window is not None and context > window:  # query at position p sees keys p - window + 1 .. p
             query_positions = torch.arange(first, context, device=self.device)[:, None]
             keys = torch.arange(context, device=self.device)[None, :]

@@ -221,6 +221,7 @@ at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(1) % k.size(1) == 0 && q.size(1) / k.size(1) <= MAXG,
               "attend_paged: q [B, H, D] and k [B, KVH, D] with at most 8 query heads a KV head");
   TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16 && k_pool.dim() == 4 &&
+              k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == k.size(1) && k_pool.size(3) == k.size(2) &&
               k_pool.is_contiguous() && v_pool.is_contiguous() && table.scalar_type() == at::kInt &&
               key_mask.scalar_type() == at::kBool, "attend_paged: bf16 pools [blocks, block, KVH, D], int32 table");
   switch (k.size(2)) {
@@ -256,7 +257,8 @@ def takes(q: torch.Tensor, k: torch.Tensor, k_pool: torch.Tensor) -> bool:
     kv_heads, head_dim = k.shape[-2:]
     heads = q.shape[-1] // head_dim if q.dim() == 2 else q.shape[1]
     return (k_pool.device.type == "cpu" and k_pool.dtype == torch.bfloat16 and k_pool.dim() == 5
-            and head_dim in HEAD_DIMS and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP)
+            and tuple(k_pool.shape[-2:]) == (kv_heads, head_dim) and head_dim in HEAD_DIMS
+            and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP)
 
 
 def attend(q, k, v, k_pool, v_pool, table, key_mask, scale: float) -> torch.Tensor:

@@ -58,13 +58,21 @@ def test_the_op_equals_the_attention_inductor_compiles(op, batch, blocks, kv_hea
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
+def test_the_op_refuses_a_pool_of_another_layout(op):
+    q, k, v, k_pool, v_pool, table, mask = paged_case(1, 2, 3, 3, 64, seed=0)
+    with pytest.raises(RuntimeError, match="bf16 pools"):  # heads and positions swapped, as a contiguous cache has
+        attention_kernel.attend(q, k, v, k_pool.transpose(1, 2).contiguous(), v_pool.transpose(1, 2).contiguous(),
+                                table, mask, 0.125)
+
+
 def test_it_takes_bf16_paged_pools_of_the_head_sizes_it_knows():
     q, k = torch.zeros(1, 9 * 64).bfloat16(), torch.zeros(1, 3, 64).bfloat16()
     pool = torch.zeros(2, 8, 16, 3, 64)  # [layers, blocks, block, KV heads, head_dim]
     assert attention_kernel.takes(q, k, pool.bfloat16())
     assert not attention_kernel.takes(q, k, pool)  # fp32
     assert not attention_kernel.takes(q, k, pool.to(torch.int8))  # the int8 KV cache
-    assert not attention_kernel.takes(q, k, pool.bfloat16()[0])  # a contiguous cache's layout
+    assert not attention_kernel.takes(q, k, torch.zeros(2, 4, 3, 16, 64).bfloat16())  # a contiguous cache's layout:
+    # [layers, slots, KV heads, positions, head_dim]
     assert not attention_kernel.takes(torch.zeros(1, 27 * 64), k, pool.bfloat16())  # 9 query heads a KV head
     odd = torch.zeros(1, 3, 96)
     assert not attention_kernel.takes(torch.zeros(1, 9 * 96), odd, torch.zeros(2, 8, 16, 3, 96).bfloat16())

@@ -175,7 +175,8 @@ def device_kernel_category(name: str) -> str:
     a projection is a projection: 'triton_red_fused__fused_rms_norm__to_copy_mm_mul_t_13'), library kernels their
     kind (a cuBLAS or CUTLASS GEMM is a projection, a softmax attention's); our Triton attention kernel is `attend`.
     A pointwise kernel is never a projection: 'triton_poi_fused_add_index_mm_mul_roll_...' is RoPE on a projection's
-    output."""
+    output. The rest of inductor's kernels are the compiled graph's; the rest of ATen's (an eager step's gathers,
+    casts and elementwise ops), other."""
     words = set(re.split(r"[^a-z0-9]+", name.lower()))
     if "index_copy" in name or "index_put" in name:
         return KV_WRITES
@@ -187,9 +188,9 @@ def device_kernel_category(name: str) -> str:
     if not pointwise and (words & {"mm", "bmm", "addmm", "gemv", "int4pack", "int8pack"} or "gemm" in name
                           or name.startswith(("nvjet", "cutlass"))):
         return PROJECTIONS
-    if words & {"rsqrt", "rms", "roll"}:
+    if words & {"rsqrt", "rms", "roll"} or "layer_norm" in name:  # ATen's RMSNorm runs its layer-norm kernel
         return NORMS
-    return COMPILED
+    return COMPILED if name.startswith("triton_") else OTHER  # an eager step's gathers, casts and adds: other
 
 
 def device_breakdown(trace_events: list[dict], step_ms: float, top: int = 12) -> tuple[list[dict], list[dict]]:

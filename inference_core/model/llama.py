@@ -26,12 +26,26 @@ import torch.nn.functional as F
 from torch import nn
 from torch._C._profiler import _RecordFunctionFast
 from torch.autograd import profiler as autograd_profiler
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from inference_core.config import ModelConfig
 from inference_core.model import row_kernel
 
 
 _NO_RANGE = contextlib.nullcontext()
+
+
+# SDPA's backends on CUDA, cuDNN's left out. For bf16 on a Hopper GPU SDPA tries cuDNN first, and cuDNN builds a graph
+# for every new shape: on an H100 host 1.3 ms of host time a call, 37 ms of a 53 ms eager decode step of 57 sequences,
+# whose padded key width changes from step to step (docs/benchmarks.md, "The fourth H100 run"). The others need no
+# such build; with a mask and grouped-query heads it is the math backend.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device):
+    """The context an eager forward's SDPA calls run in: on CUDA, `CUDA_SDPA_BACKENDS` alone; elsewhere SDPA's own
+    choice (a shared no-op context)."""
+    return sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else _NO_RANGE
 
 
 def profile_range(name: str):
@@ -400,7 +414,7 @@ class CausalLM(nn.Module):
         token's final-normed hidden state [tokens, hidden_size] (what the LM head reads; trained draft heads read it
         too). A `layer_states` list receives every layer's output [tokens, hidden_size], before the final norm (the
         logit lens reads them)."""
-        with profile_range("ic::forward"):
+        with profile_range("ic::forward"), attention_backends(batch.input_ids.device):
             x = F.embedding(batch.input_ids, self.embed_tokens.weight)
             cos_table, sin_table = self.rope_tables(x.dtype)
             cos, sin = cos_table[batch.positions].unsqueeze(1), sin_table[batch.positions].unsqueeze(1)

@@ -38,7 +38,7 @@ from torch import nn
 
 from inference_core.config import ConfigError, ModelConfig
 from inference_core.model.bundled import BUNDLED_NAMES
-from inference_core.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm, weight_layout
+from inference_core.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm, attention_backends, weight_layout
 from inference_core.model.paths import DATA_DIR, cache_root
 from inference_core.sampling import SamplingParams, sample_with_probabilities
 from inference_core.sequence import Sequence
@@ -122,8 +122,9 @@ class EagleLayer(nn.Module):
             mask = None if tokens == 1 else torch.ones(tokens, start + tokens, dtype=torch.bool,
                                                       device=x.device).tril(diagonal=start)
         attn = self.self_attn
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=attn.scale,
-                                             enable_gqa=attn.num_heads != attn.num_kv_heads)
+        with attention_backends(x.device):  # no cuDNN on CUDA: the context grows every drafted token
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=attn.scale,
+                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)
         return self._finish(x, out)
 
     def unrolled(self, features, embeddings, cos, sin, steps: int) -> list[torch.Tensor]:

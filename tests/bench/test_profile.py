@@ -170,6 +170,10 @@ def test_a_gpu_steps_device_time_is_read_off_the_traces_device_timeline():
     assert device_kernel_category("void at::native::index_copy_kernel_impl<float>") == KV_WRITES
     assert device_kernel_category("void at::native::reduce_kernel<ArgMaxOps<float>>") == SAMPLING
     assert device_kernel_category("triton_poi_fused_slice_stack_4") == COMPILED
+    # An eager step's ATen kernels (names shortened from an H100 run's batched eager step).
+    assert device_kernel_category("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, "
+                                  "true>(int, float, float const*)") == NORMS
+    assert device_kernel_category("void at::native::vectorized_gather_kernel<16, int>(char*, char*, int*)") == OTHER
 
     def event(cat, name, ts, dur):
         return {"cat": cat, "name": name, "ts": ts, "dur": dur, "ph": "X"}

@@ -123,3 +123,34 @@ def test_two_compiled_engines_stepping_in_turn_keep_their_own_kv(tiny_cuda, kv_m
                 lane.step()
     assert [request.events[-1].token_ids for request in requests] == alone
     assert all(lane.compile_stats()["recompiles"] == 0 for lane in lanes)
+
+
+def _sdpa_ops(run) -> set[str]:
+    """The names of the SDPA ops `run()` calls, from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as recorded:
+        run()
+    return {event.name for event in recorded.events() if "scaled_dot_product" in event.name}
+
+
+def test_eager_batched_steps_leave_cudnn_attention_out(tiny_cuda):
+    """cuDNN's SDPA builds a graph for every new shape (1.3 ms of host time a call on an H100 host), and a batched
+    step's padded key width changes every step: the eager forward runs SDPA without it (`llama.attention_backends`).
+    Skipped where SDPA would not pick cuDNN for such a call anyway."""
+    from tiny_models import BLOCK_SIZE, greedy, prompt, run_to_end
+
+    bf16 = load_model(tiny_cuda.name, device="cuda", dtype="bfloat16")
+    q = torch.randn(3, 4, 1, 16, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(3, 2, 40, 16, device="cuda", dtype=torch.bfloat16)
+    mask = torch.rand(3, 1, 1, 40, device="cuda") < 0.8
+    default = _sdpa_ops(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask,
+                                                                                enable_gqa=True))
+    if not any("cudnn" in name for name in default):
+        pytest.skip(f"SDPA does not pick cuDNN on this device for such a call ({sorted(default)})")
+    engine = Engine(bf16, EngineConfig(kv_mode="paged", block_size=BLOCK_SIZE, max_num_seqs=4))
+    for i in range(4):
+        engine.submit(prompt(5 + 7 * i, seed=i), greedy(6))
+    used = _sdpa_ops(lambda: run_to_end(engine))
+    assert used and not any("cudnn" in name for name in used), used
+    assert_nothing_held(engine)

@@ -15,7 +15,7 @@ import torch
 
 from inference_core.model import dtype_choice
 from inference_core.model.dtype_choice import MARGIN, choose_dtype, measured_speedup
-from inference_core.model.llama import attend_decodes_matmul, decode_attention_kernel
+from inference_core.model.llama import attend_decodes_matmul, attention_backends, decode_attention_kernel
 from inference_core.model.loader import load_model
 
 CPU = torch.device("cpu")
@@ -164,3 +164,16 @@ def test_cpu_details_read_the_family_and_the_caches_where_linux_shows_them(tmp_p
     paths["/proc/cpuinfo"] = tmp_path / "absent"
     paths["/sys/devices/system/cpu/cpu0/cache"] = tmp_path / "absent"
     assert dtype_choice.cpu_details() == {}
+
+
+def test_cuda_attention_leaves_cudnn_out_and_other_devices_keep_sdpa_s_choice():
+    """On CUDA the eager forward's SDPA runs without cuDNN (a graph built for every new shape: see
+    `llama.CUDA_SDPA_BACKENDS`); on the CPU nothing changes."""
+    backends = torch.backends.cuda
+    before = backends.cudnn_sdp_enabled()
+    with attention_backends(torch.device("cpu")):
+        assert backends.cudnn_sdp_enabled() == before
+    with attention_backends(torch.device("cuda")):
+        assert not backends.cudnn_sdp_enabled()
+        assert backends.flash_sdp_enabled() and backends.mem_efficient_sdp_enabled() and backends.math_sdp_enabled()
+    assert backends.cudnn_sdp_enabled() == before

@@ -7,6 +7,8 @@ budget (a row not started in time is listed in `left_out`):
 
 1. `device`: the GPU, torch and CUDA versions, and the copy bandwidth (a device-to-device copy of 1 GiB, bytes read
    plus bytes written over the median time of 10 copies), the bandwidth every row's `roofline_pct` is taken against.
+   `attention`: the compiled step's attention alone (`bench.attention_timing`: the Triton kernel with and without
+   splitting a sequence's keys, against the ATen ops), a few seconds.
 2. `decode`: batch-1 decode in bf16 at Llama-3-8B's and Qwen3-0.6B's shapes (Qwen3-1.7B's last, as its own part):
    eager with the gathered paged cache, eager with FlexAttention reading the pool through the block table, compiled
    with CUDA graphs (one step a host round trip, and 8: `EngineConfig.decode_steps`), the same with int8 and int4
@@ -55,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from inference_core.bench.attention_timing import format_attention, time_attention
 from inference_core.bench.batching import batch_bench, format_step_kinds, parse_output_lengths
 from inference_core.bench.profile import profile_requests, tokens_needed
 from inference_core.bench.prompts import load_prompts
@@ -71,18 +74,20 @@ from inference_core.sampling import SamplingParams
 
 # part -> share of the budget (of the parts asked for, scaled to add up to the whole); a part's deadline is the run's
 # start plus the shares up to and including its own, so time a part leaves unused goes to the parts after it.
-PARTS = {"device": 0.02, "decode": 0.45, "batch": 0.15, "serve": 0.08, "tests": 0.22, "decode-1.7b": 0.08}
+PARTS = {"device": 0.02, "attention": 0.03, "decode": 0.45, "batch": 0.15, "serve": 0.08, "tests": 0.22,
+         "decode-1.7b": 0.08}
 DECODE_SHAPES = {"decode": ("llama-3-8b", "qwen3-0.6b"), "decode-1.7b": ("qwen3-1.7b",)}  # the goals' shapes first
 # name -> (engine settings, weight scheme), in the table's order; None: a transformers row.
 ROWS = {"gather": (dict(attention="gather"), "none"), "flex": (dict(attention="flex"), "none"),
         "graphs": (dict(compile=True), "none"), "graphs+steps8": (dict(compile=True, decode_steps=8), "none"),
         "graphs+int8": (dict(compile=True), "int8"),
-        "graphs+int4": (dict(compile=True), "int4"), "hf": None, "hf-static-compiled": None}
-ROW_ORDER = ("graphs", "graphs+steps8", "hf-static-compiled", "graphs+int4", "gather", "flex", "graphs+int8",
-             "hf")  # by priority
+        "graphs+int4": (dict(compile=True), "int4"),
+        "graphs+steps8+int4": (dict(compile=True, decode_steps=8), "int4"), "hf": None, "hf-static-compiled": None}
+ROW_ORDER = ("graphs", "graphs+steps8", "hf-static-compiled", "graphs+int4", "graphs+steps8+int4", "gather", "flex",
+             "graphs+int8", "hf")  # by priority
 # The rows a goal is read from, run for every shape of a part before any other row (on an H100 the 8B shape's rows in
 # ROW_ORDER took the whole decode share and left Qwen3-0.6B's out).
-GOAL_ROWS = {"llama-3-8b": ("graphs", "graphs+steps8", "hf-static-compiled", "graphs+int4"),
+GOAL_ROWS = {"llama-3-8b": ("graphs", "graphs+steps8", "hf-static-compiled", "graphs+int4", "graphs+steps8+int4"),
              "qwen3-0.6b": ("graphs", "graphs+steps8", "hf-static-compiled")}
 # The batch and serve parts compile (CUDA graphs) only where their share of the budget leaves room for it. On an
 # H100 the compiled batch modes (then three processes, each compiling bucket 1 and the dynamic buckets and recording
@@ -151,6 +156,9 @@ def run_gpu_report(args) -> int:
         try:
             if part == "device":
                 report.data.update(device_part(device, args.smoke))
+            elif part == "attention":
+                report.data["parts"]["attention"] = time_attention(device, deadline)
+                print("\n".join(format_attention(report.data["parts"]["attention"])), flush=True)
             elif part == "tests":
                 report.data["parts"]["tests"] = tests_part(device, deadline)
             elif part.startswith("decode"):
@@ -541,6 +549,8 @@ def markdown(data: dict) -> str:
     if batch.get("profile"):
         lines += ["", f"an eager decode step of {batch['profile']['batch_size']:.0f} sequences, profiled: "
                   f"{_profile_line(batch['profile'])}"]
+    if "rows" in data["parts"].get("attention", {}):
+        lines += format_attention(data["parts"]["attention"])
     serve = data["parts"].get("serve", {})
     if serve.get("runs"):
         lines += ["", f"serving path ({serve.get('how')}):", "", "| run | lane | TTFT ms | tok/s | tokens |",

@@ -1,22 +1,27 @@
-"""The Triton kernel of `triton_attention` (a module of its own: it imports Triton, which only that module's callers
-load, on first use). What it computes and why: `triton_attention`'s docstring."""
+"""The Triton kernels of `triton_attention` (a module of their own: it imports Triton, which only that module's
+callers load, on first use). What they compute and why: `triton_attention`'s docstring."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["keys"])
-def attend(q_ptr, k_ptr, v_ptr, k_pool, v_pool, index_ptr, mask_ptr, lengths_ptr, out_ptr, keys, scale,
-           q_batch, q_head, k_batch, k_head, v_batch, v_head, block_stride, position_stride, head_stride,
-           index_stride, mask_stride, out_batch, out_head, out_group,
+def attend(q_ptr, k_ptr, v_ptr, k_pool, v_pool, index_ptr, mask_ptr, lengths_ptr, out_ptr, part_acc, part_stats,
+           keys, scale, q_batch, q_head, k_batch, k_head, v_batch, v_head, block_stride, position_stride,
+           head_stride, index_stride, mask_stride, out_batch, out_head, out_group,
            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-           HEAD_DIM: tl.constexpr, PAGED: tl.constexpr):
-    """One program per (sequence, KV head): the group's query heads against the sequence's cached positions
-    [0, min(lengths[seq], keys)), CHUNK at a time (paged: position p lies in block read_index[seq, p // BLOCK], at
-    p % BLOCK; contiguous: in slot read_index[seq]), those with a False key mask left out, and the own key and value.
-    Nothing of the block table or the mask past the sequence's own length is read."""
+           HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, SPLITS: tl.constexpr):
+    """One program per (sequence, KV head, split): the group's query heads against its split of the sequence's
+    cached positions [0, min(lengths[seq], keys)), CHUNK at a time (paged: position p lies in block
+    read_index[seq, p // BLOCK], at p % BLOCK; contiguous: in slot read_index[seq]), those with a False key mask left
+    out; split 0 also takes the own key and value. Each split takes an equal run of whole chunks of the sequence's
+    own length (a split past the length takes none). With one split the program writes the output; with more, its
+    running max and sum (`part_stats` [B, kv_heads, SPLITS, 2, GROUP_PAD]) and unnormalized sums of values
+    (`part_acc` [B, kv_heads, SPLITS, GROUP_PAD, HEAD_DIM]), fp32, for `combine`. Nothing of the block table or the
+    mask past the sequence's own length is read."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    split = tl.program_id(2)
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     lanes = tl.arange(0, CHUNK)
@@ -25,16 +30,20 @@ def attend(q_ptr, k_ptr, v_ptr, k_pool, v_pool, index_ptr, mask_ptr, lengths_ptr
                 mask=in_group[:, None], other=0.0).to(tl.float32)  # [G, D]
     own_k = tl.load(k_ptr + seq * k_batch + head * k_head + dims).to(tl.float32)
     own_v = tl.load(v_ptr + seq * v_batch + head * v_head + dims).to(tl.float32)
-    # The online softmax starts from the own key: its score is the running max, its weight 1.
-    best = tl.sum(q * own_k[None, :], axis=1) * scale  # [G]
-    total = tl.full([GROUP_PAD], 1.0, tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32) + own_v[None, :]
+    # The online softmax of split 0 starts from the own key: its score is the running max, its weight 1 (so the
+    # whole never divides by zero); the other splits start empty.
+    first = split == 0
+    best = tl.where(first, tl.sum(q * own_k[None, :], axis=1) * scale, float("-inf"))  # [G]
+    total = tl.where(first, 1.0, 0.0) + tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.where(first, 1.0, 0.0) * own_v[None, :] + tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     if not PAGED:
         slot = tl.load(index_ptr + seq * index_stride).to(tl.int64)
     length = tl.minimum(tl.load(lengths_ptr + seq).to(tl.int32), keys)
-    for start in range(0, length, CHUNK):
+    span = tl.cdiv(tl.cdiv(length, SPLITS), CHUNK) * CHUNK
+    end = tl.minimum(split * span + span, length)
+    for start in range(split * span, end, CHUNK):
         positions = start + lanes
-        inside = positions < length
+        inside = positions < end
         if PAGED:
             block = tl.load(index_ptr + seq * index_stride + positions // BLOCK, mask=inside, other=0).to(tl.int64)
             rows = block * block_stride + (positions % BLOCK) * position_stride
@@ -47,11 +56,40 @@ def attend(q_ptr, k_ptr, v_ptr, k_pool, v_pool, index_ptr, mask_ptr, lengths_ptr
         scores = tl.sum(q[:, None, :] * chunk_k[None, :, :], axis=2) * scale  # [G, C]
         scores = tl.where(keep[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
-        weights = tl.exp(scores - new_best[:, None])
-        rescale = tl.exp(best - new_best)
+        # A split whose keys so far are all masked has no max yet: subtract 0 there (every weight is exp(-inf) = 0).
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+        weights = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(best - shift)
         acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * chunk_v[None, :, :], axis=1)
         total = total * rescale + tl.sum(weights, axis=1)
         best = new_best
-    out = acc / total[:, None]
+    if SPLITS == 1:
+        out = acc / total[:, None]
+        tl.store(out_ptr + seq * out_batch + head * out_head + groups[:, None] * out_group + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+    else:
+        part = (seq * tl.num_programs(1) + head) * SPLITS + split
+        tl.store(part_acc + (part * GROUP_PAD + groups[:, None]) * HEAD_DIM + dims[None, :], acc)
+        tl.store(part_stats + part * 2 * GROUP_PAD + groups, best)
+        tl.store(part_stats + part * 2 * GROUP_PAD + GROUP_PAD + groups, total)
+
+
+@triton.jit
+def combine(part_acc, part_stats, out_ptr, out_batch, out_head, out_group, GROUP: tl.constexpr,
+            GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    """One program per (sequence, KV head): the splits' partial softmaxes (`attend` with SPLITS > 1) rescaled to
+    their common max and summed, in fp32. Split 0 holds the own key, so the max is finite and the sum positive."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    groups = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    parts = (seq * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS)  # [S]
+    best = tl.load(part_stats + parts[:, None] * 2 * GROUP_PAD + groups[None, :])  # [S, G]
+    total = tl.load(part_stats + parts[:, None] * 2 * GROUP_PAD + GROUP_PAD + groups[None, :])
+    top = tl.max(best, axis=0)  # [G]
+    weights = tl.exp(best - top[None, :])  # an empty split's -inf gives 0
+    acc = tl.load(part_acc + (parts[:, None, None] * GROUP_PAD + groups[None, :, None]) * HEAD_DIM
+                  + dims[None, None, :])  # [S, G, D]
+    out = tl.sum(weights[:, :, None] * acc, axis=0) / tl.sum(weights * total, axis=0)[:, None]
     tl.store(out_ptr + seq * out_batch + head * out_head + groups[:, None] * out_group + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=(groups < GROUP)[:, None])

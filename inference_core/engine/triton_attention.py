@@ -5,15 +5,19 @@ runs as ATen ops elsewhere: a gather of the context out of the KV pool, two cast
 cached and the own score, and the sums around them. Inside a CUDA graph that is about 20 kernels a layer of one or
 two microseconds each: on an H100 at Llama-3-8B's shape, batch 1, 47 us a layer and 1.5 ms of an 8.3 ms step
 (`docs/benchmarks.md`, "GPU"), where the weights the layer reads take about 170 us. This kernel does the same in one
-launch: a program per (sequence, KV head) walks the sequence's positions, `CHUNK` at a time, straight from the pool
-(paged: through the block table; contiguous: in its slot), scores the group's query heads against each chunk of
-keys, and keeps an online softmax in fp32 that starts from the own key (so a sequence with no cached key, or a chunk
-whose keys are all masked, never divides by zero or subtracts infinities). The ids are expected to match the ATen
-ops' (the sums run in another order: fp32 rounding apart). What it buys is for the next GPU run to measure.
+launch (measured on an H100: 17.8 us a layer at that shape, 146.8 against 120.7 tokens/s): a program per (sequence,
+KV head, split) walks its split of the sequence's positions, `CHUNK` at a time, straight from the pool (paged:
+through the block table; contiguous: in its slot), scores the group's query heads against each chunk of keys, and
+keeps an online softmax in fp32; split 0 starts from the own key (so a sequence with no cached key never divides by
+zero), and a split whose keys are all masked subtracts no infinities. With one split (`splits_for`: where the
+batch's programs alone fill the device) the program writes the output; with more, a second kernel (`combine`)
+rescales the splits' partial sums to their common max and adds them up. The ids are expected to match the ATen ops'
+(the sums run in another order: fp32 rounding apart). What the splits buy is for the next GPU run to measure.
 
 Triton is imported on first use (it comes with torch's CUDA builds); where it is missing, or the layout is one the
-kernel does not take (`unsupported`), the ATen ops run. `INFERENCE_CORE_TRITON_ATTENTION=0` keeps the ATen ops, for
-an A/B on one machine. On the CPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how
+kernel does not take (`unsupported`), the ATen ops run. `INFERENCE_CORE_TRITON_ATTENTION=0` keeps the ATen ops, and
+`INFERENCE_CORE_ATTENTION_SPLITS=N` fixes the splits (1: one program a sequence and KV head), for an A/B on one
+machine. On the CPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how
 `tests/engine/test_triton_attention.py` checks it against the ATen ops without a GPU.
 """
 
@@ -26,6 +30,11 @@ import torch
 
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHUNK = 32  # cached positions a program reads at a time (two blocks of 16: two loads in flight per step of its loop)
+# Splits of a sequence's keys (flash-decoding): programs enough for about this many a multiprocessor, at most
+# MAX_SPLITS a (sequence, KV head). One program a (sequence, KV head) walks its keys alone, a chunk after the other:
+# on an H100 at batch 1 that was 8 programs on 132 multiprocessors, 12-18 us a layer at contexts under 150 keys
+# (docs/benchmarks.md, "The fourth H100 run").
+PROGRAMS_PER_SM, MAX_SPLITS = 2, 16
 # The [group, chunk, head size] products a warp holds (128 a thread); a larger group gets 8 warps instead of 4.
 WARP_PRODUCTS = 4096
 
@@ -68,21 +77,53 @@ def used(device: torch.device, dtype: torch.dtype, k_pool: torch.Tensor, paged: 
 def describe(device: torch.device, dtype: torch.dtype, k_pool: torch.Tensor, paged: bool) -> str:
     """Which attention the compiled step runs on CUDA, in words (for its compile stats)."""
     if used(device, dtype, k_pool, paged):
-        return "attention: one Triton kernel a layer"
+        fixed = _fixed_splits()
+        return "attention: one Triton kernel a layer, " + (
+            f"{fixed} split(s) a sequence (INFERENCE_CORE_ATTENTION_SPLITS)" if fixed
+            else f"keys in up to {MAX_SPLITS} splits")
     if not enabled():
         return "attention: ATen ops (" + ("INFERENCE_CORE_TRITON_ATTENTION=0" if _triton() is not None
                                           else "Triton is not installed") + ")"
     return f"attention: ATen ops (the Triton kernel does not take {unsupported(dtype, k_pool, paged)})"
 
 
+def splits_for(device: torch.device, batch: int, kv_heads: int) -> int:
+    """How many splits each (sequence, KV head)'s keys take: a power of two, 1 where the batch's programs alone fill
+    the device (or `INFERENCE_CORE_ATTENTION_SPLITS`)."""
+    if _fixed_splits():
+        return _fixed_splits()
+    wanted = PROGRAMS_PER_SM * _multiprocessors(device) // (batch * kv_heads)
+    return 1 if wanted < 2 else min(MAX_SPLITS, 1 << (wanted.bit_length() - 1))
+
+
+@functools.cache
+def _fixed_splits() -> int | None:
+    """`INFERENCE_CORE_ATTENTION_SPLITS`, checked (None where unset)."""
+    value = os.environ.get("INFERENCE_CORE_ATTENTION_SPLITS")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) not in {1 << n for n in range(MAX_SPLITS.bit_length())}:
+        raise ValueError(f"INFERENCE_CORE_ATTENTION_SPLITS must be a power of two up to {MAX_SPLITS}, got {value!r}")
+    return int(value)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (the tests): as many as an H100's
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, scale: float,
-                     paged: bool) -> torch.Tensor:
+                     paged: bool, splits: int | None = None) -> torch.Tensor:
     """The same function as `compiled._attend_one` over `compiled._read_context`, in one kernel launch.
     q: [B, heads, d]; k, v: [B, kv_heads, d]; paged: k_pool, v_pool [blocks, block_size, kv_heads, d] and
     read_index [B, blocks] (the block table); contiguous: k_pool, v_pool [slots, kv_heads, max_len, d] and read_index
     [B] (slots); key_mask [B, keys], True where a cached key is attended; lengths [B]: each sequence's cached
     positions (its position: keys at or past it are never read, whatever the mask and the block table hold there).
-    Returns [B, kv_heads, group, d] in q's dtype."""
+    `splits` (a power of two; default `splits_for`): with more than one, each split of a sequence's keys is a
+    program of its own, and a second kernel combines their partial softmaxes. Returns [B, kv_heads, group, d] in q's
+    dtype."""
     q, k, v = (tensor if tensor.stride(-1) == 1 else tensor.contiguous() for tensor in (q, k, v))
     batch, kv_heads, head_dim = k.shape
     group = q.shape[1] // kv_heads
@@ -95,20 +136,32 @@ def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, sca
     else:  # [slots, kv_heads, max_len, d]
         block = 1
         block_stride, head_stride, position_stride = k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)
-    _kernel()[(batch, kv_heads)](
-        q, k, v, k_pool, v_pool, read_index, key_mask, lengths, out, keys, scale,
+    splits = splits_for(q.device, batch, kv_heads) if splits is None else splits
+    if splits & (splits - 1) or splits < 1:
+        raise ValueError(f"splits must be a power of two, got {splits}")
+    if splits > 1:  # the splits' partial softmaxes, fp32
+        part_acc = torch.empty(batch, kv_heads, splits, group_pad, head_dim, dtype=torch.float32, device=q.device)
+        part_stats = torch.empty(batch, kv_heads, splits, 2, group_pad, dtype=torch.float32, device=q.device)
+    else:  # not read
+        part_acc = part_stats = out
+    attend, combine = _kernels()
+    attend[(batch, kv_heads, splits)](
+        q, k, v, k_pool, v_pool, read_index, key_mask, lengths, out, part_acc, part_stats, keys, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_stride, position_stride, head_stride, read_index.stride(0), key_mask.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        GROUP=group, GROUP_PAD=group_pad, CHUNK=CHUNK, BLOCK=block, HEAD_DIM=head_dim, PAGED=paged,
+        GROUP=group, GROUP_PAD=group_pad, CHUNK=CHUNK, BLOCK=block, HEAD_DIM=head_dim, PAGED=paged, SPLITS=splits,
         num_warps=4 if group_pad * CHUNK * head_dim <= WARP_PRODUCTS * 4 else 8)
+    if splits > 1:
+        combine[(batch, kv_heads)](part_acc, part_stats, out, out.stride(0), out.stride(1), out.stride(2),
+                                   GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, SPLITS=splits)
     return out
 
 
 @functools.cache
-def _kernel():
-    """The kernel, imported on first use (so that importing this module needs no Triton, and a test can set
+def _kernels():
+    """The two kernels, imported on first use (so that importing this module needs no Triton, and a test can set
     `TRITON_INTERPRET` first)."""
-    from inference_core.engine._triton_attention_kernel import attend
+    from inference_core.engine._triton_attention_kernel import attend, combine
 
-    return attend
+    return attend, combine

@@ -49,6 +49,8 @@ def test_smoke_report_has_every_part(smoke):
     assert all(run["tokens"] == 8 and run["ttft_ms"] > 0 for run in serve["runs"])
     assert serve["api_chunks"] > 0 and serve["kv_blocks_held_after"] == 0
     assert report["parts"]["tests"]["status"] == 0  # the CUDA tests are collected (they skip without a GPU)
+    assert "GPU only" in report["parts"]["attention"]["skipped"]  # timed on a GPU only, and the report says so
+    assert "attention kernel timing: skipped" in markdown
     assert "| qwen3-0.6b | gather | 1 |" in markdown and "serving path" in markdown
 
 

@@ -51,6 +51,10 @@ def _case(paged: bool, dtype, group: int, seed: int):
         keys, lengths = 70, [65, 9, 0]  # not a multiple of the kernel's chunk
     key_mask = torch.arange(keys)[None, :] < torch.tensor(lengths)[:, None]
     key_mask[0, :5] = False  # a sliding window's hole
+    if paged:  # a whole chunk masked: with splits, one whose keys are all left out
+        key_mask[0, 32:] = False
+    else:  # a window past the first chunk: with splits, split 0 has only the own key
+        key_mask[0, :40] = False
     tensors = [q, k, v, k_pool, v_pool, read_index, key_mask, torch.tensor(lengths)]
     return [tensor.to(DEVICE) for tensor in tensors], keys
 
@@ -59,14 +63,18 @@ def _case(paged: bool, dtype, group: int, seed: int):
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [1, 3, 4])
-def test_kernel_equals_the_aten_ops(paged, dtype, group):
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_equals_the_aten_ops(paged, dtype, group, splits):
+    """With one split a program walks all of a sequence's keys; with 4, a split of 32 keys each (some empty, one all
+    masked, one with only the own key), combined by the second kernel."""
     (q, k, v, k_pool, v_pool, read_index, key_mask, lengths), keys = _case(paged, dtype, group, seed=group)
     assert triton_attention.unsupported(q.dtype, k_pool, paged) is None
     scale = 32 ** -0.5
     width = read_index.shape[1] if paged else keys
     k_ctx, v_ctx = _read_context(k_pool, v_pool, read_index, width, paged)
     expected = _attend_one(q.float(), k.float(), v.float(), k_ctx.float(), v_ctx.float(), key_mask, scale)
-    out = triton_attention.decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, scale, paged)
+    out = triton_attention.decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, scale, paged,
+                                            splits)
     assert out.shape == expected.shape and out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
@@ -81,8 +89,23 @@ def test_kernel_equals_the_aten_ops(paged, dtype, group):
     stale_mask[:, :keys] |= torch.arange(keys, device=DEVICE)[None, :] >= lengths[:, None]
     if not paged:  # the pool's slots are as wide as the mask
         k_pool, v_pool = (torch.cat([pool, pool[:, :, :extra]], 2) for pool in (k_pool, v_pool))
-    whole = triton_attention.decode_attention(q, k, v, k_pool, v_pool, stale_index, stale_mask, lengths, scale, paged)
+    whole = triton_attention.decode_attention(q, k, v, k_pool, v_pool, stale_index, stale_mask, lengths, scale, paged,
+                                              splits)
     torch.testing.assert_close(whole, out, rtol=0, atol=0)
+
+
+@needs_triton
+def test_the_timed_cases_inputs_give_the_aten_ops_result():
+    """`gpu-report --parts attention` times the kernel on inputs `bench.attention_timing` builds: a paged step whose
+    every sequence has its whole context cached. Here (smaller) under the interpreter, split and not."""
+    from inference_core.bench import attention_timing
+
+    inputs = attention_timing._inputs(torch.device(DEVICE), heads=32, batch=2, keys=70)
+    expected = attention_timing._aten(*[tensor.float() if tensor.is_floating_point() else tensor
+                                        for tensor in inputs[:8]], inputs[8])
+    for splits in (1, 4):
+        out = triton_attention.decode_attention(*inputs, paged=True, splits=splits)
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 def test_unsupported_layouts_say_why():
@@ -96,9 +119,31 @@ def test_unsupported_layouts_say_why():
         assert triton_attention.describe(cuda, torch.float32, pool, True) == (
             "attention: ATen ops (Triton is not installed)")
         return
-    assert triton_attention.describe(cuda, torch.float32, pool, True) == "attention: one Triton kernel a layer"
+    assert triton_attention.describe(cuda, torch.float32, pool, True) == (
+        "attention: one Triton kernel a layer, keys in up to 16 splits")
     assert "does not take head size 24" in triton_attention.describe(cuda, torch.float32, torch.zeros(4, 16, 2, 24),
                                                                      True)
+
+
+def test_splits_fill_the_device_and_a_full_batch_takes_none(monkeypatch):
+    """Programs for about two a multiprocessor (an H100 has 132), a power of two, at most 16 a (sequence, KV head);
+    `INFERENCE_CORE_ATTENTION_SPLITS` fixes them, and a value that is not a power of two up to 16 is refused."""
+    monkeypatch.setattr(triton_attention, "_multiprocessors", lambda device: 132)
+    device = torch.device("cuda")
+    assert [triton_attention.splits_for(device, batch, 8) for batch in (1, 2, 4, 8, 16, 33, 128)] == [
+        16, 16, 8, 4, 2, 1, 1]
+    assert triton_attention.splits_for(device, 1, 2) == 16 and triton_attention.splits_for(device, 3, 32) == 2
+    for value, splits in (("1", 1), ("4", 4)):
+        monkeypatch.setenv("INFERENCE_CORE_ATTENTION_SPLITS", value)
+        triton_attention._fixed_splits.cache_clear()
+        assert triton_attention.splits_for(device, 1, 8) == splits
+    for value in ("3", "32", "x"):
+        monkeypatch.setenv("INFERENCE_CORE_ATTENTION_SPLITS", value)
+        triton_attention._fixed_splits.cache_clear()
+        with pytest.raises(ValueError, match="power of two up to 16"):
+            triton_attention.splits_for(device, 1, 8)
+    monkeypatch.delenv("INFERENCE_CORE_ATTENTION_SPLITS")
+    triton_attention._fixed_splits.cache_clear()
 
 
 @needs_triton
@@ -146,21 +191,34 @@ import inspect, sys
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from inference_core.engine._triton_attention_kernel import attend
-from inference_core.engine.triton_attention import CHUNK
+from inference_core.engine._triton_attention_kernel import attend, combine
+from inference_core.engine.triton_attention import CHUNK, MAX_SPLITS
+
+
+def binary(kernel, signature, constants):
+    signature = {**signature, **dict.fromkeys(constants, "constexpr")}
+    assert list(signature) == list(inspect.signature(kernel.fn).parameters), "the kernel's arguments changed"
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(list(signature).index(name),): value for name, value in constants.items()})
+    return len(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"])
+
 
 paged = sys.argv[1] == "paged"
 pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16",
-            "index_ptr": "*i32" if paged else "*i64", "mask_ptr": "*i1", "lengths_ptr": "*i64", "out_ptr": "*bf16"}
+            "index_ptr": "*i32" if paged else "*i64", "mask_ptr": "*i1", "lengths_ptr": "*i64", "out_ptr": "*bf16",
+            "part_acc": "*fp32", "part_stats": "*fp32"}
 strides = ("q_batch", "q_head", "k_batch", "k_head", "v_batch", "v_head", "block_stride", "position_stride",
            "head_stride", "index_stride", "mask_stride", "out_batch", "out_head", "out_group")
-constants = {"GROUP": 4, "GROUP_PAD": 4, "CHUNK": CHUNK, "BLOCK": 16 if paged else 1, "HEAD_DIM": 128, "PAGED": paged}
-signature = {**pointers, "keys": "i32", "scale": "fp32", **dict.fromkeys(strides, "i64"),
-             **dict.fromkeys(constants, "constexpr")}
-assert list(signature) == list(inspect.signature(attend.fn).parameters), "the kernel's arguments changed"
-source = ASTSource(fn=attend, signature=signature,
-                   constexprs={(list(signature).index(name),): value for name, value in constants.items()})
-print(len(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]))
+sizes = []
+for splits in (1, MAX_SPLITS):
+    constants = {"GROUP": 4, "GROUP_PAD": 4, "CHUNK": CHUNK, "BLOCK": 16 if paged else 1, "HEAD_DIM": 128,
+                 "PAGED": paged, "SPLITS": splits}
+    sizes.append(binary(attend, {**pointers, "keys": "i32", "scale": "fp32", **dict.fromkeys(strides, "i64")},
+                        constants))
+sizes.append(binary(combine, {"part_acc": "*fp32", "part_stats": "*fp32", "out_ptr": "*bf16", "out_batch": "i64",
+                              "out_head": "i64", "out_group": "i64"},
+                    {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "SPLITS": MAX_SPLITS}))
+print(min(sizes))
 """
 
 
@@ -168,10 +226,11 @@ print(len(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps"
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 def test_kernel_compiles_for_an_h100(paged):
     """The interpreter runs what compiled Triton refuses (a Python `int()` of a loaded length, say, runs there and
-    fails here): the kernel is compiled for an H100 (sm_90) down to its binary, with no GPU needed, as the compiled
-    step calls it for bf16 at head size 128, a group of 4 and block size 16."""
+    fails here): the kernels are compiled for an H100 (sm_90) down to their binaries, with no GPU needed, as the
+    compiled step calls them for bf16 at head size 128, a group of 4 and block size 16, with one split and with
+    the most."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100, "paged" if paged else "contiguous"], env=env,
                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) > 0  # bytes of the binary
+    assert int(done.stdout.split()[-1]) > 0  # bytes of the smallest binary

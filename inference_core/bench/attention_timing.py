@@ -1,0 +1,115 @@
+"""The compiled decode step's attention alone on a GPU (`gpu-report --parts attention`): the Triton kernel
+(`engine.triton_attention`) with one program a (sequence, KV head) and with its keys in splits (`splits_for`),
+against the ATen ops it replaced (`compiled._read_context` and `compiled._attend_one`), at the decode shapes' heads
+(Llama-3-8B: 32 query heads over 8 KV heads; Qwen3-0.6B: 16 over 8; head size 128), bf16, a paged pool of 16-token
+blocks, batches of 1 to 64 and contexts of 144 to 4,096 keys. Each time is the median of 5 replays of a CUDA graph
+of 20 calls (so the host's launches are not what is timed), per call, in microseconds; the bytes a call must read
+(the keys and values of the context) over that time give its bandwidth."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+HEADS = {"llama-3-8b": 32, "qwen3-0.6b": 16}  # query heads over 8 KV heads of 128
+KV_HEADS, HEAD_DIM, BLOCK = 8, 128, 16
+CASES = [(shape, batch, keys) for shape in HEADS for batch, keys in ((1, 144), (1, 1024), (1, 4096), (8, 1024),
+                                                                     (64, 1024))]
+CALLS, REPLAYS = 20, 5
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why the kernel cannot be timed here (None: it can)."""
+    from inference_core.engine import triton_attention
+
+    if device.type != "cuda":
+        return "the kernel is timed on a GPU only (on the CPU it runs under Triton's interpreter)"
+    if not triton_attention.enabled():
+        return "the Triton kernel is off or Triton is not installed"
+    return None
+
+
+def time_attention(device: torch.device, deadline: float) -> dict:
+    """Every case of `CASES` that starts before `deadline` (`time.perf_counter()`): {"rows": [...], "left_out"}."""
+    from inference_core.engine import triton_attention
+
+    reason = unavailable(device)
+    if reason:
+        return {"skipped": reason, "rows": []}
+    rows, left_out = [], []
+    for shape, batch, keys in CASES:
+        if time.perf_counter() > deadline:
+            left_out.append(f"{shape} batch {batch} keys {keys}: budget")
+            continue
+        inputs = _inputs(device, HEADS[shape], batch, keys)
+        splits = triton_attention.splits_for(device, batch, KV_HEADS)
+        row = {"shape": shape, "batch": batch, "keys": keys, "splits": splits,
+               "one_program_us": _per_call_us(lambda: triton_attention.decode_attention(*inputs, paged=True,
+                                                                                          splits=1)),
+               "split_us": _per_call_us(lambda: triton_attention.decode_attention(*inputs, paged=True,
+                                                                                   splits=splits)),
+               "aten_us": _per_call_us(lambda: _aten(*inputs))}
+        read = 2 * batch * keys * KV_HEADS * HEAD_DIM * 2  # the context's keys and values, bf16
+        row["split_gb_s"] = round(read / row["split_us"] / 1e3, 1)
+        rows.append(row)
+    return {"rows": rows, "left_out": left_out}
+
+
+def _inputs(device: torch.device, heads: int, batch: int, keys: int) -> tuple:
+    """One decode step's arguments: every sequence `keys` cached positions, in blocks scattered over the pool."""
+    blocks = -(-keys // BLOCK)
+    generator = torch.Generator(device=device).manual_seed(batch * 10_000 + keys)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=generator)
+
+    pool_blocks = batch * blocks + 1
+    k_pool, v_pool = rand(pool_blocks, BLOCK, KV_HEADS, HEAD_DIM), rand(pool_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    table = (torch.randperm(pool_blocks - 1, device=device, generator=generator) + 1)[:batch * blocks]
+    read_index = table.view(batch, blocks).to(torch.int32)
+    key_mask = torch.ones(batch, blocks * BLOCK, dtype=torch.bool, device=device)
+    lengths = torch.full((batch,), keys, dtype=torch.long, device=device)
+    key_mask[:, keys:] = False
+    return (rand(batch, heads, HEAD_DIM), rand(batch, KV_HEADS, HEAD_DIM), rand(batch, KV_HEADS, HEAD_DIM), k_pool,
+            v_pool, read_index, key_mask, lengths, HEAD_DIM ** -0.5)
+
+
+def _aten(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, scale):
+    from inference_core.engine.compiled import _attend_one, _read_context
+
+    k_ctx, v_ctx = _read_context(k_pool, v_pool, read_index, read_index.shape[1], True)
+    return _attend_one(q, k, v, k_ctx, v_ctx, key_mask, scale)
+
+
+def _per_call_us(call) -> float:
+    """Microseconds a call, from CUDA graph replays of `CALLS` calls (the median of `REPLAYS`)."""
+    call()  # compiles the kernel, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            call()
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return round(statistics.median(times), 2)
+
+
+def format_attention(part: dict) -> list[str]:
+    """The part's Markdown lines."""
+    if part.get("skipped"):
+        return ["", f"attention kernel timing: skipped ({part['skipped']})"]
+    lines = ["", "attention alone (bf16, paged, us a call; CUDA graph replays):", "",
+             "| shape | batch | keys | splits | one program | splits | ATen ops | splits' GB/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {row['shape']} | {row['batch']} | {row['keys']} | {row['splits']} | {row['one_program_us']} | "
+              f"{row['split_us']} | {row['aten_us']} | {row['split_gb_s']} |" for row in part["rows"]]
+    return lines + [f"- left out: {item}" for item in part.get("left_out", [])]

@@ -175,6 +175,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens one step forwards, prefill chunks and decodes together
     chunked_prefill: bool = True  # split a long prompt into chunks that share steps with running decodes
     batch_window_ms: float = 50.0  # dynamic batching: how long the oldest waiting request waits for company
+    # Continuous batching: while a batch runs, waiting requests join it at most every this many steps (1: at any
+    # step). A step that takes a prompt runs eager; where decode steps replay a CUDA graph (several times cheaper),
+    # joining in groups runs fewer such steps, as TGI's max_waiting_tokens does.
+    join_every: int = 1
     compile: bool = False  # decode steps through torch.compile (inference_core.engine.compiled); needs a KV cache
     kv_dtype: str = "auto"  # KV cache storage: "auto" (the model dtype) or "int8" (see inference_core.kv.cache)
     sliding_window: int | None = None  # attend to the last N tokens only; None: the checkpoint's own window, if any
@@ -232,6 +236,8 @@ class EngineConfig:
         if self.attention == "flex" and self.kv_dtype == "int8":
             raise ConfigError("flex attention reads the pool in the model dtype; an int8 KV cache is dequantized on a "
                               "gathered copy: set {attention} to gather or {kv_dtype} to auto.")
+        if not _positive_int(self.join_every):
+            raise ConfigError(f"join_every must be a positive whole number of steps, got {self.join_every!r}.")
         if not self.batch_window_ms >= 0:
             raise ConfigError(f"batch_window_ms must be 0 or more, got {self.batch_window_ms!r}.")
 

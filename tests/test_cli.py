@@ -129,6 +129,7 @@ def test_generate_streams_text(bundled, capsys):
      "the JSON schema is not valid JSON"),
     (["batch-bench", "--arrival", "poisson:0"], "use burst or poisson:RATE with RATE > 0"),
     (["batch-bench", "--modes", "none,fast"], "unknown batch-bench row 'fast'"),
+    (["batch-bench", "--modes", "continuous+join0"], "unknown batch-bench row 'continuous+join0'"),
     (["batch-bench", "--rates", "1,0"], "bad --rates '1,0'; give request rates per second above 0"),
     (["batch-bench", "--rates", "1,2", "--arrival", "poisson:2"], "--rates sets the arrivals"),
     (["batch-bench", "--slo-tpot-ms", "-1"], "the TPOT target must be a number of milliseconds above 0"),

@@ -7,20 +7,21 @@ end-of-sequence or after their own output length: --max-new-tokens for all, or -
 request's drawn from a seeded RNG, or a list `16,64,256` cycled through), which is how random-weight checkpoints (whose
 answers never end) still show what continuous batching gains when requests finish at different times. Arrivals: `burst`
 (all at t=0) or `poisson:RATE` (exponential gaps of mean 1/RATE s from a seeded RNG, the first at t=0); every row gets
-the same schedule. Our modes each get a fresh engine (paged KV; the pool, by default, holds --max-num-seqs requests of
-the longest prompt plus --max-new-tokens; the prefix cache off, so a repeated prompt is computed again as transformers
-computes it: batching alone is compared); the driver submits each request when its arrival time comes and steps the
-engine in between. transformers rows start a request no earlier than its arrival: `hf-sequential` one after another;
-`hf-static` a batch of the requests that have arrived (up to --max-num-seqs) once the previous batch has finished. Every
-row runs one untimed warm-up first (the first --max-num-seqs requests, 4 new tokens). Per request, wall clock: TTFT =
-arrival -> first token, latency = arrival -> last token (ours: when the engine emits the token; transformers: read by a
-stopping criterion after every forward, so a row's last token is the forward that produced it, not the end of its
-batch). Throughput = all output tokens / (last completion - first arrival). `mean_batch_size`: ours, sequences per
-engine step; transformers, rows per forward (finished rows of a batch included: transformers keeps computing them).
-TPOT, goodput and SLO attainment come from the same per-request records, under the targets --slo-ttft-ms and
---slo-tpot-ms (definitions in `inference_core.bench.latency`). `--rates` runs the whole bench once per Poisson rate
-and lists every row at every rate in `sweep`: throughput against p95 latency per mode, the frontier on which a
-person picks a mode and a rate (drawn by `ui.frontier`).
+the same schedule. A mode may name its `join_every` (`continuous+join16`: waiting requests join a running batch at most
+every 16 steps; `EngineConfig.join_every`). Our modes each get a fresh engine (paged KV; the pool, by default, holds
+--max-num-seqs requests of the longest prompt plus --max-new-tokens; the prefix cache off, so a repeated prompt is
+computed again as transformers computes it: batching alone is compared); the driver submits each request when its
+arrival time comes and steps the engine in between. transformers rows start a request no earlier than its arrival:
+`hf-sequential` one after another; `hf-static` a batch of the requests that have arrived (up to --max-num-seqs) once the
+previous batch has finished. Every row runs one untimed warm-up first (the first --max-num-seqs requests, 4 new tokens).
+Per request, wall clock: TTFT = arrival -> first token, latency = arrival -> last token (ours: when the engine emits the
+token; transformers: read by a stopping criterion after every forward, so a row's last token is the forward that
+produced it, not the end of its batch). Throughput = all output tokens / (last completion - first arrival).
+`mean_batch_size`: ours, sequences per engine step; transformers, rows per forward (finished rows of a batch included:
+transformers keeps computing them). TPOT, goodput and SLO attainment come from the same per-request records, under the
+targets --slo-ttft-ms and --slo-tpot-ms (definitions in `inference_core.bench.latency`). `--rates` runs the whole bench
+once per Poisson rate and lists every row at every rate in `sweep`: throughput against p95 latency per mode, the
+frontier on which a person picks a mode and a rate (drawn by `ui.frontier`).
 """
 
 from __future__ import annotations
@@ -247,7 +248,8 @@ def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arrival", default="burst",
                         help="burst (all at t=0) or poisson:RATE (RATE requests/s, seeded)")
     parser.add_argument("--modes", default="none,static,dynamic,continuous",
-                        help="our batching modes, comma-separated")
+                        help="our batching modes, comma-separated (continuous+joinN: waiting requests join a running "
+                        "batch at most every N steps)")
     parser.add_argument("--peers", default="hf-sequential,hf-static",
                         help="transformers rows, comma-separated, from: hf-sequential, hf-static ('' for none)")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="batch size limit (ours and hf-static)")
@@ -265,11 +267,23 @@ def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", help="write the results here")
 
 
+def mode_settings(name: str) -> dict | None:
+    """A batch-bench row of ours as engine settings: a batching mode, or `continuous+joinN` (N >= 1); None where
+    the name is neither."""
+    if name in BATCHING_MODES:
+        return {"batching": name}
+    every = name.removeprefix("continuous+join")
+    if name.startswith("continuous+join") and every.isdigit() and int(every) >= 1:
+        return {"batching": "continuous", "join_every": int(every)}
+    return None
+
+
 def run_batch_bench(args) -> int:
     modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
     peers = [peer.strip() for peer in args.peers.split(",") if peer.strip()]
-    if unknown := [m for m in modes if m not in BATCHING_MODES] + [p for p in peers if p not in PEERS]:
-        raise ConfigError(f"unknown batch-bench row {unknown[0]!r}; --modes takes {', '.join(BATCHING_MODES)} and "
+    if unknown := [m for m in modes if mode_settings(m) is None] + [p for p in peers if p not in PEERS]:
+        raise ConfigError(f"unknown batch-bench row {unknown[0]!r}; --modes takes {', '.join(BATCHING_MODES)} (and "
+                          f"continuous+joinN: join a running batch at most every N steps) and "
                           f"--peers {', '.join(PEERS)}.")
     if not modes and not peers:
         raise ConfigError("nothing to bench: name rows with --modes or --peers.")
@@ -354,7 +368,7 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
         if time.perf_counter() > deadline:
             report["left_out"].append(mode)
             continue
-        engine = Engine(loaded, EngineConfig(kv_mode="paged", batching=mode, max_num_seqs=max_num_seqs,
+        engine = Engine(loaded, EngineConfig(kv_mode="paged", max_num_seqs=max_num_seqs, **mode_settings(mode),
                                              kv_cache_tokens=kv_cache_tokens, prefix_cache=False, compile=compile))
         if engine.decoder is not None:  # every bucket's graph compiled (or recorded) before the timed run
             for bucket in engine.decoder.buckets:

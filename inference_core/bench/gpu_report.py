@@ -18,8 +18,9 @@ budget (a row not started in time is listed in `left_out`):
    context) and its ratio to transformers' best row of the shape. The rows the goals are read from (`GOAL_ROWS`) run
    first, for every shape, then the others.
 3. `batch`: `batch-bench` at Qwen3-0.6B's shape, 256 requests arriving at once with output lengths uniform over
-   16-256 (seeded), at most 128 sequences a step: our continuous, dynamic and static batching (each mode in a process
-   of its own; compiled decode on a GPU where the part's share leaves time to compile), transformers' static
+   16-256 (seeded), at most 128 sequences a step: our continuous batching (requests joining at any step, and at
+   most every 16 steps: `EngineConfig.join_every`), dynamic and static batching (in a process of their own,
+   sharing one compile; compiled decode on a GPU where the part's share leaves time to compile), transformers' static
    batches, and transformers one request at a time on the first 4 requests (its tokens/s does not depend on how
    many); between them, a profile of a few eager decode steps of 64 sequences (where a batched step's time goes:
    kernels, or the device waiting for the host).
@@ -424,7 +425,7 @@ def hf_decode(model, device: torch.device, prompt: list[int], new_tokens: int, r
 
 
 def batch_part(report: Report, device: torch.device, work: Path, args, deadline: float) -> dict:
-    """Our three modes in a process of their own (`batch-bench`; compiled decode on a GPU where the part's share
+    """Our modes in a process of their own (`batch-bench`; compiled decode on a GPU where the part's share
     leaves `BATCH_COMPILE_S`, else eager: the modes' engines share one compile and its graphs), stopped at `OURS_SHARE`
     of the part: a compile that runs away, or a slow mode, costs the modes not finished by then, and keeps the rows
     before them (batch-bench writes its JSON after each row). Then transformers' rows here, on the same requests,
@@ -435,7 +436,7 @@ def batch_part(report: Report, device: torch.device, work: Path, args, deadline:
     lengths = parse_output_lengths(spec, requests, 0, seed=0)
     rows = [row for row in load_prompts() if row["kind"] != "completion"]
     compiled = device.type == "cuda" and deadline - time.perf_counter() >= BATCH_COMPILE_S
-    modes, ours, steps = ["continuous", "dynamic", "static"], [], {}
+    modes, ours, steps = ["continuous", "continuous+join16", "dynamic", "static"], [], {}
     with tempfile.TemporaryDirectory() as folder:
         prompts = Path(folder) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))

@@ -107,7 +107,7 @@ class Engine:
                                            self.max_seq_len, options)
         self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device, self.decoder)
         self.scheduler = Scheduler(self.kv_cache, config.batching, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.chunked_prefill, config.batch_window_ms)
+                                   config.chunked_prefill, config.batch_window_ms, config.join_every)
         self.steps_taken = 0
         self._grammars = None
         self.draft_model = draft_model

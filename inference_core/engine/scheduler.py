@@ -15,7 +15,8 @@ whether a sequence fits and never touches tensors or text. One `schedule()`:
    the budget lasts, and the KV cache can place them.
 
 Batching modes (the classic comparison, over the same engine):
-- `continuous`: iteration level; a request joins the running batch at any step where it fits, and leaves it the
+- `continuous`: iteration level; a request joins the running batch at any step where it fits (or, with
+  `join_every` N, at a step where it fits once N steps have run since requests last joined), and leaves it the
   step it finishes.
 - `dynamic`: a batch is formed once the running one has wholly finished, from what is waiting, as soon as
   `max_num_seqs` requests wait or the oldest has waited `batch_window_ms`; it runs to completion.
@@ -59,13 +60,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCache, batching: str = "continuous", max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 2048, chunked_prefill: bool = True, batch_window_ms: float = 50.0):
+                 max_num_batched_tokens: int = 2048, chunked_prefill: bool = True, batch_window_ms: float = 50.0,
+                 join_every: int = 1):
         self.kv_cache = kv_cache
         self.batching = batching
         self.max_num_seqs = 1 if batching == "none" else max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill and kv_cache.kv_mode != "none"
         self.batch_window_s = batch_window_ms / 1e3
+        self.join_every = join_every
+        self._steps_since_join = 0  # continuous: steps run while requests waited without joining
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.padding: list[Sequence] = []  # static: finished members' rows, still computed until the batch ends
@@ -169,9 +173,9 @@ class Scheduler:
         # 2. Admit waiting requests while the mode, the sequence limit, the budget and the KV cache allow. A batch
         # mode (static, dynamic) admits its whole batch at once: members the budget leaves out of this step start
         # their prompts in the next steps, still members of the batch.
+        admitted = []
         if self._admits(bool(self.running)):
             whole_batch = self.batching in ("static", "dynamic")
-            admitted = []
             while self.waiting and len(self.running) < self.max_num_seqs and (budget > 0 or whole_batch):
                 request = self.waiting[0]
                 seq = request.seq
@@ -196,6 +200,10 @@ class Scheduler:
                 self._pad_prompts(admitted)
             if not self.waiting:
                 self.draining = False  # the drained requests are all in: later ones form full batches again
+        if admitted:
+            self._steps_since_join = 0
+        elif self.waiting:
+            self._steps_since_join += 1
         return SchedulerOutput(work, preempted)
 
     @staticmethod
@@ -231,7 +239,7 @@ class Scheduler:
     def _admits(self, busy: bool) -> bool:
         """Whether the batching mode lets waiting requests in now."""
         if self.batching == "continuous":
-            return True
+            return not busy or self._steps_since_join + 1 >= self.join_every
         if busy or not self.waiting:
             return False  # none, static and dynamic run a batch to completion before forming the next
         if self.batching == "none":

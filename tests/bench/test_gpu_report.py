@@ -34,11 +34,12 @@ def test_smoke_report_has_every_part(smoke):
         assert row["decode_tokens_per_s"] > 0 and row["roofline_tokens_per_s"] > 0 and row["roofline_pct"] >= 0
     assert rows["hf-static-compiled"]["speedup_vs_hf"] == 1.0  # transformers' best row is the reference
     batch = {row["name"]: row for row in report["parts"]["batch"]["rows"]}
-    assert {"continuous", "dynamic", "static", "hf-static", "hf-sequential"} == set(batch)
+    assert {"continuous", "continuous+join16", "dynamic", "static", "hf-static", "hf-sequential"} == set(batch)
     assert batch["continuous"]["output_tokens"] == sum(report["parts"]["batch"]["output_lengths"])
     assert batch["hf-sequential"]["requests"] == 2  # the first requests only
     steps = report["parts"]["batch"]["steps"]  # each of our modes' timed steps by kind, their time shares adding up
-    assert set(steps) == {"continuous", "dynamic", "static"} and {"decode", "prefill"} <= set(steps["static"])
+    assert set(steps) == {"continuous", "continuous+join16", "dynamic", "static"}
+    assert {"decode", "prefill"} <= set(steps["static"])
     assert all(abs(sum(kind["time_pct"] for kind in kinds.values()) - 100) < 0.5 for kinds in steps.values())
     profile = report["parts"]["batch"]["profile"]  # a profiled eager step of half the batch's most sequences
     assert profile["batch_size"] == 4 and profile["work"] == {"decode": 4 * profile["steps"]}  # decodes only

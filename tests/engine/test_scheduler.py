@@ -359,6 +359,29 @@ def test_batching_continuous_admits_a_request_while_others_run(tiny):
     assert_pool_free(engine)
 
 
+def test_continuous_with_join_every_lets_waiting_requests_in_at_most_every_n_steps(tiny):
+    """`join_every` 5: a request that waits while a batch runs joins once 5 steps have run since requests last
+    joined (the 4th here waits one step more than the row the first one leaves: step 5, not 4); one that finds
+    nothing running starts at once; every request's ids still equal its run alone."""
+    engine = paged(tiny, batching="continuous", max_num_seqs=3, join_every=5)
+    requests = submit_mode_requests(engine)
+    reports = run_to_end(engine)
+    first, finish = first_steps(reports), finish_steps(reports)
+    assert [first[r.request_id] for r in requests[:3]] == [0, 0, 0]
+    assert finish[requests[0].request_id] + 1 == 4 and first[requests[3].request_id] == 5
+    joins = sorted({first[r.request_id] for r in requests[3:]})
+
+    def into_a_running_batch(step: int) -> bool:
+        return any(first[r.request_id] < step <= finish[r.request_id] for r in requests)
+
+    # Into a running batch at steps 5 apart; a request that finds nothing running starts at once.
+    assert joins == [5, 10, 14] and [into_a_running_batch(step) for step in joins] == [True, True, False]
+    assert_solo_ids(tiny, requests)
+    assert_pool_free(engine)
+    with pytest.raises(ConfigError, match="join_every must be a positive whole number"):
+        EngineConfig(join_every=0)
+
+
 @pytest.mark.parametrize("kv_mode", ["contiguous", "none"])
 def test_other_kv_modes_batch_and_match_solo(tiny, kv_mode):
     engine = Engine(tiny, EngineConfig(kv_mode=kv_mode, max_num_seqs=3, max_seq_len=128))

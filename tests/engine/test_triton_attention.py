@@ -63,7 +63,7 @@ def _case(paged: bool, dtype, group: int, seed: int):
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4], ids=["whole", "split4"])
 def test_kernel_equals_the_aten_ops(paged, dtype, group, splits):
     """With one split a program walks all of a sequence's keys; with 4, a split of 32 keys each (some empty, one all
     masked, one with only the own key), combined by the second kernel."""

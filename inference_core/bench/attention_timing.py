@@ -13,6 +13,9 @@ import time
 
 import torch
 
+from inference_core.engine import triton_attention
+from inference_core.engine.compiled import _attend_one, _read_context
+
 HEADS = {"llama-3-8b": 32, "qwen3-0.6b": 16}  # query heads over 8 KV heads of 128
 KV_HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 CASES = [(shape, batch, keys) for shape in HEADS for batch, keys in ((1, 144), (1, 1024), (1, 4096), (8, 1024),
@@ -22,8 +25,6 @@ CALLS, REPLAYS = 20, 5
 
 def unavailable(device: torch.device) -> str | None:
     """Why the kernel cannot be timed here (None: it can)."""
-    from inference_core.engine import triton_attention
-
     if device.type != "cuda":
         return "the kernel is timed on a GPU only (on the CPU it runs under Triton's interpreter)"
     if not triton_attention.enabled():
@@ -33,8 +34,6 @@ def unavailable(device: torch.device) -> str | None:
 
 def time_attention(device: torch.device, deadline: float) -> dict:
     """Every case of `CASES` that starts before `deadline` (`time.perf_counter()`): {"rows": [...], "left_out"}."""
-    from inference_core.engine import triton_attention
-
     reason = unavailable(device)
     if reason:
         return {"skipped": reason, "rows": []}
@@ -77,8 +76,6 @@ def _inputs(device: torch.device, heads: int, batch: int, keys: int) -> tuple:
 
 
 def _aten(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, scale):
-    from inference_core.engine.compiled import _attend_one, _read_context
-
     k_ctx, v_ctx = _read_context(k_pool, v_pool, read_index, read_index.shape[1], True)
     return _attend_one(q, k, v, k_ctx, v_ctx, key_mask, scale)
 

@@ -16,7 +16,7 @@ PACKAGES = ("inference_core", "serving", "ui", "server")
 # bindings, a ZeroGPU Space's package).
 OPTIONAL = {"transformers", "gguf", "llama_cpp", "spaces", "llguidance", "xgrammar", "triton"}
 # Modules of ours that import an optional dependency at their top, and so are imported on first use
-LAZY = {"inference_core.engine._triton_attention_kernel"}
+LAZY = {"inference_core.engine._triton_attention_kernel", "inference_core.quant._triton_int4_kernel"}
 # package -> packages of the project it must never import
 NEVER = {"inference_core": {"serving", "ui", "server", "app"}, "serving": {"ui", "server", "app"},
          "ui": {"server", "app"}, "server": {"ui", "app"}}

@@ -362,6 +362,9 @@ def measure_row(loaded, directory: Path, name: str, new_tokens: int, repeats: in
                                             name != "hf"), loaded
     else:
         row["rate"], row_loaded, engine = ours_decode(loaded, name, prompt, new_tokens, repeats)
+        packed = [buffer for buffer_name, buffer in row_loaded.model.named_buffers() if buffer_name.endswith("qweight")]
+        if packed and ROWS[name][1] == "int4":  # which int4 kernel the layers took (kernels.int4_path)
+            row["int4_kernel"] = "triton" if any(buffer.dtype == torch.uint8 for buffer in packed) else "tinygemm"
         if engine.decoder:
             row["compile"] = engine.compile_stats()
         if trace:

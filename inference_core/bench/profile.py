@@ -73,7 +73,7 @@ CONTEXTS = {STEP: PYTHON, "ic::forward": OTHER}
 # An op outside every named range, by its name without the namespace: (names, category), first match wins.
 OP_NAMES = (
     ({"mm", "addmm", "bmm", "matmul", "linear", "_linear_pointwise", "_weight_int8pack_mm", "_weight_int4pack_mm",
-      "_weight_int4pack_mm_for_cpu"}, PROJECTIONS),
+      "_weight_int4pack_mm_for_cpu", "int4_rows"}, PROJECTIONS),
     ({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
       "_scaled_dot_product_cudnn_attention", "flex_attention"}, ATTENTION),
@@ -186,7 +186,7 @@ def device_kernel_category(name: str) -> str:
         return SAMPLING
     pointwise = name.startswith("triton_poi")  # inductor names a pointwise kernel after the matmuls it reads too
     if not pointwise and (words & {"mm", "bmm", "addmm", "gemv", "int4pack", "int8pack"} or "gemm" in name
-                          or name.startswith(("nvjet", "cutlass"))):
+                          or name.startswith(("nvjet", "cutlass", "int4_rows"))):  # int4_rows: quant.triton_int4
         return PROJECTIONS
     if words & {"rsqrt", "rms", "roll"} or "layer_norm" in name:  # ATen's RMSNorm runs its layer-norm kernel
         return NORMS

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_core.config import ConfigError
+from inference_core.quant import triton_int4
 
 INNER_K_TILES = (8, 4, 2)  # tinygemm's choices, widest (16-byte loads) first
 K_TILE = 16  # tinygemm's m16n8k16 tile: input features per k-tile
@@ -91,18 +92,76 @@ def scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype
     return torch.stack([scale.t(), zero.t()], -1).to(dtype).contiguous()
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q int32 [out, in] in 0..15, on its device -> the packed weight that device's int4 kernel reads."""
+def pack_int4(q: torch.Tensor, path: str = "tinygemm") -> torch.Tensor:
+    """q int32 [out, in] in 0..15, on its device -> the packed weight that device's int4 kernel reads (on CUDA, by
+    `path`: tinygemm's int32 tiles, or the nibbles [out, in / 2] our Triton kernel reads)."""
     if q.device.type == "cuda":
+        if path == "triton":
+            return pack_nibbles(q)
         return torch.ops.aten._convert_weight_to_int4pack(pack_nibbles(q), inner_k_tiles(q.shape[1]))
     return torch._convert_weight_to_int4pack_for_cpu(q, 1)
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] -> [rows, out] through the device's int4 kernel (on CUDA x must be bf16)."""
+    """x [rows, in] -> [rows, out] through the int4 kernel of the packed weight's layout (on CUDA x must be bf16):
+    on CUDA, nibbles (uint8) through our Triton kernel for a few rows and dequantized for more, or tinygemm's int32
+    tiles; on the CPU, the CPU's tinygemm layout."""
+    if x.device.type == "cuda" and packed.dtype == torch.uint8:
+        if x.shape[0] <= triton_int4.MAX_ROWS:
+            return torch.ops.inference_core.int4_rows(x, packed, scales, group_size)
+        return triton_int4.dequantized_mm(x, packed, scales, group_size)
     if x.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, group_size, scales)
     return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scales)
+
+
+@torch.library.custom_op("inference_core::int4_rows", mutates_args=())
+def _int4_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`triton_int4.int4_rows` as one op the compiler does not look into (it launches a Triton kernel)."""
+    return triton_int4.int4_rows(x, packed, scales, group_size)
+
+
+@_int4_rows.register_fake
+def _int4_rows_shape(x, packed, scales, group_size):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def int4_path(device: torch.device, in_features: int, group_size: int) -> str:
+    """'tinygemm' or 'triton' (`triton_int4`) for an int4 weight on CUDA: the Triton kernel where it is enabled, takes
+    the layout and measured faster on this device (once, `_measured_int4_path`)."""
+    if device.type != "cuda" or not triton_int4.enabled() or not triton_int4.takes(in_features, group_size):
+        return "tinygemm"
+    return _measured_int4_path(torch.device("cuda", device.index or 0), group_size)
+
+
+@functools.cache
+def _measured_int4_path(device: torch.device, group_size: int) -> str:
+    # A decode row against a 4096 x 4096 weight (Llama-3-8B's attention projections) in a CUDA graph of 20 calls (as
+    # the compiled step calls it: the launches are not timed), the median of 5 replays after one.
+    generator = torch.Generator(device=device).manual_seed(0)
+    q = torch.randint(0, 16, (4096, 4096), dtype=torch.int32, device=device, generator=generator)
+    scales = scales_and_zeros(torch.rand(4096, 4096 // group_size, device=device, generator=generator) / 50,
+                              torch.zeros(4096, 4096 // group_size, device=device), torch.bfloat16)
+    x = torch.randn(1, 4096, device=device, generator=generator).to(torch.bfloat16)
+
+    def seconds(path: str) -> float:
+        packed = pack_int4(q, path)
+        int4_mm(x, packed, group_size, scales)  # compiles the Triton kernel, outside the capture
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                int4_mm(x, packed, group_size, scales)
+        runs = []
+        for _ in range(6):
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize(device)
+            runs.append(time.perf_counter() - started)
+        return sorted(runs[1:])[2]
+
+    return "triton" if seconds("triton") < seconds("tinygemm") else "tinygemm"
 
 
 # int8 ----------------------------------------------------------------------------------------------------------

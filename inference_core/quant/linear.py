@@ -131,12 +131,15 @@ class QuantLinear(nn.Module):
         return layer
 
     def _store_int4(self, weight: Int4Weight) -> None:
-        # qweight: the device kernel's packed layout; scales: [in / group_size, out, 2] (scale, zero).
+        # qweight: the device kernel's packed layout (on CUDA tinygemm's, or the nibbles our Triton kernel reads,
+        # whichever measured faster: `kernels.int4_path`); scales: [in / group_size, out, 2] (scale, zero).
+        path = "tinygemm"
         if weight.q.device.type == "cuda":
             kernels.check_int4_cuda_shape(self.name, self.out_features, self.in_features)
             if self.compute != torch.bfloat16:  # tinygemm reads bf16 only (compute_dtype(..., "int4") says so)
                 raise ValueError(f"the CUDA int4 kernel computes in bfloat16, not {self.compute}")
-        self.register_buffer("qweight", kernels.pack_int4(weight.q))
+            path = kernels.int4_path(weight.q.device, self.in_features, self.group_size)
+        self.register_buffer("qweight", kernels.pack_int4(weight.q, path))
         self.register_buffer("scales", kernels.scales_and_zeros(weight.scale, weight.zero, self.compute))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -164,6 +164,7 @@ def test_a_gpu_steps_device_time_is_read_off_the_traces_device_timeline():
     assert device_kernel_category("triton_red_fused__fused_rms_norm__to_copy_add_embedding_mm_mul_t_7") == PROJECTIONS
     assert device_kernel_category("nvjet_sm90_tst_8x64_64x16_4x1_v_bz_TNN") == PROJECTIONS
     assert device_kernel_category("attend") == ATTENTION  # our Triton attention (engine.triton_attention)
+    assert device_kernel_category("int4_rows") == PROJECTIONS  # our Triton int4 kernel (quant.triton_int4)
     assert device_kernel_category("void (anonymous namespace)::softmax_warp_forward<c10::BFloat16>") == ATTENTION
     assert device_kernel_category("triton_poi_fused_add_index_mm_mul_roll_slice_unsqueeze_view_3") == NORMS  # RoPE
     assert device_kernel_category("triton_per_fused__fused_rms_norm__to_copy_12") == NORMS

@@ -134,6 +134,7 @@ def test_the_cuda_layers_build_and_run_on_fake_cuda_tensors(in_features, inner_k
     [in / group, out, 2], an fp32 input comes back fp32 through bf16 (int4) and through both int8 forms, and
     dequantized() reads the layout back."""
     monkeypatch.setattr(kernels, "int8_path", lambda device, dtype: "dequant")  # never time fake tensors
+    monkeypatch.setattr(kernels, "int4_path", lambda device, in_features, group_size: "tinygemm")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     int4_linear, int8_linear = fake_cuda_linear(mode, 96, in_features), fake_cuda_linear(mode, 96, in_features)
     with mode:

@@ -71,6 +71,26 @@ def random_cuda_linear(out_features: int, in_features: int, dtype: torch.dtype) 
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("path", ["triton", "tinygemm"])
+def test_int4_layouts_equal_their_dequantized_weight_at_every_row_count(path, monkeypatch):
+    """[192, 1024] in groups of 32, stored in either CUDA layout (`kernels.int4_path`, here fixed): rows 1 and 3
+    (our Triton kernel, or tinygemm) and 6 (the dequantized matmul, or tinygemm) equal x times the dequantized
+    weight; and the measured choice names one of the two."""
+    from inference_core.quant import triton_int4
+
+    if path == "triton" and not triton_int4.enabled():
+        pytest.skip("Triton is not installed")
+    monkeypatch.setattr(kernels, "int4_path", lambda device, in_features, group_size: path)
+    layer = QuantLinear(random_cuda_linear(192, 1024, torch.bfloat16), "int4", 32, torch.bfloat16, "layers.0.q")
+    assert layer.qweight.dtype == (torch.uint8 if path == "triton" else torch.int32)
+    want_weight = layer.dequantized()
+    for rows in (1, 3, 6):
+        x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)).to("cuda", torch.bfloat16)
+        assert_close_relative(layer.forward(x).float(), x.float() @ want_weight.t(), 1e-2)
+    assert kernels._measured_int4_path(torch.device("cuda", 0), 32) in ("triton", "tinygemm")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scheme,path", [("int4", None), ("int8", "aten"), ("int8", "dequant")])
 def test_layer_equals_its_dequantized_reference(scheme, path, dtype):

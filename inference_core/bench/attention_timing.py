@@ -1,10 +1,15 @@
-"""The compiled decode step's attention alone on a GPU (`gpu-report --parts attention`): the Triton kernel
+"""The compiled decode step's kernels alone on a GPU. `gpu-report --parts attention`: the Triton kernel
 (`engine.triton_attention`) with one program a (sequence, KV head) and with its keys in splits (`splits_for`),
 against the ATen ops it replaced (`compiled._read_context` and `compiled._attend_one`), at the decode shapes' heads
 (Llama-3-8B: 32 query heads over 8 KV heads; Qwen3-0.6B: 16 over 8; head size 128), bf16, a paged pool of 16-token
 blocks, batches of 1 to 64 and contexts of 144 to 4,096 keys. Each time is the median of 5 replays of a CUDA graph
 of 20 calls (so the host's launches are not what is timed), per call, in microseconds; the bytes a call must read
-(the keys and values of the context) over that time give its bandwidth."""
+(the keys and values of the context) over that time give its bandwidth.
+
+`gpu-report --parts int4`: one decode row through Llama-3-8B's four projection shapes in int4 (groups of 32, as
+`QuantConfig` has them), through tinygemm and through our Triton kernel (`quant.triton_int4`), against bf16's
+F.linear, timed the same way; the bytes each reads (the weight as stored, scales and zeros included) over its time
+give its bandwidth."""
 
 from __future__ import annotations
 
@@ -15,12 +20,15 @@ import torch
 
 from inference_core.engine import triton_attention
 from inference_core.engine.compiled import _attend_one, _read_context
+from inference_core.quant import kernels, triton_int4
 
 HEADS = {"llama-3-8b": 32, "qwen3-0.6b": 16}  # query heads over 8 KV heads of 128
 KV_HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 CASES = [(shape, batch, keys) for shape in HEADS for batch, keys in ((1, 144), (1, 1024), (1, 4096), (8, 1024),
                                                                      (64, 1024))]
 CALLS, REPLAYS = 20, 5
+INT4_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # Llama-3-8B: qkv, o, gate and up, down
+INT4_GROUP = 32
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -54,6 +62,48 @@ def time_attention(device: torch.device, deadline: float) -> dict:
         row["split_gb_s"] = round(read / row["split_us"] / 1e3, 1)
         rows.append(row)
     return {"rows": rows, "left_out": left_out}
+
+
+def time_int4(device: torch.device, deadline: float) -> dict:
+    """Every shape of `INT4_SHAPES` that starts before `deadline`: {"rows": [...], "left_out"}."""
+    if device.type != "cuda":
+        return {"skipped": "the kernels are timed on a GPU only", "rows": []}
+    rows, left_out = [], []
+    for out_features, in_features in INT4_SHAPES:
+        if time.perf_counter() > deadline:
+            left_out.append(f"[{out_features}, {in_features}]: budget")
+            continue
+        generator = torch.Generator(device=device).manual_seed(out_features + in_features)
+        q = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, device=device, generator=generator)
+        groups = in_features // INT4_GROUP
+        scales = kernels.scales_and_zeros(torch.rand(out_features, groups, device=device, generator=generator) / 50,
+                                          torch.zeros(out_features, groups, device=device), torch.bfloat16)
+        x = torch.randn(1, in_features, device=device, generator=generator).to(torch.bfloat16)
+        weight = torch.randn(out_features, in_features, device=device, generator=generator).to(torch.bfloat16)
+        tiles = kernels.pack_int4(q, "tinygemm")
+        row = {"shape": [out_features, in_features],
+               "bf16_us": _per_call_us(lambda: torch.nn.functional.linear(x, weight)),
+               "tinygemm_us": _per_call_us(lambda: kernels.int4_mm(x, tiles, INT4_GROUP, scales))}
+        if triton_int4.enabled() and triton_int4.takes(in_features, INT4_GROUP):
+            nibbles = kernels.pack_int4(q, "triton")
+            row["triton_us"] = _per_call_us(lambda: kernels.int4_mm(x, nibbles, INT4_GROUP, scales))
+        read = out_features * in_features // 2 + scales.numel() * scales.element_size()
+        for name in ("tinygemm", "triton"):
+            if f"{name}_us" in row:
+                row[f"{name}_gb_s"] = round(read / row[f"{name}_us"] / 1e3, 1)
+        rows.append(row)
+    return {"rows": rows, "left_out": left_out}
+
+
+def format_int4(part: dict) -> list[str]:
+    """The int4 part's Markdown lines."""
+    if part.get("skipped"):
+        return ["", f"int4 kernel timing: skipped ({part['skipped']})"]
+    lines = ["", f"int4 projections alone, one row, groups of {INT4_GROUP} (us a call; CUDA graph replays):", "",
+             "| shape | bf16 F.linear | tinygemm | GB/s | Triton (ours) | GB/s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {row['shape']} | {row['bf16_us']} | {row['tinygemm_us']} | {row['tinygemm_gb_s']} | "
+              f"{row.get('triton_us', '-')} | {row.get('triton_gb_s', '-')} |" for row in part["rows"]]
+    return lines + [f"- left out: {item}" for item in part.get("left_out", [])]
 
 
 def _inputs(device: torch.device, heads: int, batch: int, keys: int) -> tuple:

@@ -8,7 +8,8 @@ budget (a row not started in time is listed in `left_out`):
 1. `device`: the GPU, torch and CUDA versions, and the copy bandwidth (a device-to-device copy of 1 GiB, bytes read
    plus bytes written over the median time of 10 copies), the bandwidth every row's `roofline_pct` is taken against.
    `attention`: the compiled step's attention alone (`bench.attention_timing`: the Triton kernel with and without
-   splitting a sequence's keys, against the ATen ops), a few seconds.
+   splitting a sequence's keys, against the ATen ops), a few seconds; `int4`: Llama-3-8B's int4 projections alone,
+   one row, tinygemm against our Triton kernel.
 2. `decode`: batch-1 decode in bf16 at Llama-3-8B's and Qwen3-0.6B's shapes (Qwen3-1.7B's last, as its own part):
    eager with the gathered paged cache, eager with FlexAttention reading the pool through the block table, compiled
    with CUDA graphs (one step a host round trip, and 8: `EngineConfig.decode_steps`), the same with int8 and int4
@@ -58,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from inference_core.bench.attention_timing import format_attention, time_attention
+from inference_core.bench.attention_timing import format_attention, format_int4, time_attention, time_int4
 from inference_core.bench.batching import batch_bench, format_step_kinds, parse_output_lengths
 from inference_core.bench.profile import profile_requests, tokens_needed
 from inference_core.bench.prompts import load_prompts
@@ -75,7 +76,7 @@ from inference_core.sampling import SamplingParams
 
 # part -> share of the budget (of the parts asked for, scaled to add up to the whole); a part's deadline is the run's
 # start plus the shares up to and including its own, so time a part leaves unused goes to the parts after it.
-PARTS = {"device": 0.02, "attention": 0.03, "decode": 0.45, "batch": 0.15, "serve": 0.08, "tests": 0.22,
+PARTS = {"device": 0.02, "attention": 0.03, "int4": 0.02, "decode": 0.45, "batch": 0.15, "serve": 0.08, "tests": 0.22,
          "decode-1.7b": 0.08}
 DECODE_SHAPES = {"decode": ("llama-3-8b", "qwen3-0.6b"), "decode-1.7b": ("qwen3-1.7b",)}  # the goals' shapes first
 # name -> (engine settings, weight scheme), in the table's order; None: a transformers row.
@@ -160,6 +161,9 @@ def run_gpu_report(args) -> int:
             elif part == "attention":
                 report.data["parts"]["attention"] = time_attention(device, deadline)
                 print("\n".join(format_attention(report.data["parts"]["attention"])), flush=True)
+            elif part == "int4":
+                report.data["parts"]["int4"] = time_int4(device, deadline)
+                print("\n".join(format_int4(report.data["parts"]["int4"])), flush=True)
             elif part == "tests":
                 report.data["parts"]["tests"] = tests_part(device, deadline)
             elif part.startswith("decode"):
@@ -555,6 +559,8 @@ def markdown(data: dict) -> str:
                   f"{_profile_line(batch['profile'])}"]
     if "rows" in data["parts"].get("attention", {}):
         lines += format_attention(data["parts"]["attention"])
+    if "rows" in data["parts"].get("int4", {}):
+        lines += format_int4(data["parts"]["int4"])
     serve = data["parts"].get("serve", {})
     if serve.get("runs"):
         lines += ["", f"serving path ({serve.get('how')}):", "", "| run | lane | TTFT ms | tok/s | tokens |",

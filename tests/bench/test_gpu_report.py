@@ -52,6 +52,7 @@ def test_smoke_report_has_every_part(smoke):
     assert report["parts"]["tests"]["status"] == 0  # the CUDA tests are collected (they skip without a GPU)
     assert "GPU only" in report["parts"]["attention"]["skipped"]  # timed on a GPU only, and the report says so
     assert "attention kernel timing: skipped" in markdown
+    assert "GPU only" in report["parts"]["int4"]["skipped"] and "int4 kernel timing: skipped" in markdown
     assert "| qwen3-0.6b | gather | 1 |" in markdown and "serving path" in markdown
 
 

@@ -22,12 +22,12 @@ def int4_rows(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, K, x_row, q_row, sz_group, ou
     row_ok = rows < M
     per_split = K // SPLIT_K
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    GROUPS: tl.constexpr = BLOCK_K // GROUP  # groups a step reads; an input pair never straddles two (GROUP is even)
+    # A step reads BLOCK_K // GROUP groups whole; an input pair never straddles two (GROUP is even).
     for k0 in range(pid_k * per_split, pid_k * per_split + per_split, BLOCK_K):
         packed = tl.load(q_ptr + features[:, None] * q_row + (k0 // 2 + pairs)[None, :], mask=feature_ok[:, None],
                          other=0)  # [N, K / 2] bytes
-        packed = tl.reshape(packed, [BLOCK_N, GROUPS, GROUP // 2])  # by group
-        where = (k0 // GROUP + tl.arange(0, GROUPS))[None, :] * sz_group + features[:, None] * 2  # [N, GROUPS]
+        packed = tl.reshape(packed, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2])  # by group
+        where = (k0 // GROUP + tl.arange(0, BLOCK_K // GROUP))[None, :] * sz_group + features[:, None] * 2
         scale = tl.load(sz_ptr + where, mask=feature_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
         zero = tl.load(sz_ptr + where + 1, mask=feature_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
         high = ((packed >> 4).to(tl.float32) - 8.0) * scale + zero  # input features k0 + 2j

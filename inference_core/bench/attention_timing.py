@@ -13,11 +13,11 @@ give its bandwidth."""
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
+from inference_core import gpu
 from inference_core.engine import triton_attention
 from inference_core.engine.compiled import _attend_one, _read_context
 from inference_core.quant import kernels, triton_int4
@@ -73,13 +73,9 @@ def time_int4(device: torch.device, deadline: float) -> dict:
         if time.perf_counter() > deadline:
             left_out.append(f"[{out_features}, {in_features}]: budget")
             continue
-        generator = torch.Generator(device=device).manual_seed(out_features + in_features)
-        q = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, device=device, generator=generator)
-        groups = in_features // INT4_GROUP
-        scales = kernels.scales_and_zeros(torch.rand(out_features, groups, device=device, generator=generator) / 50,
-                                          torch.zeros(out_features, groups, device=device), torch.bfloat16)
-        x = torch.randn(1, in_features, device=device, generator=generator).to(torch.bfloat16)
-        weight = torch.randn(out_features, in_features, device=device, generator=generator).to(torch.bfloat16)
+        q, scales = kernels.random_int4(device, out_features, in_features, INT4_GROUP, seed=out_features + in_features)
+        x = torch.randn(1, in_features, device=device).to(torch.bfloat16)
+        weight = torch.randn(out_features, in_features, device=device).to(torch.bfloat16)
         tiles = kernels.pack_int4(q, "tinygemm")
         row = {"shape": [out_features, in_features],
                "bf16_us": _per_call_us(lambda: torch.nn.functional.linear(x, weight)),
@@ -131,23 +127,8 @@ def _aten(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, scale):
 
 
 def _per_call_us(call) -> float:
-    """Microseconds a call, from CUDA graph replays of `CALLS` calls (the median of `REPLAYS`)."""
-    call()  # compiles the kernel, outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            call()
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return round(statistics.median(times), 2)
+    """Microseconds a call, from CUDA graph replays (`gpu.graph_seconds`: `CALLS` calls, the median of `REPLAYS`)."""
+    return round(gpu.graph_seconds(call, CALLS, REPLAYS) * 1e6, 2)
 
 
 def format_attention(part: dict) -> list[str]:

@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from inference_core import gpu
+
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHUNK = 32  # cached positions a program reads at a time (two blocks of 16: two loads in flight per step of its loop)
 # Splits of a sequence's keys (flash-decoding): programs enough for about this many a multiprocessor, at most
@@ -92,7 +94,7 @@ def splits_for(device: torch.device, batch: int, kv_heads: int) -> int:
     the device (or `INFERENCE_CORE_ATTENTION_SPLITS`)."""
     if _fixed_splits():
         return _fixed_splits()
-    wanted = PROGRAMS_PER_SM * _multiprocessors(device) // (batch * kv_heads)
+    wanted = PROGRAMS_PER_SM * gpu.multiprocessors(device) // (batch * kv_heads)
     return 1 if wanted < 2 else min(MAX_SPLITS, 1 << (wanted.bit_length() - 1))
 
 
@@ -105,13 +107,6 @@ def _fixed_splits() -> int | None:
     if not value.isdigit() or int(value) not in {1 << n for n in range(MAX_SPLITS.bit_length())}:
         raise ValueError(f"INFERENCE_CORE_ATTENTION_SPLITS must be a power of two up to {MAX_SPLITS}, got {value!r}")
     return int(value)
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter (the tests): as many as an H100's
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, scale: float,

@@ -41,6 +41,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from inference_core import gpu
 from inference_core.config import ConfigError
 from inference_core.quant import triton_int4
 
@@ -136,32 +137,28 @@ def int4_path(device: torch.device, in_features: int, group_size: int) -> str:
 
 @functools.cache
 def _measured_int4_path(device: torch.device, group_size: int) -> str:
-    # A decode row against a 4096 x 4096 weight (Llama-3-8B's attention projections) in a CUDA graph of 20 calls (as
-    # the compiled step calls it: the launches are not timed), the median of 5 replays after one.
-    generator = torch.Generator(device=device).manual_seed(0)
-    q = torch.randint(0, 16, (4096, 4096), dtype=torch.int32, device=device, generator=generator)
-    scales = scales_and_zeros(torch.rand(4096, 4096 // group_size, device=device, generator=generator) / 50,
-                              torch.zeros(4096, 4096 // group_size, device=device), torch.bfloat16)
-    x = torch.randn(1, 4096, device=device, generator=generator).to(torch.bfloat16)
+    # A decode row against a 4096 x 4096 weight (Llama-3-8B's attention projections), each kernel in a CUDA graph (as
+    # the compiled step calls it: the launches are not timed).
+    q, scales = random_int4(device, 4096, 4096, group_size, seed=0)
+    x = torch.randn(1, 4096, device=device).to(torch.bfloat16)
 
     def seconds(path: str) -> float:
         packed = pack_int4(q, path)
-        int4_mm(x, packed, group_size, scales)  # compiles the Triton kernel, outside the capture
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                int4_mm(x, packed, group_size, scales)
-        runs = []
-        for _ in range(6):
-            torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            graph.replay()
-            torch.cuda.synchronize(device)
-            runs.append(time.perf_counter() - started)
-        return sorted(runs[1:])[2]
+        return gpu.graph_seconds(lambda: int4_mm(x, packed, group_size, scales))
 
     return "triton" if seconds("triton") < seconds("tinygemm") else "tinygemm"
+
+
+def random_int4(device: torch.device, out_features: int, in_features: int, group_size: int,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random int4 weight to time kernels on: q int32 [out, in] in 0..15 and its scales and zeros (bf16, small
+    scales, zero zeros), seeded."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, device=device, generator=generator)
+    groups = in_features // group_size
+    scales = scales_and_zeros(torch.rand(out_features, groups, device=device, generator=generator) / 50,
+                              torch.zeros(out_features, groups, device=device), torch.bfloat16)
+    return q, scales
 
 
 # int8 ----------------------------------------------------------------------------------------------------------

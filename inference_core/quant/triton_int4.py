@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from inference_core import gpu
+
 MAX_ROWS = 4  # rows of x the kernel takes; more run `dequantized_mm`
 BLOCK_N = 64  # output features a program computes
 BLOCK_K = 256  # input features a program reads per step of its loop (a multiple of the group size)
@@ -59,7 +61,7 @@ def int4_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size
     if rows > MAX_ROWS or not takes(in_features, group_size):
         raise ValueError(f"int4_rows takes up to {MAX_ROWS} rows and input features in whole steps of {BLOCK_K}")
     x = x.contiguous()
-    splits = split_for(_multiprocessors(x.device), out_features, in_features) if splits is None else splits
+    splits = split_for(gpu.multiprocessors(x.device), out_features, in_features) if splits is None else splits
     if splits == 1:
         out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     else:
@@ -78,13 +80,6 @@ def dequantized_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group
     nibbles = torch.stack([q >> 4, q & 15], -1).view(out_features, -1).to(torch.float32) - 8  # [out, in]
     scale, zero = scales.float().permute(2, 1, 0).repeat_interleave(group_size, -1)  # each [out, in]
     return torch.nn.functional.linear(x, (nibbles * scale + zero).to(x.dtype))
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter (the tests): as many as an H100's
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache

@@ -19,6 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read by Triton's import and when the kernel is defined
 
+from inference_core import gpu  # noqa: E402
 from inference_core.engine import triton_attention  # noqa: E402
 from inference_core.engine.compiled import _attend_one, _read_context  # noqa: E402
 
@@ -128,7 +129,7 @@ def test_unsupported_layouts_say_why():
 def test_splits_fill_the_device_and_a_full_batch_takes_none(monkeypatch):
     """Programs for about two a multiprocessor (an H100 has 132), a power of two, at most 16 a (sequence, KV head);
     `INFERENCE_CORE_ATTENTION_SPLITS` fixes them, and a value that is not a power of two up to 16 is refused."""
-    monkeypatch.setattr(triton_attention, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(gpu, "multiprocessors", lambda device: 132)
     device = torch.device("cuda")
     assert [triton_attention.splits_for(device, batch, 8) for batch in (1, 2, 4, 8, 16, 33, 128)] == [
         16, 16, 8, 4, 2, 1, 1]

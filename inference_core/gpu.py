@@ -1,6 +1,6 @@
 """What our CUDA-only code shares: the device's multiprocessor count, which sizes our Triton kernels' grids
 (`engine.triton_attention`, `quant.triton_int4`), and the time a call takes inside a CUDA graph, which decides
-between kernels (`quant.kernels.int4_path`) and times them in `gpu-report` (`bench.attention_timing`)."""
+between kernels (`quant.kernels.int4_path`) and times them in `gpu-report` (`bench.kernel_timing`)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ budget (a row not started in time is listed in `left_out`):
 
 1. `device`: the GPU, torch and CUDA versions, and the copy bandwidth (a device-to-device copy of 1 GiB, bytes read
    plus bytes written over the median time of 10 copies), the bandwidth every row's `roofline_pct` is taken against.
-   `attention`: the compiled step's attention alone (`bench.attention_timing`: the Triton kernel with and without
+   `attention`: the compiled step's attention alone (`bench.kernel_timing`: the Triton kernel with and without
    splitting a sequence's keys, against the ATen ops), a few seconds; `int4`: Llama-3-8B's int4 projections alone,
    one row, tinygemm against our Triton kernel.
 2. `decode`: batch-1 decode in bf16 at Llama-3-8B's and Qwen3-0.6B's shapes (Qwen3-1.7B's last, as its own part):
@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from inference_core.bench.attention_timing import format_attention, format_int4, time_attention, time_int4
+from inference_core.bench.kernel_timing import format_attention, format_int4, time_attention, time_int4
 from inference_core.bench.batching import batch_bench, format_step_kinds, parse_output_lengths
 from inference_core.bench.profile import profile_requests, tokens_needed
 from inference_core.bench.prompts import load_prompts

@@ -97,12 +97,12 @@ def test_kernel_equals_the_aten_ops(paged, dtype, group, splits):
 
 @needs_triton
 def test_the_timed_cases_inputs_give_the_aten_ops_result():
-    """`gpu-report --parts attention` times the kernel on inputs `bench.attention_timing` builds: a paged step whose
+    """`gpu-report --parts attention` times the kernel on inputs `bench.kernel_timing` builds: a paged step whose
     every sequence has its whole context cached. Here (smaller) under the interpreter, split and not."""
-    from inference_core.bench import attention_timing
+    from inference_core.bench import kernel_timing
 
-    inputs = attention_timing._inputs(torch.device(DEVICE), heads=32, batch=2, keys=70)
-    expected = attention_timing._aten(*[tensor.float() if tensor.is_floating_point() else tensor
+    inputs = kernel_timing._inputs(torch.device(DEVICE), heads=32, batch=2, keys=70)
+    expected = kernel_timing._aten(*[tensor.float() if tensor.is_floating_point() else tensor
                                         for tensor in inputs[:8]], inputs[8])
     for splits in (1, 4):
         out = triton_attention.decode_attention(*inputs, paged=True, splits=splits)

@@ -68,6 +68,7 @@ from inference_core.engine import triton_attention
 from inference_core.model import attention_kernel, row_kernel
 from inference_core.model.llama import CausalLM, model_fingerprint
 from inference_core.model.paths import cache_root
+from inference_core.quant import linear as quant_linear
 
 # Inductor options for the CPU decode step, the fastest of those measured by
 # `python -m inference_core compile-options`
@@ -674,9 +675,9 @@ BACKENDS = ("aoti", "torch.compile")
 _PACKAGE_LOCK = threading.Lock()
 # Loaded packages by key, shared by the engines of one process while any of them holds one.
 _LOADED_PACKAGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_CODE_FINGERPRINT = hashlib.blake2b(  # the model, this module and our kernels' (whose ops and packed weights a package
-    "".join(inspect.getsource(module) for module in (  # holds)
-        sys.modules[CausalLM.__module__], sys.modules[__name__], row_kernel, attention_kernel)).encode(),
+_CODE_FINGERPRINT = hashlib.blake2b(  # the model, the quantized projections, this module and our kernels' (whose ops
+    "".join(inspect.getsource(module) for module in (  # and packed weights a package holds)
+        sys.modules[CausalLM.__module__], quant_linear, sys.modules[__name__], row_kernel, attention_kernel)).encode(),
     digest_size=12).hexdigest()
 
 
@@ -708,10 +709,16 @@ def default_options(device: torch.device, model: nn.Module | None = None) -> dic
         # as a constant (torch 2.11 on an H100 specialized it to 128 and refused the dynamic width).
         return {"mode": "reduce-overhead", "coordinate_descent_tuning": True, "split_reductions": False}
     options = dict(CPU_OPTIONS)
-    if model is not None and any(getattr(module, "scheme", None) == "int8" for module in model.modules()):
+    int8 = model is not None and any(getattr(module, "scheme", None) == "int8" for module in model.modules())
+    if int8:
         options.update(INT8_CPU_OPTIONS)
-    if model is not None and model.embed_tokens.weight.dtype == torch.bfloat16:  # our kernels, used where they run
-        options["row_kernel"] = options["attention_kernel"] = True  # (`CompiledDecoder.row_kernel_off`: why not)
+    # Our kernels, used where they run (`CompiledDecoder.row_kernel_off`: why not): for bf16 projections and
+    # attention, and for int8 projections of bf16 activations (an fp32 model's too, where `QuantLinear` computes in
+    # bf16) on the CPUs where that form measured faster (`row_kernel.INT8_CAPABILITIES`).
+    if model is not None and model.embed_tokens.weight.dtype == torch.bfloat16:
+        options["row_kernel"] = options["attention_kernel"] = True
+    elif int8:
+        options["row_kernel"] = True
     return options
 
 

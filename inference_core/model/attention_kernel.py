@@ -1,14 +1,15 @@
-"""Our kernel for the compiled decode step's paged attention on an AVX-512 CPU: one query per sequence against its
-cached keys, read through the block table from the bf16 pool in place, and its own new key.
+"""Our kernel for the compiled decode step's paged attention on an AVX-512 or AVX2 CPU: one query per sequence against
+its cached keys, read through the block table from the bf16 pool in place, and its own new key.
 
 What inductor generates for `_attend_one_fused` (in `engine.compiled`) reads each cached key once per query head,
 reduces every dot product on its own, and runs the mask and the softmax on one thread between its parallel loops: on
 the 2-core Zen 5 host the compiled step took 2.4 us more a cached key (for all 30 layers of the bundled model), about
 10 GB/s of the cache read. Here each thread takes a contiguous range of the key blocks; per KV head it reads each
 cached key once for the group's query heads (fp32 sums of bf16 values widened by a shift), stores the scores, takes
-their exponentials 16 at a time (`exp_neg`, a polynomial), and sums the values weighted by them. The threads' partial
-softmaxes (the maximum, the sum, the weighted values) and the own key are then combined in fp32. Its outputs equal
-`_attend_one_fused`'s to fp32 rounding (`tests/model/test_attention_kernel.py`).
+their exponentials a vector at a time (`exp_neg`, a polynomial), and sums the values weighted by them. The threads'
+partial softmaxes (the maximum, the sum, the weighted values) and the own key are then combined in fp32. Its outputs
+equal `_attend_one_fused`'s to fp32 rounding (`tests/model/test_attention_kernel.py`), with AVX-512's vectors or
+AVX2's (the build's flags choose: `model.row_kernel.FLAGS`).
 
 It is built into the same extension as the projection kernel (`model.row_kernel`, which owns the build) and called
 from the compiled step where `takes` says so while exporting: paged, bf16 pool, head_dim 64 or 128, at most 8 query
@@ -28,24 +29,62 @@ SOURCE = r"""
 
 namespace attention {
 
-inline __m512 widen(const uint16_t* p) {  // 16 bf16 -> 16 fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+// The vector ops the loops below need, beside those of the projection op's source (`vec`, `LANES`, `vzero`, `vset1`,
+// `vfma`, `widen`: the extension is one source, the projection op's first), on the ISA the build's flags select.
+#if defined(__AVX512F__)
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstoreu(float* p, vec a) { _mm512_storeu_ps(p, a); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+inline vec round_nearest(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec times_pow2(vec p, vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+// The first `count` lanes (count <= LANES; the others 0, or left as they are in memory).
+inline __mmask16 first(int64_t count) { return (__mmask16)((1u << count) - 1); }
+inline vec load_first(const float* p, int64_t count) { return _mm512_maskz_loadu_ps(first(count), p); }
+inline vec keep_first(vec a, int64_t count) { return _mm512_maskz_mov_ps(first(count), a); }
+inline void store_first(float* p, vec a, int64_t count) { _mm512_mask_storeu_ps(p, first(count), a); }
+#else
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstoreu(float* p, vec a) { _mm256_storeu_ps(p, a); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float vsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+inline vec round_nearest(vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec times_pow2(vec p, vec n) {  // p * 2^n for whole n in [-127, 0] (exp_neg's): 2^n built as an fp32's bits
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+inline __m256i first(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vec load_first(const float* p, int64_t count) { return _mm256_maskload_ps(p, first(count)); }
+inline vec keep_first(vec a, int64_t count) { return _mm256_and_ps(a, _mm256_castsi256_ps(first(count))); }
+inline void store_first(float* p, vec a, int64_t count) { _mm256_maskstore_ps(p, first(count), a); }
+#endif
 
 // e^x for x <= 0 (a score minus its row's maximum): 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial
 // (relative error about 2e-7); below -87 the result is 0 as in fp32.
-inline __m512 exp_neg(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.f)), _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+inline vec exp_neg(vec x) {
+  const vec t = vmul(vmax(x, vset1(-88.f)), vset1(1.4426950408889634f));
+  const vec n = round_nearest(t);
+  const vec f = vsub(t, n);
+  vec p = vset1(1.535336188319500e-4f);
+  p = vfma(p, f, vset1(1.339887440266574e-3f));
+  p = vfma(p, f, vset1(9.618437357674640e-3f));
+  p = vfma(p, f, vset1(5.550332471162809e-2f));
+  p = vfma(p, f, vset1(2.402264791363012e-1f));
+  p = vfma(p, f, vset1(6.931472028550421e-1f));
+  p = vfma(p, f, vset1(1.f));
+  return times_pow2(p, n);
 }
 
 constexpr int MAXG = 8;
@@ -67,7 +106,7 @@ template <int D>
 void attend_range(const float* q, int64_t KVH, int64_t G, const uint16_t* kp, const uint16_t* vp, int64_t BS,
                   const int32_t* table, const bool* mask, int64_t W, int64_t b0, int64_t b1, float scale, float* part,
                   std::vector<float>& scores) {
-  constexpr int C = D / 16;
+  constexpr int C = D / LANES;
   const int64_t H = KVH * G, j0 = b0 * BS, j1 = std::min(W, b1 * BS), n = std::max<int64_t>(0, j1 - j0);
   const int64_t row = KVH * D, block_stride = BS * row, block_bytes = block_stride * 2;
   scores.resize(std::max<int64_t>(1, H * n));
@@ -84,10 +123,9 @@ void attend_range(const float* q, int64_t KVH, int64_t G, const uint16_t* kp, co
     prefetch(b + PREFETCH_BLOCKS);
     const int64_t jb = b * BS, je = std::min(j1, jb + BS);
     for (int64_t h = 0; h < KVH; ++h) {
-      __m512 qv[MAXG][C];
+      vec qv[MAXG][C];
       for (int64_t g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + (h * G + g) * D + 16 * c),
-                                                             _mm512_set1_ps(scale));
+        for (int c = 0; c < C; ++c) qv[g][c] = vmul(vload(q + (h * G + g) * D + LANES * c), vset1(scale));
       for (int64_t j = jb; j < je; ++j) {
         float* s = scores.data() + h * G * n + (j - j0);
         if (!mask[j]) {
@@ -95,53 +133,53 @@ void attend_range(const float* q, int64_t KVH, int64_t G, const uint16_t* kp, co
           continue;
         }
         const uint16_t* k = kb + (j - jb) * row + h * D;
-        __m512 kv[C];
-        for (int c = 0; c < C; ++c) kv[c] = widen(k + 16 * c);
+        vec kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = widen(k + LANES * c);
         for (int64_t g = 0; g < G; ++g) {
-          __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-          for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
-          s[g * n] = _mm512_reduce_add_ps(a);
+          vec a = vmul(qv[g][0], kv[0]);
+          for (int c = 1; c < C; ++c) a = vfma(qv[g][c], kv[c], a);
+          s[g * n] = vsum(a);
           mx[h * G + g] = std::max(mx[h * G + g], s[g * n]);
         }
       }
     }
   }
-  for (int64_t hg = 0; hg < H; ++hg) {  // 2. their exponentials and sums, 16 at a time
+  for (int64_t hg = 0; hg < H; ++hg) {  // 2. their exponentials and sums, a vector at a time
     float* s = scores.data() + hg * n;
     float* out = part + hg * (D + 2);
     out[0] = mx[hg];
     out[1] = 0.f;
     std::fill(out + 2, out + 2 + D, 0.f);
     if (mx[hg] == NEG_INF) continue;  // nothing cached in this range
-    const __m512 m = _mm512_set1_ps(mx[hg]);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 lanes = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(lanes, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + j), m)));
-      _mm512_mask_storeu_ps(s + j, lanes, e);
-      sum = _mm512_add_ps(sum, e);
+    const vec m = vset1(mx[hg]);
+    vec sum = vzero();
+    for (int64_t j = 0; j < n; j += LANES) {
+      const int64_t count = std::min<int64_t>(LANES, n - j);
+      const vec e = keep_first(exp_neg(vsub(load_first(s + j, count), m)), count);
+      store_first(s + j, e, count);
+      sum = vadd(sum, e);
     }
-    out[1] = _mm512_reduce_add_ps(sum);
+    out[1] = vsum(sum);
   }
   for (int64_t b = b0; b < b1; ++b) {  // 3. the values weighted by them, block by block
     const uint16_t* vb = vp + table[b] * block_stride;
     const int64_t jb = b * BS, je = std::min(j1, jb + BS);
     for (int64_t h = 0; h < KVH; ++h) {
-      __m512 acc[MAXG][C];
+      vec acc[MAXG][C];
       for (int64_t g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(part + (h * G + g) * (D + 2) + 2 + 16 * c);
+        for (int c = 0; c < C; ++c) acc[g][c] = vload(part + (h * G + g) * (D + 2) + 2 + LANES * c);
       for (int64_t j = jb; j < je; ++j) {
         if (!mask[j]) continue;
         const uint16_t* v = vb + (j - jb) * row + h * D;
-        __m512 vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = widen(v + 16 * c);
+        vec vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = widen(v + LANES * c);
         for (int64_t g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[(h * G + g) * n + (j - j0)]);
-          for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+          const vec p = vset1(scores[(h * G + g) * n + (j - j0)]);
+          for (int c = 0; c < C; ++c) acc[g][c] = vfma(p, vv[c], acc[g][c]);
         }
       }
       for (int64_t g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(part + (h * G + g) * (D + 2) + 2 + 16 * c, acc[g][c]);
+        for (int c = 0; c < C; ++c) vstoreu(part + (h * G + g) * (D + 2) + 2 + LANES * c, acc[g][c]);
     }
   }
 }

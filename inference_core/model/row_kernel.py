@@ -1,4 +1,5 @@
-"""Our kernel for the compiled decode step's bf16 projections on an AVX-512 CPU: y = x W^T for a few rows of x.
+"""Our kernel for the compiled decode step's projections on an AVX-512 or AVX2 CPU: y = x W^T for a few rows of x, with
+W in bf16, or in int8 with a scale per output feature (`quant.linear.QuantLinear`'s int8 scheme).
 
 A decode step multiplies one row (a few, batched) by every weight matrix, so its time is the time to stream the
 weights from memory. Inductor's C++ GEMM template and oneDNN, which the compiled step otherwise uses for these
@@ -11,16 +12,26 @@ The loop: the weight packed once into blocks of 48 output features, [blocks, in,
 one contiguous run of memory; each thread takes a contiguous range of blocks and walks its two halves side by side, a
 block of each at a time (two streams from memory in flight per thread: over the step's 121 weight shapes, 67.9
 against 58.1 GB/s for one stream at moments the Zen 5 host's memory gives about 80, +3% at moments it gives about 50);
-per input feature, three 16-lane loads of bf16 widened to fp32 (a shift) and one fused multiply-add per input row
-into fp32 accumulators, rounded to bf16 at the end (the sums of F.linear in bf16, in another order). Up to
-`MAX_ROWS` input rows share each pass over a block.
+per input feature, 48 weights widened to fp32 (bf16 by a shift, int8 by a sign extension and a conversion) and one
+fused multiply-add per input row into fp32 accumulators, rounded to bf16 at the end (int8: after the scale). The sums
+are F.linear's (int8: `_weight_int8pack_mm`'s) in another order. Up to `MAX_ROWS` input rows share each pass.
 
-It is a torch custom op, `torch.ops.inference_core.linear_rows(x, packed, out_features)`, built from the C++ below
-the first time it is needed (about 35 s on the 2-core host, once per machine: the build is kept in the local cache)
-with the compiler inductor uses anyway (and ninja, a pinned requirement). `tracing(True)` around an export makes
-`model.llama.Linear` call it for inputs it takes (`takes`); the pack is then part of the graph, on a weight that
-freezing made a constant, so the compiler folds it into the package once. Where it cannot run (no AVX-512, not bf16,
-more rows, a failed build: `unavailable`), the projection stays `F.linear`, whose kernels inductor picks itself.
+The build takes the CPU's widest vectors (`FLAGS`): AVX-512 (three 16-lane vectors a block's row, four input rows a
+pass over two blocks) or AVX2 with FMA (six 8-lane vectors; its 16 registers hold one row's sums for two blocks, or
+two rows' for one block). Measured per host (docs/benchmarks.md): on the AVX-512 Zen 5 host the bf16 form decodes at
+about twice the rate of inductor's matmuls and an int8 form lost to inductor's int8 template (0.93x); on an AVX2 Zen
+3 host the bf16 form is 1.22-1.26x inductor's matmuls and the int8 form 1.06-1.17x its template. So the bf16 form runs
+wherever the build does, the int8 form on AVX2 (`INT8_CAPABILITIES`); `EngineConfig(row_kernel=False)` (bench's
+`+inductor-mm`) keeps inductor's for both.
+
+They are torch custom ops, `torch.ops.inference_core.linear_rows(x, packed, out_features)` and
+`linear_rows_int8(x, packed, scales, out_features)`, built from the C++ below the first time they are needed (about
+35 s on the 2-core host, once per machine: the build is kept in the local cache) with the compiler inductor uses
+anyway (and ninja, a pinned requirement). `tracing(True)` around an export makes `model.llama.Linear` and
+`QuantLinear` call them for inputs they take (`takes`); the pack is then part of the graph, on a weight that freezing
+made a constant, so the compiler folds it into the package once. Where they cannot run (neither AVX-512 nor AVX2, not
+bf16 activations, more rows, a failed build: `unavailable`), the projection stays `F.linear` (or ATen's int8 kernel),
+whose kernels inductor picks itself.
 
 The same build holds our paged attention op (`model.attention_kernel`): one extension, one build, one `unavailable`.
 """
@@ -39,7 +50,7 @@ import torch.utils.cpp_extension
 from inference_core.model import attention_kernel
 from inference_core.model.paths import cache_root
 
-BLOCK = 48  # output features per packed block (three 16-lane fp32 vectors)
+BLOCK = 48  # output features per packed block (three 16-lane fp32 vectors, or six 8-lane ones)
 MAX_ROWS = 8  # input rows the op takes; a batch above it uses inductor's matmul (compute, not memory, then matters)
 
 SOURCE = r"""
@@ -55,29 +66,62 @@ SOURCE = r"""
 namespace {
 
 constexpr int64_t BLOCK = 48;
-constexpr int64_t ROWS = 4;  // input rows a pass over one block computes (12 accumulators)
 
-inline __m512 widen(const uint16_t* p) {  // 16 bf16 -> 16 fp32: a bf16 is the top half of an fp32
+// The vector ISA the build's flags select (`FLAGS`): AVX-512, 16 fp32 lanes in 32 registers, or AVX2 with FMA, 8
+// lanes in 16. The loops below are written once over `vec`; their sums are the same on both (fp32, in k's order).
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int LANES = 16;
+constexpr int64_t ROWS_TWO = 4;  // input rows a pass over two blocks (two streams) computes: 24 accumulators
+constexpr int64_t ROWS_ONE = 4;  // ... over one block
+constexpr int64_t TWO_STREAMS_UP_TO = 8;  // batches of at most this many rows walk two streams per thread
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float a) { return _mm512_set1_ps(a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
+inline vec widen(const uint16_t* p) {  // 16 bf16 -> 16 fp32: a bf16 is the top half of an fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+inline vec widen(const int8_t* p) {  // 16 int8 -> 16 fp32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#else
+using vec = __m256;
+constexpr int LANES = 8;
+constexpr int64_t ROWS_TWO = 1;  // 12 accumulators of 16 registers
+constexpr int64_t ROWS_ONE = 2;
+constexpr int64_t TWO_STREAMS_UP_TO = 1;  // more rows: one stream, two rows a pass (each block widened half as often)
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float a) { return _mm256_set1_ps(a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
+inline vec widen(const uint16_t* p) {  // 8 bf16 -> 8 fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline vec widen(const int8_t* p) {  // 8 int8 -> 8 fp32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#endif
+constexpr int NV = BLOCK / LANES;  // vectors a block's row of 48 output features is
 
 // R input rows against S blocks at once (S streams of the weight in flight per thread: at moments the host's memory
-// gives more, two streams read 91-96 GB/s where one read 66-79, measured on one 270 MB weight).
-template <int R, int S>
-void block_rows(const float* x, int64_t K, const uint16_t* const* w, at::BFloat16* out, int64_t N, const int64_t* n0) {
-  __m512 acc[S][R][3];
+// gives more, two streams read 91-96 GB/s where one read 66-79, measured on one 270 MB weight). T: the weight's
+// elements, bf16 (as uint16_t) or int8; `scales` (int8: one per output feature, applied to the sums; bf16: null).
+template <int R, int S, typename T>
+void block_rows(const float* x, int64_t K, const T* const* w, const float* scales, at::BFloat16* out, int64_t N,
+                const int64_t* n0) {
+  vec acc[S][R][NV];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 3; ++j) acc[s][r][j] = _mm512_setzero_ps();
+      for (int j = 0; j < NV; ++j) acc[s][r][j] = vzero();
   for (int64_t k = 0; k < K; ++k) {
+    vec a[R];
+    for (int r = 0; r < R; ++r) a[r] = vset1(x[r * K + k]);
     for (int s = 0; s < S; ++s) {
-      const uint16_t* row = w[s] + k * BLOCK;
-      const __m512 w0 = widen(row), w1 = widen(row + 16), w2 = widen(row + 32);
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(x[r * K + k]);
-        acc[s][r][0] = _mm512_fmadd_ps(a, w0, acc[s][r][0]);
-        acc[s][r][1] = _mm512_fmadd_ps(a, w1, acc[s][r][1]);
-        acc[s][r][2] = _mm512_fmadd_ps(a, w2, acc[s][r][2]);
+      const T* row = w[s] + k * BLOCK;
+      for (int j = 0; j < NV; ++j) {
+        const vec wj = widen(row + LANES * j);
+        for (int r = 0; r < R; ++r) acc[s][r][j] = vfma(a[r], wj, acc[s][r][j]);
       }
     }
   }
@@ -85,32 +129,36 @@ void block_rows(const float* x, int64_t K, const uint16_t* const* w, at::BFloat1
     const int64_t cols = std::min<int64_t>(BLOCK, N - n0[s]);
     for (int r = 0; r < R; ++r) {
       alignas(64) float sums[BLOCK];
-      for (int j = 0; j < 3; ++j) _mm512_store_ps(sums + 16 * j, acc[s][r][j]);
-      for (int64_t c = 0; c < cols; ++c) out[r * N + n0[s] + c] = at::BFloat16(sums[c]);
+      for (int j = 0; j < NV; ++j) vstore(sums + LANES * j, acc[s][r][j]);
+      if (scales)
+        for (int64_t c = 0; c < cols; ++c) out[r * N + n0[s] + c] = at::BFloat16(sums[c] * scales[n0[s] + c]);
+      else
+        for (int64_t c = 0; c < cols; ++c) out[r * N + n0[s] + c] = at::BFloat16(sums[c]);
     }
   }
 }
 
-template <int S>
-void blocks_rows(const float* x, int64_t M, int64_t K, const uint16_t* const* w, at::BFloat16* out, int64_t N,
-                 const int64_t* n0) {
-  for (int64_t m = 0; m < M; m += ROWS) {
-    const float* xm = x + m * K;
-    at::BFloat16* om = out + m * N;
-    switch (std::min<int64_t>(ROWS, M - m)) {
-      case 4: block_rows<4, S>(xm, K, w, om, N, n0); break;
-      case 3: block_rows<3, S>(xm, K, w, om, N, n0); break;
-      case 2: block_rows<2, S>(xm, K, w, om, N, n0); break;
-      default: block_rows<1, S>(xm, K, w, om, N, n0); break;
-    }
+// block_rows<r, S> for r = rows <= R (a template argument for each count, so that the accumulators stay registers).
+template <int R, int S, typename T>
+void rows_pass(int64_t rows, const float* x, int64_t K, const T* const* w, const float* scales, at::BFloat16* out,
+               int64_t N, const int64_t* n0) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_pass<R - 1, S>(rows, x, K, w, scales, out, N, n0);
   }
+  block_rows<R, S>(x, K, w, scales, out, N, n0);
 }
 
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_rows: x must be a 2-D bf16 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == BLOCK &&
-              packed.size(1) == x.size(1) && packed.size(0) * BLOCK >= N && packed.is_contiguous(),
-              "linear_rows: packed must be the bf16 [blocks, in, 48] weight of row_kernel.pack");
+template <int S, typename T>
+void blocks_rows(const float* x, int64_t M, int64_t K, const T* const* w, const float* scales, at::BFloat16* out,
+                 int64_t N, const int64_t* n0) {
+  constexpr int64_t ROWS = S == 2 ? ROWS_TWO : ROWS_ONE;
+  for (int64_t m = 0; m < M; m += ROWS)
+    rows_pass<ROWS, S>(std::min<int64_t>(ROWS, M - m), x + m * K, K, w, scales, out + m * N, N, n0);
+}
+
+// x [M, K] bf16 by the packed weight [blocks, K, 48] (bf16, or int8 with fp32 scales [N]) -> [M, N] bf16.
+template <typename T>
+at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
   const auto xc = x.contiguous();
   std::vector<float> xf(M * K);
@@ -118,33 +166,68 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N)
   for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
   auto out = at::empty({M, N}, x.options());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const int64_t blocks = (N + BLOCK - 1) / BLOCK;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    if (M > TWO_STREAMS_UP_TO) {  // each block alone (AVX2's registers hold two rows of one block, not of two)
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0[1] = {b * BLOCK};
+        const T* w[1] = {wp + b * K * BLOCK};
+        blocks_rows<1>(xf.data(), M, K, w, scales, op, N, n0);
+      }
+      return;
+    }
     // The thread's blocks in two halves, a block of each at a time (two streams), and the odd one alone.
     const int64_t half = (end - begin) / 2;
     for (int64_t i = 0; i < half; ++i) {
       const int64_t n0[2] = {(begin + i) * BLOCK, (begin + half + i) * BLOCK};
-      const uint16_t* w[2] = {wp + (begin + i) * K * BLOCK, wp + (begin + half + i) * K * BLOCK};
-      blocks_rows<2>(xf.data(), M, K, w, op, N, n0);
+      const T* w[2] = {wp + (begin + i) * K * BLOCK, wp + (begin + half + i) * K * BLOCK};
+      blocks_rows<2>(xf.data(), M, K, w, scales, op, N, n0);
     }
     if ((end - begin) % 2) {
       const int64_t n0[1] = {(end - 1) * BLOCK};
-      const uint16_t* w[1] = {wp + (end - 1) * K * BLOCK};
-      blocks_rows<1>(xf.data(), M, K, w, op, N, n0);
+      const T* w[1] = {wp + (end - 1) * K * BLOCK};
+      blocks_rows<1>(xf.data(), M, K, w, scales, op, N, n0);
     }
   });
   return out;
 }
 
+void check_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::ScalarType weight, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be a 2-D bf16 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == weight && packed.size(2) == BLOCK &&
+              packed.size(1) == x.size(1) && packed.size(0) * BLOCK >= N && packed.is_contiguous(),
+              op, ": packed must be the [blocks, in, 48] weight of row_kernel.pack");
+}
+
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  check_rows(x, packed, N, at::kBFloat16, "linear_rows");
+  return rows_by_blocks(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, N);
+}
+
+at::Tensor linear_rows_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N) {
+  check_rows(x, packed, N, at::kChar, "linear_rows_int8");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "linear_rows_int8: scales must be fp32 [out_features]");
+  return rows_by_blocks(x, packed.data_ptr<int8_t>(), scales.data_ptr<float>(), N);
+}
+
 }  // namespace
 
-TORCH_LIBRARY(inference_core, m) { m.def("linear_rows(Tensor x, Tensor packed, int out_features) -> Tensor"); }
-TORCH_LIBRARY_IMPL(inference_core, CPU, m) { m.impl("linear_rows", linear_rows); }
+TORCH_LIBRARY(inference_core, m) {
+  m.def("linear_rows(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("linear_rows_int8(Tensor x, Tensor packed, Tensor scales, int out_features) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
+  m.impl("linear_rows", linear_rows);
+  m.impl("linear_rows_int8", linear_rows_int8);
+}
 """
 
-# -fopenmp: at::parallel_for is an OpenMP loop in torch's headers, ignored (one thread) without it.
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp"]
+# The build's flags by the instruction set torch found on this CPU: the source's loops (both ops') take the widest
+# vectors the flags allow. -fopenmp: at::parallel_for is an
+# OpenMP loop in torch's headers, ignored (one thread) without it.
+FLAGS = {"AVX512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp"],
+         "AVX2": ["-O3", "-mavx2", "-mfma", "-fopenmp"]}
 
 _state = threading.local()
 _BUILD_LOCK = threading.Lock()
@@ -159,32 +242,39 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def unavailable() -> str | None:
     """Why the op cannot run here (None: it is built and registered). Builds it the first time on a machine (about
-    35 s) into the local cache, in a directory named after the source, the flags and torch's version; loads that
-    build later. Engines started at once (two race lanes) wait for one build."""
+    35 s) into the local cache, in a directory named after the source, the flags (`FLAGS`, by the CPU's instruction
+    set) and torch's version; loads that build later. Engines started at once (two race lanes) wait for one build."""
     with _BUILD_LOCK:
         return _build()
 
 
 @functools.cache
 def _build() -> str | None:
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return f"it needs AVX-512 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in FLAGS:
+        return f"it needs AVX-512 or AVX2 (this CPU: {capability})"
+    flags = FLAGS[capability]
     source = SOURCE + attention_kernel.SOURCE  # one extension: our projection and attention ops
-    name = "inference_core_rows_" + hashlib.blake2b((source + repr(FLAGS) + torch.__version__).encode(),
+    name = "inference_core_rows_" + hashlib.blake2b((source + repr(flags) + torch.__version__).encode(),
                                                      digest_size=6).hexdigest()
     directory = cache_root() / "row-kernel" / name
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        torch.utils.cpp_extension.load_inline(name, cpp_sources=source, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        torch.utils.cpp_extension.load_inline(name, cpp_sources=source, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                               build_directory=str(directory), is_python_module=False)
     except (RuntimeError, OSError) as error:  # no compiler, no ninja, a failed build: inductor's matmuls instead
         return f"its build failed ({str(error).splitlines()[0][:200]})"
     torch.library.register_fake("inference_core::linear_rows")(_fake)
+    torch.library.register_fake("inference_core::linear_rows_int8")(_fake_int8)
     attention_kernel.register_fake()
     return None
 
 
 def _fake(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _fake_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -199,14 +289,28 @@ def tracing(enabled: bool):
         _state.enabled = previous
 
 
+# Where the int8 form replaces inductor's int8 template, by measurement: faster on the AVX2 Zen 3 host (1.06-1.17x
+# in two runs), slower on the AVX-512 Zen 5 host (0.93x, a one-stream form; docs/benchmarks.md).
+INT8_CAPABILITIES = ("AVX2",)
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a projection of `x` by `weight` runs through the op: inside `tracing(True)`, bf16 on the CPU, 2-D x
-    of at most MAX_ROWS rows."""
-    return (getattr(_state, "enabled", False) and x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16
-            and x.dim() == 2 and x.shape[0] <= MAX_ROWS)
+    """Whether a projection of `x` by `weight` runs through the op: inside `tracing(True)`, on the CPU, 2-D bf16 x of
+    at most MAX_ROWS rows, a bf16 weight, or an int8 one (`linear_int8`) on a CPU of `INT8_CAPABILITIES`."""
+    if not (getattr(_state, "enabled", False) and x.device.type == "cpu" and x.dtype == torch.bfloat16
+            and x.dim() == 2 and x.shape[0] <= MAX_ROWS):
+        return False  # (and torch.compile, which never traces inside `tracing(True)`, reads no more of this)
+    return weight.dtype == torch.bfloat16 or (
+        weight.dtype == torch.int8 and torch.backends.cpu.get_cpu_capability() in INT8_CAPABILITIES)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ b) through the op (call where `takes` says so, after `unavailable()` returned None)."""
     out = torch.ops.inference_core.linear_rows(x, pack(weight), weight.shape[0])
     return out if bias is None else out + bias
+
+
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (q s)^T for an int8 weight q [out, in] with a scale per output feature s [out] (`quant.linear.QuantLinear`'s
+    int8 scheme): the sums of x q in fp32, times s, rounded once to bf16 (call where `takes` says so)."""
+    return torch.ops.inference_core.linear_rows_int8(x, pack(qweight), scales.float(), qweight.shape[0])

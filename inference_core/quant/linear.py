@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from inference_core.config import ConfigError
+from inference_core.model import row_kernel
 from inference_core.model.llama import Linear
 from inference_core.quant import kernels
 
@@ -144,7 +145,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.compute)
-        if self.scheme == "int8":
+        if self.scheme == "int8" and row_kernel.takes(flat, self.qweight):  # exporting a compiled decode step
+            out = row_kernel.linear_int8(flat, self.qweight, self.scales)
+        elif self.scheme == "int8":
             out = kernels.int8_mm(flat, self.qweight, self.scales, self.int8_path)
         else:
             out = kernels.int4_mm(flat, self.qweight, self.group_size, self.scales)

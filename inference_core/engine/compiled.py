@@ -37,14 +37,14 @@ Two ways to compile it (`CompiledDecoder(backend=...)`):
   package in a few seconds instead of compiling again: `torch.compile` cannot keep a frozen graph in its own caches
   (its prepacked oneDNN weights do not pickle), so it rebuilt the graph each start (about 70% of a first compile).
   Measured on the bundled model, fp32, batch 1: the same step time as `torch.compile` with those options (23.7 vs
-  23.6 ms).
+  23.6 ms). The package keeps its weights beside its library, and loading places them in huge pages
+  (`package_weights`).
 - `torch.compile` (CUDA's default, with CUDA graphs through `mode="reduce-overhead"`): compiled in the process, on
   the first step of each bucket; inductor's disk cache keeps its generated kernels between starts.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import inspect
 import itertools
@@ -55,7 +55,6 @@ import threading
 import time
 import types
 import weakref
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_core.config import ConfigError
-from inference_core.engine import triton_attention
+from inference_core.engine import package_weights, triton_attention
 from inference_core.model import attention_kernel, row_kernel
 from inference_core.model.llama import CausalLM, model_fingerprint
 from inference_core.model.paths import cache_root
@@ -541,6 +540,8 @@ class CompiledDecoder:
             else:
                 self._build_package(args, path)
             program = torch._inductor.aoti_load_package(str(path))
+            # Its weights in huge pages, kept alive with the package (`package_weights`).
+            program.weights = package_weights.load(program, path)
             self.stats.graphs += 1
             _LOADED_PACKAGES[key] = program
             return program
@@ -557,17 +558,19 @@ class CompiledDecoder:
             example = tuple(torch.zeros_like(t) if t.numel() < 1 << 20 else torch.empty_like(t) for t in args)
             with row_kernel.tracing("row_kernel" in self.options):
                 program = torch.export.export(self.step, example, dynamic_shapes=dynamic)
+            configs = dict(self._inductor_config)
+            if package_weights.can_keep_beside(program):  # its constants beside its library, for huge pages
+                configs.update(package_weights.PACKAGE_OPTIONS)
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(f"partial-{os.getpid()}-{path.name}")
             try:
-                # A copy: the call adds its own entries to the dict it is given, which would change this engine's
-                # package keys for its later buckets (and miss the disk cache at the next start).
+                # A copy: the call adds its own entries to the dict it is given (the retry below starts from ours).
                 torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
-                                                         inductor_configs=dict(self._inductor_config))
+                                                         inductor_configs=dict(configs))
             except Exception:  # a projection the template alone cannot take: every backend
-                if "max_autotune_gemm_backends" not in self._inductor_config:
+                if "max_autotune_gemm_backends" not in configs:
                     raise
-                configs = {k: v for k, v in self._inductor_config.items() if k != "max_autotune_gemm_backends"}
+                configs.pop("max_autotune_gemm_backends")
                 torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=configs)
         os.replace(partial, path)
         trim_compile_cache()
@@ -593,25 +596,12 @@ class CompiledDecoder:
         return self.bucket_for(batch_size) in self._ready_buckets
 
     def weight_memory(self) -> list[torch.Tensor]:
-        """The memory this engine's compiled steps read their weights from, in place: int64 views of this process's
-        readable mappings of each loaded package's shared library, whose constants are the frozen (and packed) weights.
-        `bench` times a sum over them beside its 1 GiB probe: on the 2-core VM the two read up to about 25% apart at
-        one moment. Empty where Linux's /proc/self/maps is absent, and for the torch.compile backend (no package)."""
-        libraries = set()
-        for path in self._package_paths:
-            with zipfile.ZipFile(path) as package:
-                libraries.update(Path(name).name for name in package.namelist() if name.endswith(".so"))
-        try:
-            lines = Path("/proc/self/maps").read_text().splitlines()
-        except OSError:
-            return []
-        views = []
-        for line in lines:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and Path(fields[5]).name in libraries and fields[1].startswith("r"):
-                start, end = (int(bound, 16) for bound in fields[0].split("-"))
-                views.append(torch.frombuffer((ctypes.c_char * (end - start)).from_address(start), dtype=torch.int64))
-        return views
+        """The memory this engine's compiled steps read their weights from, in place: int64 views of the buffers that
+        hold each loaded package's constants, the frozen (and packed) weights (`package_weights`). `bench` times a sum
+        over them beside its 1 GiB probe: on the 2-core VM the two read up to about 25% apart at one moment. Empty
+        before a package is loaded, and for the torch.compile backend (no package)."""
+        return [program.weights.view(torch.int64) for program in self._programs.values()
+                if getattr(program, "weights", None) is not None]
 
     def _store(self, new_k, new_v, seqs, positions: list[int], position_tensor, read_index) -> None:
         """Write each layer's new k/v ([layers, B, kv_heads, d]) at the sequences' positions."""

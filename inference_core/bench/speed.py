@@ -12,7 +12,8 @@ the KV of the average context). The bandwidth is probed before the runs and afte
 the probes' median: a shared host's bandwidth moves during a run (on the 2-core development VM, between about 30 and
 80 GB/s), and one probe taken at either moment would set the limit for the whole run. A compiled row adds
 `roofline_pct_weights`: the same limit at the rate a sum over its package's weights, read in place, reaches at the
-same moments (`CompiledDecoder.weight_memory`; `weights_read_gb_s`, the median of those probes), since at one moment
+same moments (`CompiledDecoder.weight_memory`, where the package's weights lie in a buffer of ours: every projection
+through our kernels; `weights_read_gb_s`, the median of those probes), since at one moment
 the weights' memory and a fresh buffer read up to about 25% apart, in either direction, on that VM.
 `roofline_pct_paired` pairs each timed run with the same probe taken right after it (on one 1 GiB buffer kept for
 the whole bench): the median over the runs of each run's tokens/s against the limit its own probe sets, with the

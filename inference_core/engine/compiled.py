@@ -667,7 +667,8 @@ _PACKAGE_LOCK = threading.Lock()
 _LOADED_PACKAGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CODE_FINGERPRINT = hashlib.blake2b(  # the model, the quantized projections, this module and our kernels' (whose ops
     "".join(inspect.getsource(module) for module in (  # and packed weights a package holds)
-        sys.modules[CausalLM.__module__], quant_linear, sys.modules[__name__], row_kernel, attention_kernel)).encode(),
+        sys.modules[CausalLM.__module__], quant_linear, sys.modules[__name__], row_kernel, attention_kernel,
+        package_weights)).encode(),
     digest_size=12).hexdigest()
 
 

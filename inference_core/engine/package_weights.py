@@ -3,11 +3,12 @@ host gives them.
 
 By default a package holds its constants (the frozen weights, packed for our projection kernel) inside its shared
 library: the loader extracts the library to a temporary directory and maps that file, so a decode step streams its
-weights from 4 KiB pages of the page cache, about 66,000 pages a step for the bundled model in bf16 (269 MB), each
-a page-table walk. Our packages are written with their constants beside the library instead (`PACKAGE_OPTIONS`), and
-`load` copies them into one private anonymous mapping advised as transparent huge pages (2 MiB each, where Linux's
-THP setting is "always" or "madvise"), then hands the loaded package their addresses (`load_constants`,
-user-managed: the package keeps no copy of its own). The caller keeps the returned buffer alive with the package.
+weights from 4 KiB pages of the page cache, about 66,000 pages a step for the bundled model in bf16 (269 MB), each a
+page-table walk. Where every projection runs through our kernels (`can_keep_beside`), our packages are written with
+their constants beside the library instead (`PACKAGE_OPTIONS`), and `load` copies them into one private anonymous
+mapping advised as transparent huge pages (2 MiB each, where Linux's THP setting is "always" or "madvise"), then hands
+the loaded package their addresses (`load_constants`, user-managed: the package keeps no copy of its own). The caller
+keeps the returned buffer alive with the package.
 
 Measured on the 2-core AVX2 Zen 3 host (bundled model, bf16, compiled, 8 steps a round trip, 30 alternating pairs of
 48-token runs in one process, docs/benchmarks.md): 1.048x the decode rate of the same step reading its weights from

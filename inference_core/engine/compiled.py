@@ -318,7 +318,6 @@ class CompiledDecoder:
             for pool in (kv_cache.k, kv_cache.v):
                 torch._dynamo.mark_static_address(pool, guard=False)
         self._programs: dict[int, object] = {}  # aoti: bucket -> loaded package
-        self._package_paths: set[Path] = set()  # aoti: the files of the packages this engine has loaded
         self._ready_buckets: set[int] = set()  # buckets whose graph has run in this engine
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
         self._key_positions = torch.arange(self.max_width * self.block_size, device=device)  # for the key masks
@@ -529,7 +528,6 @@ class CompiledDecoder:
         and written there first."""
         key = self._package_key(args)
         path = compile_cache_dir() / f"decode-{key}.pt2"
-        self._package_paths.add(path)
         with _PACKAGE_LOCK:
             program = _LOADED_PACKAGES.get(key)
             if program is not None:

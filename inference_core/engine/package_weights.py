@@ -42,6 +42,11 @@ _CONFIG = "aotinductor/model/weights_config.json"  # the map's path in the packa
 _WEIGHTS = "weights/"  # the constants' folder, beside aotinductor/
 
 
+def _aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to whole cache lines (`ALIGN`)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def can_keep_beside(exported: torch.export.ExportedProgram) -> bool:
     """Whether the package of `exported` can keep its constants beside its library: no ATen matmul left in its graph
     (its projections run through our kernels, `model.row_kernel`)."""
@@ -80,8 +85,7 @@ def load(program, path) -> torch.Tensor | None:
         folder = config_name[:-len(_CONFIG)] + _WEIGHTS
         files = sorted({entry[0] for entry in config.values()})
         # Each file is a pickled tensor, a little larger than its data: their sizes bound the buffer's.
-        buffer = huge_page_buffer(sum(-(-package.getinfo(folder + file).file_size // ALIGN) * ALIGN
-                                      for file in files))
+        buffer = huge_page_buffer(sum(_aligned(package.getinfo(folder + file).file_size) for file in files))
         placed, used = {}, 0
         for file in files:  # one file in memory at a time besides the buffer
             tensor = torch.load(io.BytesIO(package.read(folder + file)), weights_only=True)
@@ -89,7 +93,7 @@ def load(program, path) -> torch.Tensor | None:
             size = storage.nbytes()
             buffer[used:used + size].copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,)))
             placed[file] = buffer[used:used + size].view(tensor.dtype)
-            used += -(-size // ALIGN) * ALIGN
+            used += _aligned(size)
     names = program.get_constant_fqns()  # one per constant the step reads
     if len(names) != len(set(names)) or set(names) != set(config):
         raise RuntimeError(f"the compiled package {path} does not hold one file for each of its constants; delete it "

@@ -557,6 +557,8 @@ class CompiledDecoder:
             with row_kernel.tracing("row_kernel" in self.options):
                 program = torch.export.export(self.step, example, dynamic_shapes=dynamic)
             configs = dict(self._inductor_config)
+            if "row_kernel" in self.options or "attention_kernel" in self.options:  # our ops called as C functions
+                configs["aot_inductor.custom_ops_to_c_shims"] = row_kernel.c_shims()
             if package_weights.can_keep_beside(program):  # its constants beside its library, for huge pages
                 configs.update(package_weights.PACKAGE_OPTIONS)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,13 +34,16 @@ bf16 activations, more rows, a failed build: `unavailable`), the projection stay
 whose kernels inductor picks itself.
 
 The same build holds our paged attention op (`model.attention_kernel`): one extension, one build, one `unavailable`.
+A compiled package calls all three ops as C functions (`SHIMS`, `c_shims`), not through AOTInductor's proxy executor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
+import os
 import threading
 
 import torch
@@ -223,6 +226,43 @@ TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
 }
 """
 
+# The ops' C entry points for AOTInductor (`c_shims`): a compiled package calls each op as a C function instead of
+# through its proxy executor, which builds a boxed call of the op for every call. Measured on the 2-core AVX2 host:
+# 150 calls of the op in a package (bf16 [64, 64] weights, frozen) took 11.3 us a call through the proxy executor and
+# 7.4 us through the shim; the bundled model's compiled bf16 step (150 calls of our ops) decoded 1.032x faster
+# through them (median of 30 alternating pairs in one process, faster in 19, the same greedy ids).
+SHIMS = r"""
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+
+namespace {
+const at::Tensor& tensor(AtenTensorHandle handle) {
+  return *torch::aot_inductor::tensor_handle_to_tensor_pointer(handle);
+}
+}  // namespace
+
+extern "C" {
+AOTITorchError aoti_torch_cpu_linear_rows(AtenTensorHandle x, AtenTensorHandle packed, int64_t n,
+                                          AtenTensorHandle* out) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+      { *out = torch::aot_inductor::new_tensor_handle(linear_rows(tensor(x), tensor(packed), n)); });
+}
+AOTITorchError aoti_torch_cpu_linear_rows_int8(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle scales,
+                                               int64_t n, AtenTensorHandle* out) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *out = torch::aot_inductor::new_tensor_handle(linear_rows_int8(tensor(x), tensor(packed), tensor(scales), n));
+  });
+}
+AOTITorchError aoti_torch_cpu_attend_paged(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                           AtenTensorHandle k_pool, AtenTensorHandle v_pool, AtenTensorHandle table,
+                                           AtenTensorHandle key_mask, double scale, AtenTensorHandle* out) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *out = torch::aot_inductor::new_tensor_handle(attention::attend_paged(
+        tensor(q), tensor(k), tensor(v), tensor(k_pool), tensor(v_pool), tensor(table), tensor(key_mask), scale));
+  });
+}
+}
+"""
+
 # The build's flags by the instruction set torch found on this CPU: the source's loops (both ops') take the widest
 # vectors the flags allow. -fopenmp: at::parallel_for is an OpenMP loop in torch's headers, ignored (one thread)
 # without it.
@@ -254,20 +294,34 @@ def _build() -> str | None:
     if capability not in FLAGS:
         return f"it needs AVX-512 or AVX2 (this CPU: {capability})"
     flags = FLAGS[capability]
-    source = SOURCE + attention_kernel.SOURCE  # one extension: our projection and attention ops
+    source = SOURCE + attention_kernel.SOURCE + SHIMS  # one extension: our projection and attention ops
     name = "inference_core_rows_" + hashlib.blake2b((source + repr(flags) + torch.__version__).encode(),
                                                      digest_size=6).hexdigest()
     directory = cache_root() / "row-kernel" / name
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        torch.utils.cpp_extension.load_inline(name, cpp_sources=source, extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                              build_directory=str(directory), is_python_module=False)
+        library = torch.utils.cpp_extension.load_inline(name, cpp_sources=source, extra_cflags=flags,
+                                                        extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                                                        is_python_module=False)
+        # Its symbols visible to libraries loaded later: a compiled package calls the ops' C entry points (`c_shims`).
+        ctypes.CDLL(library, mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     except (RuntimeError, OSError) as error:  # no compiler, no ninja, a failed build: inductor's matmuls instead
         return f"its build failed ({str(error).splitlines()[0][:200]})"
     for op in ("linear_rows", "linear_rows_int8"):
         torch.library.register_fake(f"inference_core::{op}")(_fake)
     attention_kernel.register_fake()
     return None
+
+
+def c_shims() -> dict:
+    """AOTInductor's `custom_ops_to_c_shims` for our ops (call after `unavailable()` returned None): each op by the
+    declaration of its C entry point in `SHIMS`."""
+    bf16 = "AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*"
+    int8 = "AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*"
+    attention = ", ".join(["AtenTensorHandle"] * 7 + ["double", "AtenTensorHandle*"])
+    arguments = {"linear_rows": bf16, "linear_rows_int8": int8, "attend_paged": attention}
+    return {getattr(torch.ops.inference_core, name).default: [f"AOTITorchError aoti_torch_cpu_{name}({types})"]
+            for name, types in arguments.items()}
 
 
 def _fake(x: torch.Tensor, *weights_and_out_features) -> torch.Tensor:

@@ -4,6 +4,8 @@ off. The compiled step that calls them is checked on the bundled model against e
 
 from __future__ import annotations
 
+import zipfile
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from tiny_models import build_tiny_model
 import inference_core
 from inference_core import Engine, EngineConfig
 from inference_core.engine.compiled import compile_unavailable
-from inference_core.model import row_kernel
+from inference_core.model import attention_kernel, row_kernel
 from inference_core.model.llama import Linear
 from inference_core.quant.linear import QuantLinear
 
@@ -134,3 +136,48 @@ def tiny_bf16(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama-bf16")
     build_tiny_model(directory)
     return inference_core.load_model(str(directory), device="cpu", dtype="bfloat16")
+
+
+class OurOps(torch.nn.Module):
+    """Each of our ops once, as a compiled step calls them: a bf16 projection, paged attention, an int8 projection."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+
+        def weight(*shape):
+            return torch.nn.Parameter(torch.randn(shape, generator=generator).bfloat16() / 8, requires_grad=False)
+
+        def int8(*shape):
+            return torch.nn.Parameter(torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8),
+                                      requires_grad=False)
+
+        self.qkv, self.out_int8 = weight(192, 64), int8(40, 192)
+        self.scales = torch.nn.Parameter(torch.rand(40, generator=generator) / 100, requires_grad=False)
+
+    def forward(self, x, k_pool, v_pool, table, mask):
+        qkv = row_kernel.linear(x, self.qkv, None)  # [1, 192]: q of 1 head, k and v of 1 KV head, head_dim 64
+        q, k, v = qkv[:, :64], qkv[:, 64:128].view(1, 1, 64), qkv[:, 128:].view(1, 1, 64)
+        attended = attention_kernel.attend(q, k, v, k_pool, v_pool, table, mask, 0.125).reshape(1, 64).to(x.dtype)
+        return row_kernel.linear_int8(attended.repeat(1, 3), self.out_int8, self.scales)
+
+
+def test_a_compiled_package_calls_the_ops_as_c_functions(op, tmp_path):
+    """AOTInductor calls our ops through their C entry points (`row_kernel.c_shims`), not its proxy executor, with
+    the same results as the ops called from Python."""
+    generator = torch.Generator().manual_seed(1)
+    pool = torch.randn(4, 16, 1, 64, generator=generator).bfloat16()
+    args = (torch.randn(1, 64, generator=generator).bfloat16(), pool, pool.flip(0).contiguous(),
+            torch.tensor([[2, 0]], dtype=torch.int32), torch.arange(32)[None, :] < 20)
+    module = OurOps()
+    with torch.no_grad():
+        program = torch.export.export(module, args)
+        path = torch._inductor.aoti_compile_and_package(
+            program, package_path=str(tmp_path / "ops.pt2"),
+            inductor_configs={"freezing": True, "aot_inductor.custom_ops_to_c_shims": row_kernel.c_shims()})
+        assert torch.equal(torch._inductor.aoti_load_package(path)(*args), module(*args))
+    with zipfile.ZipFile(path) as package:
+        (wrapper,) = [package.read(name).decode() for name in package.namelist() if name.endswith("wrapper.cpp")]
+    for name in ("linear_rows", "linear_rows_int8", "attend_paged"):  # declared, then called
+        assert wrapper.count(f"aoti_torch_cpu_{name}(") == 2
+    assert "proxy_executor_call_function" not in wrapper

@@ -9,9 +9,10 @@ quiet moments, 36-38 against 52-64 at the moments the host's memory gives more),
 the sum at both (docs/benchmarks.md, "Our kernel for the decode projections").
 
 The loop: the weight packed once into blocks of 48 output features, [blocks, in, 48] (`pack`), so that each block is
-one contiguous run of memory; each thread takes a contiguous range of blocks and walks its two halves side by side, a
-block of each at a time (two streams from memory in flight per thread: over the step's 121 weight shapes, 67.9
-against 58.1 GB/s for one stream at moments the Zen 5 host's memory gives about 80, +3% at moments it gives about 50);
+one contiguous run of memory; the threads walk the two halves of the blocks side by side, a pair (a block of each) at
+a time, two threads from the two ends of a range until they meet (two streams from memory in flight per thread: over
+the step's 121 weight shapes, 67.9 against 58.1 GB/s for one stream at moments the Zen 5 host's memory gives about
+80, +3% at moments it gives about 50; no thread waits for a slower one at the end);
 per input feature, 48 weights widened to fp32 (bf16 by a shift, int8 by a sign extension and a conversion) and one
 fused multiply-add per input row into fp32 accumulators, rounded to bf16 at the end (int8: after the scale). The sums
 are F.linear's (int8: `_weight_int8pack_mm`'s) in another order. Up to `MAX_ROWS` input rows share each pass.
@@ -64,6 +65,8 @@ SOURCE = r"""
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -170,26 +173,43 @@ at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales,
   auto out = at::empty({M, N}, x.options());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t blocks = (N + BLOCK - 1) / BLOCK;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    if (M > TWO_STREAMS_UP_TO) {  // each block alone (AVX2's registers hold two rows of one block, not of two)
+  if (M > TWO_STREAMS_UP_TO) {  // each block alone (AVX2's registers hold two rows of one block, not of two)
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const int64_t n0[1] = {b * BLOCK};
         const T* w[1] = {wp + b * K * BLOCK};
         blocks_rows<1>(xf.data(), M, K, w, scales, op, N, n0);
       }
-      return;
-    }
-    // The thread's blocks in two halves, a block of each at a time (two streams), and the odd one alone.
-    const int64_t half = (end - begin) / 2;
-    for (int64_t i = 0; i < half; ++i) {
-      const int64_t n0[2] = {(begin + i) * BLOCK, (begin + half + i) * BLOCK};
-      const T* w[2] = {wp + (begin + i) * K * BLOCK, wp + (begin + half + i) * K * BLOCK};
-      blocks_rows<2>(xf.data(), M, K, w, scales, op, N, n0);
-    }
-    if ((end - begin) % 2) {
-      const int64_t n0[1] = {(end - 1) * BLOCK};
-      const T* w[1] = {wp + (end - 1) * K * BLOCK};
-      blocks_rows<1>(xf.data(), M, K, w, scales, op, N, n0);
+    });
+    return out;
+  }
+  // Two streams a thread: block c of a range's first half beside block c of its second. No thread's share is fixed
+  // in advance. With fixed halves, the bundled model's bf16 step on the 2-core AVX2 host spent 8-15% of each op's
+  // time with one thread done and the other still reading (which thread varied from run to run); taken as they come
+  // free, the step decoded 1.004x and 1.032x as fast (two runs of 30-40 alternating pairs). Each two threads share a
+  // range (ranges in proportion to their threads), one taking pairs from its front and the other from its back until
+  // they meet; a thread without a partner takes its range alone. Which thread computes a block changes none of its
+  // sums.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks / 2));
+  const int64_t ranges = (threads + 1) / 2;
+  std::unique_ptr<std::atomic<int64_t>[]> claimed(new std::atomic<int64_t>[ranges]);
+  for (int64_t r = 0; r < ranges; ++r) claimed[r].store(0);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r = t / 2, b0 = blocks * 2 * r / threads, b1 = blocks * std::min(2 * r + 2, threads) / threads;
+      const int64_t half = (b1 - b0) / 2;
+      const bool back = t % 2 == 1, alone = (t ^ 1) >= threads;
+      for (int64_t i = 0; claimed[r].fetch_add(1, std::memory_order_relaxed) < half; ++i) {
+        const int64_t c = b0 + (back ? half - 1 - i : i);
+        const int64_t n0[2] = {c * BLOCK, (c + half) * BLOCK};
+        const T* w[2] = {wp + c * K * BLOCK, wp + (c + half) * K * BLOCK};
+        blocks_rows<2>(xf.data(), M, K, w, scales, op, N, n0);
+      }
+      if ((b1 - b0) % 2 && (back || alone)) {  // the range's odd last block
+        const int64_t n0[1] = {(b1 - 1) * BLOCK};
+        const T* w[1] = {wp + (b1 - 1) * K * BLOCK};
+        blocks_rows<1>(xf.data(), M, K, w, scales, op, N, n0);
+      }
     }
   });
   return out;

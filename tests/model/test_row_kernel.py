@@ -181,3 +181,27 @@ def test_a_compiled_package_calls_the_ops_as_c_functions(op, tmp_path):
     for name in ("linear_rows", "linear_rows_int8", "attend_paged"):  # declared, then called
         assert wrapper.count(f"aoti_torch_cpu_{name}(") == 2
     assert "proxy_executor_call_function" not in wrapper
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 577, 64), (1, 48, 40), (1, 1000, 16), (2, 150, 8)])
+def test_the_threads_share_of_the_blocks_changes_no_bit(op, threads, rows, out_features, in_features):
+    """The threads take the blocks as they come free (two a range, one from each end): the result is that of one
+    thread, bit for bit, for the bf16 and the int8 op, with an odd thread count and odd block counts."""
+    generator = torch.Generator().manual_seed(threads)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    packed = row_kernel.pack(torch.randn(out_features, in_features, generator=generator).bfloat16())
+    packed_int8 = row_kernel.pack(torch.randint(-127, 128, (out_features, in_features), generator=generator,
+                                                dtype=torch.int8))
+    scales = torch.rand(out_features, generator=generator)
+    ops = torch.ops.inference_core
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, threads):
+            torch.set_num_threads(count)
+            results.append((ops.linear_rows(x, packed, out_features),
+                            ops.linear_rows_int8(x, packed_int8, scales, out_features)))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(one, many) for one, many in zip(*results))

@@ -84,8 +84,9 @@ OP_NAMES = (
 # projection): the first group with a word in the name wins.
 KERNEL_WORDS = (({"gemm", "mm", "bmm", "addmm", "linear", "int8pack", "int4pack"}, PROJECTIONS),
                 ({"softmax"}, ATTENTION), ({"rsqrt", "roll"}, NORMS))
-ROW_KERNEL = "inference_core::linear_rows"  # our projection kernel (model.row_kernel), called from the graph
-ATTENTION_KERNEL = "inference_core::attend_paged"  # our paged attention kernel (model.attention_kernel)
+# Our kernels (model.row_kernel, model.attention_kernel), by the names they record under: the op's, and inside a
+# package compiled with `--kernels` also that of its C entry point (aoti_torch_cpu_<op>), which holds the op's event.
+OUR_KERNELS = {"linear_rows": PROJECTIONS, "linear_rows_int8": PROJECTIONS, "attend_paged": ATTENTION}
 SAMPLING_OPS = {"softmax", "_softmax", "log_softmax", "_log_softmax", "argmax", "multinomial", "topk", "sort",
                 "cumsum", "exponential_"}  # outside the forward only (inside it softmax is attention's)
 
@@ -117,12 +118,11 @@ def kernel_category(name: str) -> str:
     """The category of a kernel inside a compiled graph, from the ops its name lists (KERNEL_WORDS), else the graph's:
     'graph_0_gemm_m1n3072k576_cpp_fused_..._mean_mm_mul_pow_rsqrt_5' is a projection, 'cpp_fused__softmax_...' is
     attention."""
-    if name == ROW_KERNEL:
-        return PROJECTIONS
-    if name == ATTENTION_KERNEL:
-        return ATTENTION
+    ours = OUR_KERNELS.get(name.removeprefix("inference_core::").removeprefix("aoti_torch_cpu_"))
+    if ours is not None:
+        return ours
     # Inductor names a kernel after the ops whose outputs it reads too: our op's name in it is not a projection.
-    words = set(name.rsplit("::", 1)[-1].replace(ROW_KERNEL.split("::")[1], "").split("_"))
+    words = set(name.rsplit("::", 1)[-1].replace("linear_rows", "").split("_"))
     return next((category for names, category in KERNEL_WORDS if words & names), COMPILED)
 
 

@@ -137,6 +137,9 @@ def test_a_compiled_graphs_kernels_go_by_the_ops_their_names_list():
     assert kernel_category("graph_0_cpp_fused_mul_silu_slice_6") == COMPILED
     assert kernel_category("inference_core::linear_rows") == PROJECTIONS  # our kernel (model.row_kernel)
     assert kernel_category("inference_core::attend_paged") == ATTENTION  # and model.attention_kernel
+    for name in ("inference_core::linear_rows_int8", "aoti_torch_cpu_linear_rows", "aoti_torch_cpu_linear_rows_int8"):
+        assert kernel_category(name) == PROJECTIONS  # the ops' C entry points, in a package compiled with --kernels
+    assert kernel_category("aoti_torch_cpu_attend_paged") == ATTENTION
     assert kernel_category("cpp_fused__softmax__to_copy_add_index_linear_rows_masked_fill_mul_roll_5") == ATTENTION
     assert kernel_category("cpp_fused__to_copy_add_linear_rows_mean_mul_pow_rsqrt_4") == NORMS
     graph = Event("ic::compiled_graph", 10, 60, [

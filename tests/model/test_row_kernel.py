@@ -164,7 +164,8 @@ class OurOps(torch.nn.Module):
 
 def test_a_compiled_package_calls_the_ops_as_c_functions(op, tmp_path):
     """AOTInductor calls our ops through their C entry points (`row_kernel.c_shims`), not its proxy executor, with
-    the same results as the ops called from Python."""
+    the same results as the ops called from Python; each call records itself under the op's name for the profiler
+    (`bench.profile` attributes the step's time by it)."""
     generator = torch.Generator().manual_seed(1)
     pool = torch.randn(4, 16, 1, 64, generator=generator).bfloat16()
     args = (torch.randn(1, 64, generator=generator).bfloat16(), pool, pool.flip(0).contiguous(),
@@ -175,7 +176,12 @@ def test_a_compiled_package_calls_the_ops_as_c_functions(op, tmp_path):
         path = torch._inductor.aoti_compile_and_package(
             program, package_path=str(tmp_path / "ops.pt2"),
             inductor_configs={"freezing": True, "aot_inductor.custom_ops_to_c_shims": row_kernel.c_shims()})
-        assert torch.equal(torch._inductor.aoti_load_package(path)(*args), module(*args))
+        package, want = torch._inductor.aoti_load_package(path), module(*args)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            got = package(*args)
+    assert torch.equal(got, want)
+    recorded = {event.name for event in profiler.events()}
+    assert {f"inference_core::{name}" for name in ("linear_rows", "linear_rows_int8", "attend_paged")} <= recorded
     with zipfile.ZipFile(path) as package:
         (wrapper,) = [package.read(name).decode() for name in package.namelist() if name.endswith("wrapper.cpp")]
     for name in ("linear_rows", "linear_rows_int8", "attend_paged"):  # declared, then called

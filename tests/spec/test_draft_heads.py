@@ -282,7 +282,7 @@ def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers,
 
 # --- the shipped heads on the bundled model ------------------------------------------------------------------------
 
-LOSSLESS_TOKENS = 64
+LOSSLESS_TOKENS = 40  # ten 4-token blocks, a chain or a tree each step
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -151,8 +151,8 @@ def test_sampled_speculation_runs_and_leaks_nothing(bundled, bench_prompts):
 
 
 # Tokens per case of the lossless matrix (3 prompts, each with its draft length, per source and KV mode), each case
-# rolling back rejected drafts many times (early exit and the draft model: at most steps); 40 tokens cross ten 4-token
-# blocks (the oracle tests run 128 without speculation).
+# rolling back rejected drafts many times (early exit and the draft model roll back at most of their steps); 40 tokens
+# cross ten 4-token blocks (the oracle tests run 128 without speculation).
 LOSSLESS_TOKENS = 40
 
 

@@ -283,6 +283,9 @@ class CompiledDecoder:
         if self.row_kernel_off is not None:
             for name in ours:
                 self.options.pop(name)
+        # Greedy steps back to back (`run_greedy`): the host's work between two packages' calls in one op of ours
+        # (`model.step_kernel`), where the extension builds; else the same work from Python (`_step`).
+        self.host_advance = self.backend == "aoti" and row_kernel.unavailable() is None
         self.stats = CompileStats(mode=describe_options(device, self.options, self.backend),
                                   warmup_s=time.perf_counter() - started)
         if self.backend == "torch.compile" and device.type == "cuda":  # its attention: `decode_attention`
@@ -382,6 +385,8 @@ class CompiledDecoder:
         sampler's, the read itself) then no longer leaves the device idle. Returns the ids, [steps][len(seqs)].
         Writes the KV of each sequence's next `steps` positions (the caller has made room, and commits each position
         once the token at it is in the sequence)."""
+        if self.host_advance:
+            return self._run_greedy_advancing(seqs, steps)
         firsts = [seq.num_computed_tokens for seq in seqs]
         tokens, ids = [], None
         for step in range(steps):
@@ -389,10 +394,39 @@ class CompiledDecoder:
             tokens.append(ids)
         return torch.stack(tokens).tolist()
 
+    def _run_greedy_advancing(self, seqs, steps: int) -> list[list[int]]:
+        """`run_greedy` with the host's work between two steps in one op of ours (`model.step_kernel`): it writes
+        the new KV, takes the argmax and sets the next step's inputs in the bucket's buffers, in place. The inputs
+        come from the sequences only where the key width the step reads grows."""
+        count, firsts = len(seqs), [seq.num_computed_tokens for seq in seqs]
+        bucket = self.bucket_for(count)
+        tokens = torch.empty(steps, count, dtype=torch.long)
+        window = self.kv_cache.sliding_window or 0
+        width = None
+        for step in range(steps):
+            if self._width_needed(max(firsts) + step) != width:
+                buffers, read_index, key_mask, width = self._prepare(
+                    seqs, [first + step for first in firsts], tokens[step - 1] if step else None)
+            logits, new_k, new_v = self._call(bucket, buffers, read_index, key_mask)
+            torch.ops.inference_core.greedy_advance(
+                logits, new_k, new_v, self.kv_cache.k, self.kv_cache.v, read_index, buffers["input_ids"],
+                buffers["positions"], key_mask, tokens, step, count, self.block_size, window, self.paged)
+        return tokens.tolist()
+
     def _step(self, seqs, positions: list[int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of `seqs` at `positions`, their input tokens read from the sequences, or `input_ids` (a
         device tensor: the previous step's tokens). Returns the logits of the bucket's real rows (a view of the
         graph's output)."""
+        count = len(seqs)
+        buffers, read_index, key_mask, _ = self._prepare(seqs, positions, input_ids)
+        logits, new_k, new_v = self._call(self.bucket_for(count), buffers, read_index, key_mask)
+        self._store(new_k[:, :count], new_v[:, :count], seqs, positions, buffers["positions"][:count],
+                    read_index[:count])
+        return logits[:count]
+
+    def _prepare(self, seqs, positions: list[int], input_ids: torch.Tensor | None):
+        """Fill the bucket's buffers for a step of `seqs` at `positions` (padding rows after them). Returns the
+        buffers, the read index and key mask the graph takes, and the key width (blocks, or positions)."""
         count = len(seqs)
         bucket = self.bucket_for(count)
         buffers = self._bucket_buffers(bucket)
@@ -401,13 +435,12 @@ class CompiledDecoder:
         host = list(positions)
         if input_ids is None:
             host += [seq.token_ids[p] for seq, p in zip(seqs, positions)]
+        width = self._width_needed(max(positions))
         if self.paged:
-            width = self._width(-(-(max(positions) + 1) // self.block_size))
             # Padded with block 0; so are blocks released from a sliding window (FREED, -1): the key mask hides both.
             for seq in seqs:
                 host += ([max(block, 0) for block in seq.block_table[:width]] + [0] * width)[:width]
         else:
-            width = self._width(max(positions) + 1)
             host += [seq.cache_slot for seq in seqs]
         staged = self._to_device(torch.tensor(host, dtype=torch.long))
         position_tensor, staged = staged[:count], staged[count:]
@@ -430,10 +463,11 @@ class CompiledDecoder:
             buffers["input_ids"][count:] = 0
             buffers["positions"][count:] = 0
             key_mask[count:] = False
-        logits, new_k, new_v = self._call(bucket, buffers, read_index, key_mask)
-        self._store(new_k[:, :count], new_v[:, :count], seqs, positions, buffers["positions"][:count],
-                    read_index[:count])
-        return logits[:count]
+        return buffers, read_index, key_mask, width
+
+    def _width_needed(self, last_position: int) -> int:
+        """The key width (`_width`) of a step whose furthest sequence is at `last_position`."""
+        return self._width(-(-(last_position + 1) // self.block_size) if self.paged else last_position + 1)
 
     @torch.inference_mode()
     def warm_up(self, batch_size: int) -> None:

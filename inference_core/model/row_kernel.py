@@ -34,7 +34,8 @@ made a constant, so the compiler folds it into the package once. Where they cann
 bf16 activations, more rows, a failed build: `unavailable`), the projection stays `F.linear` (or ATen's int8 kernel),
 whose kernels inductor picks itself.
 
-The same build holds our paged attention op (`model.attention_kernel`): one extension, one build, one `unavailable`.
+The same build holds our paged attention op (`model.attention_kernel`) and the host's work between compiled greedy
+steps (`model.step_kernel`): one extension, one build, one `unavailable`.
 A compiled package calls all three ops as C functions (`SHIMS`, `c_shims`), not through AOTInductor's proxy executor.
 """
 
@@ -51,7 +52,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.cpp_extension
 
-from inference_core.model import attention_kernel
+from inference_core.model import attention_kernel, step_kernel
 from inference_core.model.paths import cache_root
 
 BLOCK = 48  # output features per packed block (three 16-lane fp32 vectors, or six 8-lane ones)
@@ -320,7 +321,7 @@ def _build() -> str | None:
     if capability not in FLAGS:
         return f"it needs AVX-512 or AVX2 (this CPU: {capability})"
     flags = FLAGS[capability]
-    source = SOURCE + attention_kernel.SOURCE + SHIMS  # one extension: our projection and attention ops
+    source = SOURCE + attention_kernel.SOURCE + step_kernel.SOURCE + SHIMS  # one extension: all of our ops
     name = "inference_core_rows_" + hashlib.blake2b((source + repr(flags) + torch.__version__).encode(),
                                                      digest_size=6).hexdigest()
     directory = cache_root() / "row-kernel" / name

@@ -19,8 +19,49 @@ from __future__ import annotations
 SOURCE = r"""
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace step {
+
+// torch.argmax of one row: the first index of the maximum, a NaN above everything (the first NaN). One pass for the
+// maximum and whether a NaN is there, one to find the first lane equal to it, a vector at a time.
+#if defined(__AVX512F__)
+inline bool has_nan(__m512 x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0; }
+inline unsigned equal_lanes(__m512 x, __m512 y) { return _mm512_cmp_ps_mask(x, y, _CMP_EQ_OQ); }
+#else
+inline bool has_nan(__m256 x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0; }
+inline unsigned equal_lanes(__m256 x, __m256 y) { return _mm256_movemask_ps(_mm256_cmp_ps(x, y, _CMP_EQ_OQ)); }
+#endif
+int64_t first_max(const float* x, int64_t n) {
+  const int64_t whole = n / LANES * LANES;
+  vec top = vset1(-std::numeric_limits<float>::infinity());
+  bool nan = false;
+  float best = -std::numeric_limits<float>::infinity();
+  if (whole) {
+    for (int64_t i = 0; i < whole; i += LANES) {
+      const auto v = attention::vload(x + i);
+      nan = nan || has_nan(v);
+      top = attention::vmax(top, v);
+    }
+    alignas(64) float lanes[LANES];
+    attention::vstoreu(lanes, top);
+    for (int64_t j = 0; j < LANES; ++j) best = std::max(best, lanes[j]);
+  }
+  for (int64_t i = whole; i < n; ++i) {
+    nan = nan || std::isnan(x[i]);
+    best = std::max(best, x[i]);
+  }
+  if (nan) {
+    for (int64_t i = 0; i < n; ++i)
+      if (std::isnan(x[i])) return i;
+  }
+  const auto target = vset1(best);
+  for (int64_t i = 0; i < whole; i += LANES)
+    if (const unsigned lanes = equal_lanes(attention::vload(x + i), target)) return i + __builtin_ctz(lanes);
+  for (int64_t i = whole; i < n; ++i)
+    if (x[i] == best) return i;
+  return 0;
+}
 
 // logits [bucket, V] fp32; new_k, new_v [layers, bucket, KVH, D], the pools' dtype; paged pools [layers, blocks,
 // block_size, KVH, D] with read_index [bucket, >= width] the block table, contiguous pools [layers, slots, KVH,
@@ -86,16 +127,7 @@ void greedy_advance(const at::Tensor& logits, const at::Tensor& new_k, const at:
           std::memcpy(vp + at * head, nv + ((l * bucket + r) * KVH + h) * head, head);
         }
     }
-    const float* x = scores + r * V;  // torch.argmax: the first maximum, a NaN above everything
-    int64_t best = 0;
-    if (!std::isnan(x[0]))
-      for (int64_t i = 1; i < V; ++i) {
-        if (std::isnan(x[i])) {
-          best = i;
-          break;
-        }
-        if (x[i] > x[best]) best = i;
-      }
+    const int64_t best = first_max(scores + r * V, V);
     out[r] = ids[r] = best;
     pos[r] = p + 1;
     // The next position's mask: the key just written joins; with a window, the key that leaves it goes.

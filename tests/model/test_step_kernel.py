@@ -102,3 +102,27 @@ def test_the_op_refuses_what_it_cannot_take(op):
         call(positions=torch.tensor([40, 2, 0]))
     with pytest.raises(RuntimeError, match="outside the pool"):
         call(read_index=torch.full((3, 3), BLOCKS, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("vocab", [5, 50, 49152])
+def test_the_tokens_are_torch_argmax(op, vocab):
+    """Ties, NaNs, -inf and the maximum in the last lanes a vector does not fill, at a short and the bundled model's
+    vocabulary: the op's token is torch.argmax's."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=generator)
+    logits[1, [vocab // 2, vocab - 1]] = 9.0  # a tie
+    logits[2, vocab - 1] = float("nan")  # a NaN in the tail
+    logits[3, [1, vocab - 2]] = float("nan")  # two NaNs
+    logits[4] = float("-inf")  # nothing but -inf
+    logits[5, vocab - 1] = 9.0  # the maximum in the tail
+    logits[6, 0] = 9.0  # at the first index
+    logits[7] = 1.0  # all equal
+    rows = logits.shape[0]
+    pool = torch.zeros(1, rows, BLOCK_SIZE, 1, HEAD_DIM)
+    new = torch.zeros(1, rows, 1, HEAD_DIM)
+    read_index = torch.arange(rows, dtype=torch.int32)[:, None]
+    tokens = torch.zeros(1, rows, dtype=torch.long)
+    op(logits, new, new, pool, pool.clone(), read_index, torch.zeros(rows, dtype=torch.long),
+       torch.zeros(rows, dtype=torch.long), torch.zeros(rows, BLOCK_SIZE, dtype=torch.bool), tokens, 0, rows,
+       BLOCK_SIZE, 0, True)
+    assert tokens[0].tolist() == logits.argmax(dim=-1).tolist()

@@ -13,7 +13,9 @@ the KV cache, and is written so that a compiler can turn it into a few fused ker
   paged gathers whole blocks through the block table; a [batch, width] mask hides keys at or past each sequence's
   position, and the new token's own key is scored separately (softmax over [cached keys, own key]). The graph
   returns the logits and every layer's new k and v, which `store` writes into the cache with one indexed copy each
-  (an in-place write inside the graph measured slower than eager: the compiler copied whole cache buffers).
+  (an in-place write inside the graph measured slower than eager: the compiler copied whole cache buffers). Between
+  the CPU package's greedy steps back to back (`run_greedy`), one op of ours does that write, the argmax and the next
+  step's inputs (`model.step_kernel`).
 - The key width is the batch's longest context (paged: whole blocks), marked dynamic so that one compiled graph
   serves every length. On CUDA, where a CUDA graph is recorded for each shape it meets, the attention is one Triton
   kernel a layer (`triton_attention`) that reads each sequence up to its own position: the graph then takes the
@@ -285,7 +287,7 @@ class CompiledDecoder:
                 self.options.pop(name)
         # Greedy steps back to back (`run_greedy`): the host's work between two packages' calls in one op of ours
         # (`model.step_kernel`), where the extension builds; else the same work from Python (`_step`).
-        self.host_advance = self.backend == "aoti" and row_kernel.unavailable() is None
+        self.host_advance = self.backend == "aoti" and device.type == "cpu" and row_kernel.unavailable() is None
         self.stats = CompileStats(mode=describe_options(device, self.options, self.backend),
                                   warmup_s=time.perf_counter() - started)
         if self.backend == "torch.compile" and device.type == "cuda":  # its attention: `decode_attention`

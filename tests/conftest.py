@@ -53,6 +53,23 @@ def awq_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def our_ops_reason() -> str | None:
+    """Why our C++ ops (`model.row_kernel`'s extension: projections, attention, the greedy step) cannot run here
+    (built on first use: about 35 s once per machine), None where they can."""
+    from inference_core.engine.compiled import compile_unavailable
+    from inference_core.model import row_kernel
+
+    return row_kernel.unavailable() if compile_unavailable(torch.device("cpu")) is None else "no C++ compiler"
+
+
+@pytest.fixture
+def our_ops(our_ops_reason):
+    """Skips a test of our C++ ops where they cannot run (`our_ops_reason`)."""
+    if our_ops_reason is not None:
+        pytest.skip(f"the op cannot run here: {our_ops_reason}")
+
+
+@pytest.fixture(scope="session")
 def bundled():
     """SmolLM2-135M-Instruct from the bundled GGUF, fp32 on the CPU (converted once into the local cache)."""
     torch.manual_seed(0)

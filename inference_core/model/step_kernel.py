@@ -34,19 +34,17 @@ inline unsigned equal_lanes(__m256 x, __m256 y) { return _mm256_movemask_ps(_mm2
 #endif
 int64_t first_max(const float* x, int64_t n) {
   const int64_t whole = n / LANES * LANES;
-  vec top = vset1(-std::numeric_limits<float>::infinity());
+  vec top = vset1(-std::numeric_limits<float>::infinity());  // -inf in every lane where no whole vector is read
   bool nan = false;
   float best = -std::numeric_limits<float>::infinity();
-  if (whole) {
-    for (int64_t i = 0; i < whole; i += LANES) {
-      const auto v = attention::vload(x + i);
-      nan = nan || has_nan(v);
-      top = attention::vmax(top, v);
-    }
-    alignas(64) float lanes[LANES];
-    attention::vstoreu(lanes, top);
-    for (int64_t j = 0; j < LANES; ++j) best = std::max(best, lanes[j]);
+  for (int64_t i = 0; i < whole; i += LANES) {
+    const auto v = attention::vload(x + i);
+    nan = nan || has_nan(v);
+    top = attention::vmax(top, v);
   }
+  alignas(64) float lanes[LANES];
+  attention::vstoreu(lanes, top);
+  for (int64_t j = 0; j < LANES; ++j) best = std::max(best, lanes[j]);
   for (int64_t i = whole; i < n; ++i) {
     nan = nan || std::isnan(x[i]);
     best = std::max(best, x[i]);
@@ -88,10 +86,9 @@ void greedy_advance(const at::Tensor& logits, const at::Tensor& new_k, const at:
               tokens.size(1) >= count && 0 < count && count <= bucket && block_size > 0,
               "greedy_advance: int64 ids and positions, a bool key mask, int64 tokens [steps, rows]");
   TORCH_CHECK(read_index.size(0) >= count && read_index.stride(-1) == 1 &&
-              (paged ? read_index.dim() == 2 && (read_index.scalar_type() == at::kInt ||
-                                                 read_index.scalar_type() == at::kLong)
+              (paged ? read_index.dim() == 2 && read_index.scalar_type() == at::kInt
                      : read_index.dim() == 1 && read_index.scalar_type() == at::kLong),
-              "greedy_advance: a block table [bucket, blocks] (paged) or slots [bucket] (contiguous)");
+              "greedy_advance: an int32 block table [bucket, blocks] (paged) or int64 slots [bucket] (contiguous)");
   const int64_t V = logits.size(1), keys = key_mask.size(1), bytes = k_pool.element_size();
   const float* scores = logits.data_ptr<float>();
   const char* nk = static_cast<const char*>(new_k.data_ptr());
@@ -107,9 +104,7 @@ void greedy_advance(const at::Tensor& logits, const at::Tensor& new_k, const at:
     if (paged) {  // the pool as [layers, blocks * block_size, KVH, D]
       const int64_t column = p / block_size;
       TORCH_CHECK(0 <= p && column < read_index.size(1), "greedy_advance: a position past the block table");
-      const int64_t block = read_index.scalar_type() == at::kInt
-          ? read_index.data_ptr<int32_t>()[r * read_index.stride(0) + column]
-          : read_index.data_ptr<int64_t>()[r * read_index.stride(0) + column];
+      const int64_t block = read_index.data_ptr<int32_t>()[r * read_index.stride(0) + column];
       TORCH_CHECK(0 <= block && block < k_pool.size(1), "greedy_advance: a block outside the pool");
       const int64_t slot = block * block_size + p % block_size, layer = k_pool.stride(0) * bytes;
       for (int64_t l = 0; l < L; ++l) {

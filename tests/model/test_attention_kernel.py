@@ -11,15 +11,8 @@ from tiny_models import TINY, write_word_level_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import inference_core
-from inference_core.engine.compiled import DecodeGraph, _attend_one_fused, _read_context, compile_unavailable
-from inference_core.model import attention_kernel, row_kernel
-
-
-@pytest.fixture(scope="module")
-def op():
-    reason = row_kernel.unavailable() if compile_unavailable(torch.device("cpu")) is None else "no C++ compiler"
-    if reason is not None:
-        pytest.skip(f"the op cannot run here: {reason}")
+from inference_core.engine.compiled import DecodeGraph, _attend_one_fused, _read_context
+from inference_core.model import attention_kernel
 
 
 def paged_case(batch: int, blocks: int, kv_heads: int, group: int, head_dim: int, seed: int):
@@ -49,7 +42,7 @@ def paged_case(batch: int, blocks: int, kv_heads: int, group: int, head_dim: int
     (2, 2, 4, 1, 128),
     (1, 1, 8, 2, 128),  # Qwen3-0.6B's heads, one block
 ])
-def test_the_op_equals_the_attention_inductor_compiles(op, batch, blocks, kv_heads, group, head_dim):
+def test_the_op_equals_the_attention_inductor_compiles(our_ops, batch, blocks, kv_heads, group, head_dim):
     q, k, v, k_pool, v_pool, table, mask = paged_case(batch, blocks, kv_heads, group, head_dim, seed=blocks)
     k_ctx, v_ctx = _read_context(k_pool, v_pool, table, blocks, paged=True)
     want = _attend_one_fused(q, k, v, k_ctx, v_ctx, mask, head_dim**-0.5)
@@ -58,7 +51,7 @@ def test_the_op_equals_the_attention_inductor_compiles(op, batch, blocks, kv_hea
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
-def test_the_op_refuses_a_pool_of_another_layout(op):
+def test_the_op_refuses_a_pool_of_another_layout(our_ops):
     q, k, v, k_pool, v_pool, table, mask = paged_case(1, 2, 3, 3, 64, seed=0)
     with pytest.raises(RuntimeError, match="bf16 pools"):  # heads and positions swapped, as a contiguous cache has
         attention_kernel.attend(q, k, v, k_pool.transpose(1, 2).contiguous(), v_pool.transpose(1, 2).contiguous(),
@@ -89,7 +82,7 @@ def wide_heads(tmp_path_factory):
     return inference_core.load_model(str(directory), device="cpu", dtype="bfloat16")
 
 
-def test_an_exported_step_calls_it_only_where_asked(op, wide_heads):
+def test_an_exported_step_calls_it_only_where_asked(our_ops, wide_heads):
     pool = torch.randn(1, 8, 16, 2, 64).bfloat16()
     args = (torch.tensor([5, 7]), torch.tensor([40, 3]), torch.tensor([[1, 2, 3], [4, 0, 0]], dtype=torch.int32),
             torch.arange(48)[None, :] < torch.tensor([[40], [3]]), pool, pool.clone())

@@ -20,21 +20,10 @@ from inference_core.quant.linear import QuantLinear
 
 
 
-@pytest.fixture(scope="module")
-def reason() -> str | None:
-    """Why the op cannot run here (built on first use: about 35 s once per machine), None where it can."""
-    return row_kernel.unavailable() if compile_unavailable(torch.device("cpu")) is None else "no C++ compiler"
-
-
-@pytest.fixture
-def op(reason):
-    if reason is not None:
-        pytest.skip(f"the op cannot run here: {reason}")
-
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 40), (577, 576), (7, 1536)])
-def test_the_op_equals_an_fp32_matmul_rounded_to_bf16(op, rows, out_features, in_features):
+def test_the_op_equals_an_fp32_matmul_rounded_to_bf16(our_ops, rows, out_features, in_features):
     """Every row count it takes, output features that fill no whole block of 48, any input width: the fp32 sums of
     the bf16 products, rounded once to bf16 (within the rounding of two orders of summation)."""
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -50,7 +39,7 @@ def test_the_op_equals_an_fp32_matmul_rounded_to_bf16(op, rows, out_features, in
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (577, 576), (7, 1536)])
-def test_the_int8_op_equals_an_fp32_matmul_of_the_dequantized_weight(op, rows, out_features, in_features):
+def test_the_int8_op_equals_an_fp32_matmul_of_the_dequantized_weight(our_ops, rows, out_features, in_features):
     """int8 weights, a scale per output feature (QuantLinear's int8 scheme, its bf16 scales): the fp32 sums of x q
     times the scale, rounded once to bf16, as ATen's `_weight_int8pack_mm` computes them (in another order)."""
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -66,7 +55,7 @@ def test_the_int8_op_equals_an_fp32_matmul_of_the_dequantized_weight(op, rows, o
 
 
 @pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
-def test_a_quantized_int8_projection_calls_it_while_tracing_where_measured_faster(op, capability, monkeypatch):
+def test_a_quantized_int8_projection_calls_it_while_tracing_where_measured_faster(our_ops, capability, monkeypatch):
     """`QuantLinear`'s int8 scheme in an exported decode step: our op on a CPU of `INT8_CAPABILITIES` (inductor's
     int8 template elsewhere), with the same outputs as the eager layer's ATen kernel to one bf16 rounding."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
@@ -81,7 +70,7 @@ def test_a_quantized_int8_projection_calls_it_while_tracing_where_measured_faste
     assert torch.allclose(traced.module()(x).float(), quantized(x).float(), rtol=2 ** -7, atol=1e-3)
 
 
-def test_the_op_refuses_a_weight_that_is_not_packed(op):
+def test_the_op_refuses_a_weight_that_is_not_packed(our_ops):
     x = torch.randn(1, 64).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="row_kernel.pack"):
         torch.ops.inference_core.linear_rows(x, torch.randn(48, 64).to(torch.bfloat16), 48)
@@ -113,7 +102,7 @@ def test_it_is_refused_without_avx2(monkeypatch):
 
 
 @pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
-def test_compiled_decode_uses_it_for_bf16_unless_switched_off(tiny_bf16, reason):
+def test_compiled_decode_uses_it_for_bf16_unless_switched_off(tiny_bf16, our_ops_reason):
     """The default options ask for it and for our attention kernel (`model.attention_kernel`) with a bf16 model
     (where they cannot run, the decoder says why and leaves them out); EngineConfig(row_kernel=False) keeps
     inductor's matmuls, attention_kernel=False inductor's attention, each under a package key of its own."""
@@ -122,13 +111,13 @@ def test_compiled_decode_uses_it_for_bf16_unless_switched_off(tiny_bf16, reason)
     no_mm = Engine(tiny_bf16, EngineConfig(**settings, row_kernel=False)).decoder
     off = Engine(tiny_bf16, EngineConfig(**settings, row_kernel=False, attention_kernel=False)).decoder
     for word in ("row-kernel", "attention-kernel"):
-        assert (word in on.stats.mode) == (reason is None) and on.row_kernel_off == reason
-    assert "row-kernel" not in no_mm.stats.mode and ("attention-kernel" in no_mm.stats.mode) == (reason is None)
+        assert (word in on.stats.mode) == (our_ops_reason is None) and on.row_kernel_off == our_ops_reason
+    assert "row-kernel" not in no_mm.stats.mode and ("attention-kernel" in no_mm.stats.mode) == (our_ops_reason is None)
     assert "kernel" not in off.stats.mode and off.row_kernel_off == "not asked for"
-    assert on.step.our_attention == no_mm.step.our_attention == (reason is None) and not off.step.our_attention
+    assert on.step.our_attention == no_mm.step.our_attention == (our_ops_reason is None) and not off.step.our_attention
     args = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     keys = {on._package_key(args), no_mm._package_key(args), off._package_key(args)}
-    assert len(keys) == (3 if reason is None else 1)
+    assert len(keys) == (3 if our_ops_reason is None else 1)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +151,7 @@ class OurOps(torch.nn.Module):
         return row_kernel.linear_int8(attended.repeat(1, 3), self.out_int8, self.scales)
 
 
-def test_a_compiled_package_calls_the_ops_as_c_functions(op, tmp_path):
+def test_a_compiled_package_calls_the_ops_as_c_functions(our_ops, tmp_path):
     """AOTInductor calls our ops through their C entry points (`row_kernel.c_shims`), not its proxy executor, with
     the same results as the ops called from Python; each call records itself under the op's name for the profiler
     (`bench.profile` attributes the step's time by it)."""
@@ -191,7 +180,7 @@ def test_a_compiled_package_calls_the_ops_as_c_functions(op, tmp_path):
 
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 577, 64), (1, 48, 40), (1, 1000, 16), (2, 150, 8)])
-def test_the_threads_share_of_the_blocks_changes_no_bit(op, threads, rows, out_features, in_features):
+def test_the_threads_share_of_the_blocks_changes_no_bit(our_ops, threads, rows, out_features, in_features):
     """The threads take the blocks as they come free (two a range, one from each end): the result is that of one
     thread, bit for bit, for the bf16 and the int8 op, with an odd thread count and odd block counts."""
     generator = torch.Generator().manual_seed(threads)

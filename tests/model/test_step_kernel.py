@@ -8,17 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_core.engine.compiled import compile_unavailable
-from inference_core.model import row_kernel
-
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCKS, SLOTS, MAX_LEN, VOCAB = 2, 2, 8, 4, 6, 3, 24, 50
 
 
-@pytest.fixture(scope="module")
-def op():
-    reason = row_kernel.unavailable() if compile_unavailable(torch.device("cpu")) is None else "no C++ compiler"
-    if reason is not None:
-        pytest.skip(f"the op cannot run here: {reason}")
+@pytest.fixture
+def greedy_advance(our_ops):
     return torch.ops.inference_core.greedy_advance
 
 
@@ -53,7 +47,7 @@ def mask_at(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("window", [None, 4])
-def test_the_op_does_what_the_torch_ops_do(op, paged, dtype, window):
+def test_the_op_does_what_the_torch_ops_do(greedy_advance, paged, dtype, window):
     s = step_inputs(paged, dtype, window, torch.Generator().manual_seed(3 * paged + 5 * (window or 0)))
     count, (new_k, new_v), (k_pool, v_pool) = s["count"], s["new"], s["pools"]
     want_k, want_v = k_pool.clone(), v_pool.clone()
@@ -72,8 +66,8 @@ def test_the_op_does_what_the_torch_ops_do(op, paged, dtype, window):
 
     input_ids = torch.tensor([1, 2, 0])
     tokens = torch.full((4, count), -1, dtype=torch.long)
-    op(s["logits"], new_k, new_v, k_pool, v_pool, s["read_index"], input_ids, s["positions"], s["mask"], tokens, 2,
-       count, BLOCK_SIZE if paged else 1, window or 0, paged)
+    greedy_advance(s["logits"], new_k, new_v, k_pool, v_pool, s["read_index"], input_ids, s["positions"], s["mask"],
+                   tokens, 2, count, BLOCK_SIZE if paged else 1, window or 0, paged)
 
     assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
     assert tokens[2].tolist() == want_tokens.tolist() and (tokens[[0, 1, 3]] == -1).all()
@@ -83,7 +77,7 @@ def test_the_op_does_what_the_torch_ops_do(op, paged, dtype, window):
     assert torch.equal(s["positions"][count:], padding[0]) and torch.equal(s["mask"][count:], padding[1])
 
 
-def test_the_op_refuses_what_it_cannot_take(op):
+def test_the_op_refuses_what_it_cannot_take(greedy_advance):
     s = step_inputs(True, torch.bfloat16, None, torch.Generator().manual_seed(0))
     (new_k, new_v), (k_pool, v_pool) = s["new"], s["pools"]
     args = dict(logits=s["logits"], new_k=new_k, new_v=new_v, k_pool=k_pool, v_pool=v_pool,
@@ -92,7 +86,7 @@ def test_the_op_refuses_what_it_cannot_take(op):
 
     def call(**changes):
         values = {**args, **changes}
-        op(*values.values(), 0, s["count"], BLOCK_SIZE, 0, True)
+        greedy_advance(*values.values(), 0, s["count"], BLOCK_SIZE, 0, True)
 
     with pytest.raises(RuntimeError, match="pools' dtype"):
         call(new_k=new_k.float(), new_v=new_v.float())
@@ -100,12 +94,14 @@ def test_the_op_refuses_what_it_cannot_take(op):
         call(logits=s["logits"].to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="past the block table"):
         call(positions=torch.tensor([40, 2, 0]))
+    with pytest.raises(RuntimeError, match="int32 block table"):
+        call(read_index=s["read_index"].long())
     with pytest.raises(RuntimeError, match="outside the pool"):
         call(read_index=torch.full((3, 3), BLOCKS, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("vocab", [5, 50, 49152])
-def test_the_tokens_are_torch_argmax(op, vocab):
+def test_the_tokens_are_torch_argmax(greedy_advance, vocab):
     """Ties, NaNs, -inf and the maximum in the last lanes a vector does not fill, at a short and the bundled model's
     vocabulary: the op's token is torch.argmax's."""
     generator = torch.Generator().manual_seed(vocab)
@@ -122,7 +118,7 @@ def test_the_tokens_are_torch_argmax(op, vocab):
     new = torch.zeros(1, rows, 1, HEAD_DIM)
     read_index = torch.arange(rows, dtype=torch.int32)[:, None]
     tokens = torch.zeros(1, rows, dtype=torch.long)
-    op(logits, new, new, pool, pool.clone(), read_index, torch.zeros(rows, dtype=torch.long),
-       torch.zeros(rows, dtype=torch.long), torch.zeros(rows, BLOCK_SIZE, dtype=torch.bool), tokens, 0, rows,
-       BLOCK_SIZE, 0, True)
+    greedy_advance(logits, new, new, pool, pool.clone(), read_index, torch.zeros(rows, dtype=torch.long),
+                   torch.zeros(rows, dtype=torch.long), torch.zeros(rows, BLOCK_SIZE, dtype=torch.bool), tokens, 0,
+                   rows, BLOCK_SIZE, 0, True)
     assert tokens[0].tolist() == logits.argmax(dim=-1).tolist()

@@ -19,8 +19,6 @@ from inference_core.model.llama import Linear
 from inference_core.quant.linear import QuantLinear
 
 
-
-
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 40), (577, 576), (7, 1536)])
 def test_the_op_equals_an_fp32_matmul_rounded_to_bf16(our_ops, rows, out_features, in_features):

@@ -4,9 +4,13 @@ prompt processing (`pp512`) on the same GGUF file, the numbers llama.cpp's users
 `llama-bench` is built from the llama.cpp source that `llama-cpp-python`'s source distribution carries (the version
 `--peer llama-cpp` installs, `LLAMA_CPP_PYTHON`): pip downloads the source distribution (from the package registry
 only), CMake builds the one target with `BUILD_FLAGS` (native CPU code, as a local llama.cpp build has), and the binary
-is kept in the local cache (`cache_root()/llama-bench/VERSION/`), so only the first use builds (about 10 minutes on
-2 cores). Where it cannot be built (no CMake or C++ compiler, no registry, a failed build), the bench reports the row
-as absent with the reason, like `--peer llama-cpp` without its install.
+is kept in the local cache (`cache_root()/llama-bench/VERSION/`), so only the first use builds (about 5-10 minutes on
+2 cores). Each bench first runs it on a 16-token prompt: on a 2-vCPU Intel host with AMX (2026-11-29) the native
+build's AMX path died on every prompt of more than one token (SIGSEGV in `ggml_backend_amx_mul_mat`, llama.cpp issue
+20824), so where the native build crashes on a CPU with AMX, a build without llama.cpp's AMX code is made and used, and
+the row's `llama_bench.flags` and `built_because` say so. Where it cannot be built (no CMake or C++ compiler, no
+registry, a failed build), the bench reports the row as absent with the reason, like `--peer llama-cpp` without its
+install.
 
 What a row holds: `decode_tokens_per_s` is tg128 (128 tokens generated after an empty context, each a batch of one),
 `prefill_long_tokens_per_s` is pp512 (a 512-token prompt in one batch; the bench's `--long-prompt-tokens`), both
@@ -28,12 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from inference_core.bench.llama_cpp import PeerUnavailable, gguf_quant
+from inference_core.bench.llama_cpp import NO_AMX, PeerUnavailable, cpu_has_amx, failure, gguf_quant
 from inference_core.model.paths import cache_root
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp is built
 BUILD_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF")
+# The native build less llama.cpp's AMX code (`llama_cpp.NO_AMX`), where the native one crashes.
+NO_AMX_FLAGS = (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 PROMPT_TOKENS, GEN_TOKENS = 512, 128
 
 
@@ -41,9 +47,43 @@ def binary_dir() -> Path:
     return cache_root() / "llama-bench" / LLAMA_CPP_PYTHON
 
 
-def llama_bench_binary(build: bool = True) -> Path:
-    """The cached `llama-bench`, built first where it is missing (`build`); PeerUnavailable says why it cannot be."""
-    binary = binary_dir() / "llama-bench"
+def llama_bench_binary(gguf: Path | None = None, threads: int = 1, build: bool = True) -> Path:
+    """The cached `llama-bench` that runs here, built first where it is missing (`build`); PeerUnavailable says why
+    there is none. With `gguf`, the binary is first checked on a short prompt and two tokens (`crash`): where the
+    native build dies on a CPU with AMX, a second build with llama.cpp's AMX code left out (`NO_AMX_FLAGS`) is the
+    one used, and its build record says why (`build_record`)."""
+    native = _built(binary_dir() / "llama-bench", BUILD_FLAGS, build)
+    if gguf is None or (failure := crash(native, gguf, threads)) is None:
+        return native
+    if not cpu_has_amx():
+        raise PeerUnavailable(f"llama-bench (built here with {' '.join(BUILD_FLAGS)}) crashed on a 16-token prompt: "
+                              f"{failure}")
+    print(f"bench: the native llama-bench crashed on a 16-token prompt ({failure}); this CPU has AMX, whose llama.cpp "
+          "path crashes on some hosts (llama.cpp issue 20824), so llama-bench is built without it", flush=True)
+    fallback = _built(binary_dir() / "llama-bench-no-amx", BUILD_FLAGS + NO_AMX_FLAGS, build,
+                      why=f"the native build crashed on a 16-token prompt here ({failure})")
+    if (failure := crash(fallback, gguf, threads)) is not None:
+        raise PeerUnavailable(f"llama-bench crashed on a 16-token prompt, built natively and without AMX: {failure}")
+    return fallback
+
+
+def crash(binary: Path, gguf: Path, threads: int) -> str | None:
+    """How `binary` fails a 16-token prompt and two generated tokens on `gguf` (None: it runs)."""
+    try:
+        return failure(subprocess.run([str(binary), "-m", str(gguf), "-p", "16", "-n", "2", "-t", str(threads), "-r",
+                                       "1", "-fa", "1", "-o", "json"], capture_output=True, text=True, timeout=300))
+    except subprocess.TimeoutExpired:
+        return "no answer within 300 s"
+
+
+def build_record(binary: Path) -> dict:
+    """What `_built` wrote beside `binary`: the release, the CMake flags, the build's seconds and why it was made."""
+    record = binary.with_name(binary.name + ".json")
+    return json.loads(record.read_text()) if record.is_file() else {}
+
+
+def _built(binary: Path, flags: tuple[str, ...], build: bool, why: str | None = None) -> Path:
+    """`binary`, built from llama.cpp's source with `flags` where it is not in the cache yet."""
     if binary.is_file():
         return binary
     if not build:
@@ -56,15 +96,15 @@ def llama_bench_binary(build: bool = True) -> Path:
         source = _download_source(Path(folder))
         build_dir = Path(folder) / "build"
         started = time.perf_counter()
-        print(f"bench: building llama-bench from llama-cpp-python {LLAMA_CPP_PYTHON}'s llama.cpp (once; about 10 "
+        print(f"bench: building llama-bench from llama-cpp-python {LLAMA_CPP_PYTHON}'s llama.cpp (once; about 5-10 "
               "minutes on 2 cores)", flush=True)
-        _run(["cmake", "-S", str(source), "-B", str(build_dir), *BUILD_FLAGS], "configuring llama.cpp")
+        _run(["cmake", "-S", str(source), "-B", str(build_dir), *flags], "configuring llama.cpp")
         _run(["cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", str(os.cpu_count() or 1)],
              "building llama-bench")
         binary.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(build_dir / "bin" / "llama-bench", binary)
-        (binary.parent / "build.json").write_text(json.dumps({
-            "llama_cpp_python": LLAMA_CPP_PYTHON, "flags": list(BUILD_FLAGS),
+        binary.with_name(binary.name + ".json").write_text(json.dumps({
+            "llama_cpp_python": LLAMA_CPP_PYTHON, "flags": list(flags), "why": why,
             "build_s": round(time.perf_counter() - started, 1)}, indent=2))
     return binary
 
@@ -91,7 +131,7 @@ def run_llama_bench(gguf: Path, threads: int, prompt_tokens: int = PROMPT_TOKENS
                     binary: Path | None = None) -> dict:
     """tg128 and pp`prompt_tokens` of `gguf` with `threads` threads: the bench row's fields (see the module
     docstring)."""
-    binary = binary or llama_bench_binary()
+    binary = binary or llama_bench_binary(gguf, threads)
     command = [str(binary), "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(GEN_TOKENS), "-t", str(threads),
                "-r", str(repetitions), "-fa", "1", "-o", "json"]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -108,7 +148,9 @@ def run_llama_bench(gguf: Path, threads: int, prompt_tokens: int = PROMPT_TOKENS
             "prefill_long_tokens_per_s": round(prompt["avg_ts"], 1), "runs": repetitions,
             "llama_bench": {"command": " ".join(command),
                             "build_commit": generate.get("build_commit"), "build_number": generate.get("build_number"),
-                            "cpu_info": generate.get("cpu_info"), "flags": list(BUILD_FLAGS),
+                            "cpu_info": generate.get("cpu_info"),
+                            "flags": build_record(binary).get("flags", list(BUILD_FLAGS)),
+                            "built_because": build_record(binary).get("why"),
                             "tg_stddev": round(generate["stddev_ts"], 2), "pp_stddev": round(prompt["stddev_ts"], 1),
                             "llama_cpp_python": LLAMA_CPP_PYTHON}}
 

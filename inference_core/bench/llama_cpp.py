@@ -21,6 +21,10 @@ What it owns: finding the GGUF that llama.cpp can run for a `--model` (the bundl
 
 from __future__ import annotations
 
+import functools
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,10 +36,51 @@ from inference_core.model.bundled import BUNDLED_NAMES, bundled_gguf_path
 
 PEERS = ("llama-cpp", "llama-bench")  # llama-bench: `inference_core.bench.llama_bench`
 INSTALL_COMMAND = 'CMAKE_ARGS="-DGGML_NATIVE=ON" python -m pip install llama-cpp-python==0.3.36'
+# The same, less llama.cpp's AMX code, for hosts where it crashes (`crash`): GCC keeps an ISA that -mno-... turns off
+# whatever -march=native says.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+NO_AMX_INSTALL_COMMAND = (f"CMAKE_ARGS=\"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'\" "
+                          "python -m pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36")
+# A 16-token prompt and one more token through llama-cpp-python, in a child process (`crash`).
+_CHECK = """import sys, llama_cpp
+threads = int(sys.argv[2])
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_batch=64, n_ubatch=64, n_threads=threads,
+                      n_threads_batch=threads, flash_attn=True, verbose=False)
+llm.eval(list(range(1, 17)))
+llm.eval([1])
+"""
 
 
 class PeerUnavailable(Exception):
     """The peer cannot run here; the message says why and what would change that. The bench reports it, not fails."""
+
+
+def cpu_has_amx() -> bool:
+    """Whether the CPU reports AMX (Linux's `amx_tile` flag)."""
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def failure(done: subprocess.CompletedProcess) -> str | None:
+    """How a finished child process failed (None: it did not)."""
+    if done.returncode < 0:
+        return f"killed by signal {-done.returncode} ({signal.Signals(-done.returncode).name})"
+    return f"exit {done.returncode}: {done.stderr.strip()[-300:]}" if done.returncode else None
+
+
+@functools.cache
+def crash(gguf_path: Path, threads: int) -> str | None:
+    """How llama-cpp-python fails a 16-token prompt on `gguf_path` in a child process (None: it runs). On a 2-vCPU
+    Intel host with AMX (2026-11-29), a native build died in its first prompt (SIGSEGV in llama.cpp's
+    `ggml_backend_amx_mul_mat`, llama.cpp issue 20824), which in the bench's own process would end the bench."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHECK, str(gguf_path), str(threads)], capture_output=True,
+                              text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "no answer within 300 s"
+    return failure(done)
 
 
 def peer_gguf_path(model_spec: str) -> Path:
@@ -69,6 +114,10 @@ class LlamaCppRunner:
             import llama_cpp  # optional dependency: llama-cpp-python (INSTALL_COMMAND)
         except ImportError:
             raise PeerUnavailable(f"llama-cpp-python is not installed; install it with: {INSTALL_COMMAND}") from None
+        if (failed := crash(gguf_path, threads)) is not None:
+            hint = ("; this CPU has AMX, whose llama.cpp path crashes on some hosts (llama.cpp issue 20824): reinstall "
+                    f"llama-cpp-python without it: {NO_AMX_INSTALL_COMMAND}") if cpu_has_amx() else ""
+            raise PeerUnavailable(f"llama-cpp-python crashed on a 16-token prompt here ({failed}){hint}")
         self._llama_cpp = llama_cpp
         self.gguf_path = gguf_path
         self.name = row_name(gguf_path)

@@ -43,6 +43,7 @@ from inference_core.config import ConfigError, EngineConfig
 from inference_core.engine.engine import Engine
 from inference_core.model.checkpoint import resolve_model_dir
 from inference_core.model.dtype_choice import cpu_details, cpu_name
+from inference_core.model import row_kernel
 from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
 from inference_core.quant.linear import QuantConfig, weight_bytes
 from inference_core.quant.quantize import quantize
@@ -197,8 +198,9 @@ def run_bench(args) -> int:
     if "llama-bench" in (args.peer or []):
         try:
             gguf = peer_gguf_path(args.model)
-            llama_bench_binary()  # built once, before any clock runs
-            llama_bench = partial(run_llama_bench, gguf, torch.get_num_threads(), len(long_ids) or PROMPT_TOKENS, 1)
+            binary = llama_bench_binary(gguf, torch.get_num_threads())  # built once and checked, before any clock
+            llama_bench = partial(run_llama_bench, gguf, torch.get_num_threads(), len(long_ids) or PROMPT_TOKENS, 1,
+                                  binary)
         except PeerUnavailable as error:
             absent_peers.append(absent_row(args.model, str(error), "llama-bench"))
             print(f"bench: llama-bench absent: {error}", flush=True)
@@ -408,6 +410,8 @@ def machine_info(device: torch.device) -> dict:
             "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx": torch.cpu._is_amx_tile_supported(),
             "cpu": cpu_details()}
+    if device.type == "cpu" and row_kernel.tuning():  # how our projection loop ran here (where a row loaded it)
+        info["row_kernel_tuning"] = row_kernel.tuning()
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info

@@ -17,6 +17,11 @@ per input feature, 48 weights widened to fp32 (bf16 by a shift, int8 by a sign e
 fused multiply-add per input row into fp32 accumulators, rounded to bf16 at the end (int8: after the scale). The sums
 are F.linear's (int8: `_weight_int8pack_mm`'s) in another order. Up to `MAX_ROWS` input rows share each pass.
 
+How many streams a thread walks (two, or four on AVX-512) and whether the loop asks for each stream's weights some
+bytes ahead (software prefetch) is the host's `tuning`, chosen by measurement once per machine (`measure_tuning`, kept
+beside the build) and changing no bit of any result: on a 2-vCPU Intel host with AMX, where one core reads at most
+13 GB/s, four streams prefetched 1 KB ahead made the bf16 step 1.15x as fast; on the AMD hosts prefetching lost.
+
 The build takes the CPU's widest vectors (`FLAGS`): AVX-512 (three 16-lane vectors a block's row, four input rows a
 pass over two blocks) or AVX2 with FMA (six 8-lane vectors; its 16 registers hold one row's sums for two blocks, or
 two rows' for one block). Measured per host (docs/benchmarks.md): on the AVX-512 Zen 5 host the bf16 form decodes at
@@ -45,8 +50,11 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import json
 import os
+import statistics
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +89,9 @@ using vec = __m512;
 constexpr int LANES = 16;
 constexpr int64_t ROWS_TWO = 4;  // input rows a pass over two blocks (two streams) computes: 24 accumulators
 constexpr int64_t ROWS_ONE = 4;  // ... over one block
+constexpr int64_t ROWS_FOUR = 2;  // ... over four blocks (four streams): 24 accumulators
 constexpr int64_t TWO_STREAMS_UP_TO = 8;  // batches of at most this many rows walk two streams per thread
+constexpr int64_t MAX_STREAMS = 4;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vset1(float a) { return _mm512_set1_ps(a); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -97,7 +107,9 @@ using vec = __m256;
 constexpr int LANES = 8;
 constexpr int64_t ROWS_TWO = 1;  // 12 accumulators of 16 registers
 constexpr int64_t ROWS_ONE = 2;
+constexpr int64_t ROWS_FOUR = 1;  // (unused: four blocks' sums are 24 accumulators)
 constexpr int64_t TWO_STREAMS_UP_TO = 1;  // more rows: one stream, two rows a pass (each block widened half as often)
+constexpr int64_t MAX_STREAMS = 2;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vset1(float a) { return _mm256_set1_ps(a); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -111,12 +123,18 @@ inline vec widen(const int8_t* p) {  // 8 int8 -> 8 fp32
 #endif
 constexpr int NV = BLOCK / LANES;  // vectors a block's row of 48 output features is
 
+// The host's tuning (`row_kernel.tuning`, chosen by measurement once per machine): streams from memory per thread for
+// one row (2, or 4 where MAX_STREAMS allows), and how many bytes ahead of each stream the loop asks for the weights
+// (0: no software prefetch). Neither changes a sum: each output feature's sum runs over k in order either way.
+std::atomic<int64_t> g_streams{2};
+std::atomic<int64_t> g_prefetch{0};
+
 // R input rows against S blocks at once (S streams of the weight in flight per thread: at moments the host's memory
 // gives more, two streams read 91-96 GB/s where one read 66-79, measured on one 270 MB weight). T: the weight's
 // elements, bf16 (as uint16_t) or int8; `scales` (int8: one per output feature, applied to the sums; bf16: null).
-template <int R, int S, typename T>
+template <int R, int S, bool PF, typename T>
 void block_rows(const float* x, int64_t K, const T* const* w, const float* scales, at::BFloat16* out, int64_t N,
-                const int64_t* n0) {
+                const int64_t* n0, int64_t pf) {
   vec acc[S][R][NV];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r)
@@ -126,6 +144,10 @@ void block_rows(const float* x, int64_t K, const T* const* w, const float* scale
     for (int r = 0; r < R; ++r) a[r] = vset1(x[r * K + k]);
     for (int s = 0; s < S; ++s) {
       const T* row = w[s] + k * BLOCK;
+      if constexpr (PF) {  // the lines `pf` bytes ahead of this stream (prefetches never fault past the end)
+        _mm_prefetch(reinterpret_cast<const char*>(row) + pf, _MM_HINT_T0);
+        if constexpr (sizeof(T) * BLOCK > 64) _mm_prefetch(reinterpret_cast<const char*>(row) + pf + 64, _MM_HINT_T0);
+      }
       for (int j = 0; j < NV; ++j) {
         const vec wj = widen(row + LANES * j);
         for (int r = 0; r < R; ++r) acc[s][r][j] = vfma(a[r], wj, acc[s][r][j]);
@@ -146,21 +168,26 @@ void block_rows(const float* x, int64_t K, const T* const* w, const float* scale
 }
 
 // block_rows<r, S> for r = rows <= R (a template argument for each count, so that the accumulators stay registers).
-template <int R, int S, typename T>
+template <int R, int S, bool PF, typename T>
 void rows_pass(int64_t rows, const float* x, int64_t K, const T* const* w, const float* scales, at::BFloat16* out,
-               int64_t N, const int64_t* n0) {
+               int64_t N, const int64_t* n0, int64_t pf) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_pass<R - 1, S>(rows, x, K, w, scales, out, N, n0);
+    if (rows < R) return rows_pass<R - 1, S, PF>(rows, x, K, w, scales, out, N, n0, pf);
   }
-  block_rows<R, S>(x, K, w, scales, out, N, n0);
+  block_rows<R, S, PF>(x, K, w, scales, out, N, n0, pf);
 }
 
 template <int S, typename T>
 void blocks_rows(const float* x, int64_t M, int64_t K, const T* const* w, const float* scales, at::BFloat16* out,
-                 int64_t N, const int64_t* n0) {
-  constexpr int64_t ROWS = S == 2 ? ROWS_TWO : ROWS_ONE;
-  for (int64_t m = 0; m < M; m += ROWS)
-    rows_pass<ROWS, S>(std::min<int64_t>(ROWS, M - m), x + m * K, K, w, scales, out + m * N, N, n0);
+                 int64_t N, const int64_t* n0, int64_t pf) {
+  constexpr int64_t ROWS = S == 4 ? ROWS_FOUR : S == 2 ? ROWS_TWO : ROWS_ONE;
+  for (int64_t m = 0; m < M; m += ROWS) {
+    const int64_t rows = std::min<int64_t>(ROWS, M - m);
+    if (pf)
+      rows_pass<ROWS, S, true>(rows, x + m * K, K, w, scales, out + m * N, N, n0, pf);
+    else
+      rows_pass<ROWS, S, false>(rows, x + m * K, K, w, scales, out + m * N, N, n0, 0);
+  }
 }
 
 // x [M, K] bf16 by the packed weight [blocks, K, 48] (bf16, or int8 with fp32 scales [N]) -> [M, N] bf16.
@@ -174,17 +201,19 @@ at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales,
   auto out = at::empty({M, N}, x.options());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  const int64_t pf = g_prefetch.load(std::memory_order_relaxed);
   if (M > TWO_STREAMS_UP_TO) {  // each block alone (AVX2's registers hold two rows of one block, not of two)
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const int64_t n0[1] = {b * BLOCK};
         const T* w[1] = {wp + b * K * BLOCK};
-        blocks_rows<1>(xf.data(), M, K, w, scales, op, N, n0);
+        blocks_rows<1>(xf.data(), M, K, w, scales, op, N, n0, pf);
       }
     });
     return out;
   }
-  // Two streams a thread: block c of a range's first half beside block c of its second. No thread's share is fixed
+  // S streams a thread: block c of a range's first part beside block c of each other part (S parts). No thread's
+  // share is fixed
   // in advance. With fixed halves, the bundled model's bf16 step on the 2-core AVX2 host spent 8-15% of each op's
   // time with one thread done and the other still reading (which thread varied from run to run); taken as they come
   // free, the step decoded 1.004x and 1.032x as fast (two runs of 30-40 alternating pairs). Each two threads share a
@@ -193,23 +222,34 @@ at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales,
   // sums.
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks / 2));
   const int64_t ranges = (threads + 1) / 2;
+  // Four streams where the host's tuning asks for them, for rows they hold, and where each range has at least 8 sets
+  // of four blocks (fewer, and the two threads' shares of a small weight part unevenly); else two.
+  const int64_t wanted = M <= ROWS_FOUR ? std::min(g_streams.load(std::memory_order_relaxed), MAX_STREAMS) : 2;
+  const int64_t S = wanted == 4 && blocks / ranges >= 32 ? 4 : 2;
   std::unique_ptr<std::atomic<int64_t>[]> claimed(new std::atomic<int64_t>[ranges]);
   for (int64_t r = 0; r < ranges; ++r) claimed[r].store(0);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t r = t / 2, b0 = blocks * 2 * r / threads, b1 = blocks * std::min(2 * r + 2, threads) / threads;
-      const int64_t half = (b1 - b0) / 2;
+      const int64_t part = (b1 - b0) / S;
       const bool back = t % 2 == 1, alone = (t ^ 1) >= threads;
-      for (int64_t i = 0; claimed[r].fetch_add(1, std::memory_order_relaxed) < half; ++i) {
-        const int64_t c = b0 + (back ? half - 1 - i : i);
-        const int64_t n0[2] = {c * BLOCK, (c + half) * BLOCK};
-        const T* w[2] = {wp + c * K * BLOCK, wp + (c + half) * K * BLOCK};
-        blocks_rows<2>(xf.data(), M, K, w, scales, op, N, n0);
+      for (int64_t i = 0; claimed[r].fetch_add(1, std::memory_order_relaxed) < part; ++i) {
+        const int64_t c = b0 + (back ? part - 1 - i : i);
+        int64_t n0[4];
+        const T* w[4];
+        for (int64_t s = 0; s < S; ++s) {
+          n0[s] = (c + s * part) * BLOCK;
+          w[s] = wp + (c + s * part) * K * BLOCK;
+        }
+        if (S == 4)
+          blocks_rows<MAX_STREAMS>(xf.data(), M, K, w, scales, op, N, n0, pf);
+        else
+          blocks_rows<2>(xf.data(), M, K, w, scales, op, N, n0, pf);
       }
-      if ((b1 - b0) % 2 && (back || alone)) {  // the range's odd last block
-        const int64_t n0[1] = {(b1 - 1) * BLOCK};
-        const T* w[1] = {wp + (b1 - 1) * K * BLOCK};
-        blocks_rows<1>(xf.data(), M, K, w, scales, op, N, n0);
+      for (int64_t b = b0 + S * part; b < b1 && (back || alone); ++b) {  // the range's last (b1 - b0) % S blocks
+        const int64_t n0[1] = {b * BLOCK};
+        const T* w[1] = {wp + b * K * BLOCK};
+        blocks_rows<1>(xf.data(), M, K, w, scales, op, N, n0, pf);
       }
     }
   });
@@ -235,11 +275,19 @@ at::Tensor linear_rows_int8(const at::Tensor& x, const at::Tensor& packed, const
   return rows_by_blocks(x, packed.data_ptr<int8_t>(), scales.data_ptr<float>(), N);
 }
 
+void set_row_tuning(int64_t streams, int64_t prefetch) {
+  TORCH_CHECK((streams == 2 || streams == 4) && streams <= MAX_STREAMS && prefetch >= 0 && prefetch <= 65536,
+              "set_row_tuning: streams must be 2 (or 4 with AVX-512) and prefetch 0-65536 bytes");
+  g_streams.store(streams);
+  g_prefetch.store(prefetch);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(inference_core, m) {
   m.def("linear_rows(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("linear_rows_int8(Tensor x, Tensor packed, Tensor scales, int out_features) -> Tensor");
+  m.def("set_row_tuning(int streams, int prefetch) -> ()", set_row_tuning);  // no tensors: one kernel for all
 }
 TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
   m.impl("linear_rows", linear_rows);
@@ -337,7 +385,81 @@ def _build() -> str | None:
     for op in ("linear_rows", "linear_rows_int8"):
         torch.library.register_fake(f"inference_core::{op}")(_fake)
     attention_kernel.register_fake()
+    _state_tuning.update(_tuned(directory / "tuning.json", capability))
+    torch.ops.inference_core.set_row_tuning(_state_tuning["streams"], _state_tuning["prefetch"])
     return None
+
+
+# The projection loop's tuning candidates by instruction set, (streams per thread, prefetch distance in bytes), the
+# first the default: on the 2-vCPU Intel AVX-512 host with AMX, a core read 13 GB/s whatever it did, and four streams
+# with the weights asked for 1 KB ahead read 22.4 against 18.1 GB/s for two streams without (the step's 121 weight
+# shapes, 8 rounds interleaved); on the AMD Zen 5 host a prefetch 2 KB ahead lost 4-15% (docs/benchmarks.md, "An
+# Intel host with AMX"). AVX2 has too few registers for four streams' sums.
+TUNING_CANDIDATES = {"AVX512": ((2, 0), (2, 1024), (4, 0), (4, 1024)), "AVX2": ((2, 0), (2, 1024))}
+TUNING_MARGIN = 0.97  # a candidate replaces the default only where it takes at most this share of its time
+_state_tuning: dict = {}
+
+
+def tuning() -> dict:
+    """The projection loop's tuning on this machine: `streams` and `prefetch`, with the measurement that chose them
+    (`ratios`: each candidate's median time over the default's); empty until `unavailable()` has built the op."""
+    return dict(_state_tuning)
+
+
+def _tuned(path, capability: str) -> dict:
+    """The tuning kept at `path`, or measured now (`measure_tuning`) and kept there; `INFERENCE_CORE_ROW_TUNING=2,1024`
+    sets it instead (for A/B runs; nothing kept)."""
+    forced = os.environ.get("INFERENCE_CORE_ROW_TUNING")
+    if forced:
+        streams, prefetch = (int(part) for part in forced.split(","))
+        return {"streams": streams, "prefetch": prefetch, "forced": True}
+    try:
+        kept = json.loads(path.read_text())
+        if (kept["streams"], kept["prefetch"]) in TUNING_CANDIDATES[capability]:
+            return kept
+    except (OSError, ValueError, KeyError):
+        pass
+    chosen = measure_tuning(TUNING_CANDIDATES[capability])
+    if chosen["busy"]:  # the default for now, and a new measurement next time
+        return chosen
+    partial = path.with_suffix(f".{os.getpid()}.tmp")  # engines in other processes may measure at the same time
+    partial.write_text(json.dumps(chosen, indent=1))
+    partial.replace(path)
+    return chosen
+
+
+def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7) -> dict:
+    """Each candidate's time for one pass of one row over `megabytes` of packed bf16 weights ([2048, 1024] each, more
+    than the caches hold), in `rounds` rounds with the candidates' order rotated; the median over rounds of each
+    candidate's time over the default's (the first) decides, by `TUNING_MARGIN`. Where the default's own passes
+    differ by more than a quarter, the host is `busy` and the default stands. About 0.5 s on the 2-core hosts."""
+    weights = [torch.ones(2048 // BLOCK + 1, 1024, BLOCK, dtype=torch.bfloat16)
+               for _ in range(megabytes * 2**20 // (2048 * 1024 * 2))]
+    x = torch.ones(1, 1024, dtype=torch.bfloat16)
+
+    def one_pass(streams: int, prefetch: int) -> float:
+        torch.ops.inference_core.set_row_tuning(streams, prefetch)
+        started = time.perf_counter()
+        for weight in weights:
+            torch.ops.inference_core.linear_rows(x, weight, 2048)
+        return time.perf_counter() - started
+
+    one_pass(*candidates[0])
+    ratios, defaults = {candidate: [] for candidate in candidates}, []
+    for round_ in range(rounds):
+        order = candidates[round_ % len(candidates):] + candidates[:round_ % len(candidates)]
+        times = {candidate: one_pass(*candidate) for candidate in order}
+        defaults.append(times[candidates[0]])
+        for candidate in candidates:
+            ratios[candidate].append(times[candidate] / times[candidates[0]])
+    medians = {candidate: statistics.median(values) for candidate, values in ratios.items()}
+    best = min(candidates, key=medians.get)
+    busy = max(defaults) > 1.25 * min(defaults)  # the host's memory or cores taken by others: not a fair moment
+    streams, prefetch = best if medians[best] <= TUNING_MARGIN and not busy else candidates[0]
+    return {"streams": streams, "prefetch": prefetch, "threads": torch.get_num_threads(), "busy": busy,
+            "ratios": {f"{s},{p}": round(ratio, 3) for (s, p), ratio in medians.items()},
+            "default_pass_ms": [round(seconds * 1e3, 2) for seconds in defaults],
+            "measured": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
 def c_shims() -> dict:

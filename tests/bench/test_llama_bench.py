@@ -43,7 +43,7 @@ def test_bench_runs_llama_bench_once_per_repeat_and_takes_medians(bundled, one_t
     the row the medians of its runs, and the ratio of our best row to it."""
     monkeypatch.setattr(llama_bench, "binary_dir", lambda: tmp_path)
     fake = tmp_path / "llama-bench"
-    fake.write_text(f"#!/bin/sh\necho run >> {tmp_path}/runs\ncat <<'END'\n{json.dumps(LLAMA_BENCH_JSON)}\nEND\n")
+    fake.write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path}/runs\ncat <<'END'\n{json.dumps(LLAMA_BENCH_JSON)}\nEND\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     path = tmp_path / "bench.json"
     assert main(["bench", "--device", "cpu", "--dtype", "float32", "--prompt-ids", "plain-1", "--repeats", "2",
@@ -51,7 +51,8 @@ def test_bench_runs_llama_bench_once_per_repeat_and_takes_medians(bundled, one_t
                  "llama-bench", "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     paged, peer = report["rows"]
-    assert (tmp_path / "runs").read_text().count("run") == 2
+    check, *runs = (tmp_path / "runs").read_text().splitlines()  # the check on a short prompt, then the runs
+    assert "-p 16 -n 2" in check and len(runs) == 2 and all("-p 512 -n 128" in run for run in runs)
     assert peer["runs"] == 2 and peer["llama_bench"]["tg_runs"] == [111.11, 111.11]
     assert (peer["decode_tokens_per_s"], peer["prefill_long_tokens_per_s"]) == (111.11, 1234.5)
     assert paged["prefill_long_tokens_per_s"] > 0 and report["long_prompt_tokens"] == 512
@@ -64,6 +65,30 @@ def test_without_cmake_it_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(PeerUnavailable, match="building llama-bench needs cmake and c[+][+]"):
         llama_bench.llama_bench_binary()
+
+
+def fake_binary(path, crashes: bool):
+    """A stand-in llama-bench that prints the JSON above, or dies by SIGSEGV on any prompt (as llama.cpp's AMX path
+    did on every prompt of an AMX host)."""
+    body = "kill -SEGV $$" if crashes else f"cat <<'END'\n{json.dumps(LLAMA_BENCH_JSON)}\nEND"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_a_native_build_that_crashes_on_an_amx_cpu_gives_way_to_one_without_amx(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(llama_bench, "binary_dir", lambda: tmp_path)
+    fake_binary(tmp_path / "llama-bench", crashes=True)
+    fake_binary(tmp_path / "llama-bench-no-amx", crashes=False)  # built already: no CMake in the test
+    gguf = peer_gguf_path("bundled")
+    assert llama_bench.crash(tmp_path / "llama-bench", gguf, 1) == "killed by signal 11 (SIGSEGV)"
+    monkeypatch.setattr(llama_bench, "cpu_has_amx", lambda: True)
+    assert llama_bench.llama_bench_binary(gguf, 1) == tmp_path / "llama-bench-no-amx"
+    assert "llama.cpp issue 20824" in capsys.readouterr().out
+    monkeypatch.setattr(llama_bench, "cpu_has_amx", lambda: False)  # without AMX there is nothing to leave out
+    with pytest.raises(PeerUnavailable, match=r"crashed on a 16-token prompt: killed by signal 11 \(SIGSEGV\)"):
+        llama_bench.llama_bench_binary(gguf, 1)
+    fake_binary(tmp_path / "llama-bench", crashes=False)
+    assert llama_bench.llama_bench_binary(gguf, 1) == tmp_path / "llama-bench"
 
 
 def test_bench_on_a_model_that_is_no_gguf_reports_llama_bench_absent(tmp_path, capsys):
@@ -82,6 +107,9 @@ def test_bench_on_a_model_that_is_no_gguf_reports_llama_bench_absent(tmp_path, c
 @pytest.mark.skipif(not (llama_bench.binary_dir() / "llama-bench").is_file(),
                     reason="llama-bench is not built here (bench --peer llama-bench builds it once)")
 def test_a_real_llama_bench_run_on_the_bundled_gguf():
-    row = llama_bench.run_llama_bench(peer_gguf_path("bundled"), threads=1, prompt_tokens=64, repetitions=1)
+    """The binary the bench would use: the native build, or the one without AMX where the native one crashes."""
+    binary = llama_bench.llama_bench_binary(peer_gguf_path("bundled"), threads=1, build=False)
+    row = llama_bench.run_llama_bench(peer_gguf_path("bundled"), threads=1, prompt_tokens=64, repetitions=1,
+                                      binary=binary)
     assert row["decode_tokens_per_s"] > 0 and row["prefill_long_tokens_per_s"] > row["decode_tokens_per_s"]
     assert row["threads"] == 1 and row["llama_bench"]["build_commit"]

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 
 import pytest
 import torch
 
+from inference_core.bench import llama_cpp as llama_cpp_peer
 from inference_core.cli import main, parser
 from inference_core.bench.llama_cpp import INSTALL_COMMAND, PeerUnavailable, open_peers, peer_gguf_path, row_name
 
@@ -57,6 +59,25 @@ def test_bench_reports_a_missing_llama_cpp_and_runs_the_other_rows(bundled, one_
     assert f"| llama.cpp (Q4_1 GGUF) | absent: llama-cpp-python is not installed; install it with: {INSTALL_COMMAND}" \
            in out
     assert "| paged |" in out and "ours best /" not in out
+
+
+def test_a_llama_cpp_that_crashes_on_a_prompt_is_an_absent_peer_not_a_crashed_bench(monkeypatch):
+    """The check runs llama-cpp-python on a short prompt in a child process: a crash there (llama.cpp's AMX path on an
+    AMX host) makes the peer absent, with the reinstall that leaves AMX out, instead of ending the bench."""
+    monkeypatch.setattr(llama_cpp_peer, "_CHECK", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert llama_cpp_peer.crash.__wrapped__(peer_gguf_path("bundled"), 1) == "killed by signal 11 (SIGSEGV)"
+    monkeypatch.setattr(llama_cpp_peer, "_CHECK", "pass")
+    assert llama_cpp_peer.crash.__wrapped__(peer_gguf_path("bundled"), 1) is None
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))  # importable, never reached
+    monkeypatch.setattr(llama_cpp_peer, "crash", lambda path, threads: "killed by signal 11 (SIGSEGV)")
+    monkeypatch.setattr(llama_cpp_peer, "cpu_has_amx", lambda: True)
+    with pytest.raises(PeerUnavailable) as error:
+        llama_cpp_peer.open_llama_cpp("bundled", 64, 1024, 1)
+    assert str(error.value) == (
+        "llama-cpp-python crashed on a 16-token prompt here (killed by signal 11 (SIGSEGV)); this CPU has AMX, whose "
+        "llama.cpp path crashes on some hosts (llama.cpp issue 20824): reinstall llama-cpp-python without it: "
+        f"{llama_cpp_peer.NO_AMX_INSTALL_COMMAND}")
+    assert "-mno-amx-int8" in llama_cpp_peer.NO_AMX_INSTALL_COMMAND
 
 
 # --- with llama-cpp-python installed ----------------------------------------------------------------------------------

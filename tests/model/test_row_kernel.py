@@ -198,3 +198,57 @@ def test_the_threads_share_of_the_blocks_changes_no_bit(our_ops, threads, rows, 
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(one, many) for one, many in zip(*results))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_every_tuning_of_the_loop_changes_no_bit(our_ops, rows):
+    """Streams per thread and the prefetch distance (`row_kernel.tuning`, measured per machine) reorder the work, not
+    a sum: every candidate of this CPU gives the default's result, with blocks enough for four streams (71) and few
+    (3), on two threads; a tuning outside the candidates is refused."""
+    candidates = row_kernel.TUNING_CANDIDATES[torch.backends.cpu.get_cpu_capability()]
+    generator = torch.Generator().manual_seed(rows)
+    ops = torch.ops.inference_core
+    kept, previous = row_kernel.tuning(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for out_features in (48 * 70 + 5, 130):
+            x = torch.randn(rows, 96, generator=generator).bfloat16()
+            packed = row_kernel.pack(torch.randn(out_features, 96, generator=generator).bfloat16())
+            packed_int8 = row_kernel.pack(torch.randint(-127, 128, (out_features, 96), generator=generator,
+                                                        dtype=torch.int8))
+            scales = torch.rand(out_features, generator=generator)
+            results = []
+            for streams, prefetch in candidates:
+                ops.set_row_tuning(streams, prefetch)
+                results.append((ops.linear_rows(x, packed, out_features),
+                                ops.linear_rows_int8(x, packed_int8, scales, out_features)))
+            assert all(torch.equal(a, b) for result in results[1:] for a, b in zip(results[0], result))
+        with pytest.raises(RuntimeError, match="streams must be 2"):
+            ops.set_row_tuning(3, 0)
+    finally:
+        ops.set_row_tuning(kept["streams"], kept["prefetch"])
+        torch.set_num_threads(previous)
+
+
+def test_the_tuning_is_measured_once_and_kept(our_ops, tmp_path, monkeypatch):
+    """Measured where nothing is kept (a candidate of this CPU, the ratios that chose it), then read back; a busy
+    moment's measurement is not kept; the environment's setting overrides both."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    measured = {"streams": 2, "prefetch": 0, "busy": False, "ratios": {"2,0": 1.0}}
+    calls = []
+    monkeypatch.setattr(row_kernel, "measure_tuning", lambda candidates: calls.append(candidates) or dict(measured))
+    monkeypatch.delenv("INFERENCE_CORE_ROW_TUNING", raising=False)
+    path = tmp_path / "tuning.json"
+    assert row_kernel._tuned(path, capability) == measured and path.is_file()
+    assert row_kernel._tuned(path, capability) == measured and len(calls) == 1
+    path.unlink()
+    measured["busy"] = True
+    assert row_kernel._tuned(path, capability)["busy"] and not path.exists()
+    monkeypatch.setenv("INFERENCE_CORE_ROW_TUNING", "2,1024")
+    assert row_kernel._tuned(path, capability) == {"streams": 2, "prefetch": 1024, "forced": True}
+    monkeypatch.undo()
+    real = row_kernel.measure_tuning(row_kernel.TUNING_CANDIDATES[capability], megabytes=8, rounds=2)
+    assert (real["streams"], real["prefetch"]) in row_kernel.TUNING_CANDIDATES[capability]
+    assert set(real["ratios"]) == {f"{s},{p}" for s, p in row_kernel.TUNING_CANDIDATES[capability]}
+    ops = torch.ops.inference_core
+    ops.set_row_tuning(row_kernel.tuning()["streams"], row_kernel.tuning()["prefetch"])

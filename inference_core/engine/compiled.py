@@ -612,18 +612,19 @@ class CompiledDecoder:
         trim_compile_cache()
 
     def _package_key(self, args: tuple) -> str:
-        """What the compiled step depends on: the weights and config, this code, the shapes, the options, torch and
-        the CPU's instruction set. The key width, a dynamic size of the package (`_build_package`), is left out: the
-        width of the step that happens to build a bucket's package must not key it (an engine whose first step of a
-        bucket met another width compiled the same step again)."""
+        """What the compiled step depends on: the weights and config, this code, the shapes, the options, torch,
+        the CPU's instruction set and which int8 projections the export gives our op (`row_kernel.int8_form`). The key
+        width, a dynamic size of the package (`_build_package`), is left out: the width of the step that happens to
+        build a bucket's package must not key it (an engine whose first step of a bucket met another width compiled
+        the same step again)."""
         shapes = [(t.dtype, tuple(t.shape)) for t in args]
         if self.max_width >= 3:  # the block table's (paged) and the key mask's widths are dynamic
             shapes = [(dtype, shape[:1] if index in (2, 3) and len(shape) > 1 else shape)
                       for index, (dtype, shape) in enumerate(shapes)]
         digest = hashlib.blake2b(digest_size=12)
         for part in (model_fingerprint(self.model), _CODE_FINGERPRINT, torch.__version__, self.device.type,
-                     torch.backends.cpu.get_cpu_capability(), self.paged, self.block_size, self.max_width,
-                     sorted(self.options.items()), shapes):
+                     torch.backends.cpu.get_cpu_capability(), row_kernel.int8_form(), self.paged,
+                     self.block_size, self.max_width, sorted(self.options.items()), shapes):
             digest.update(repr(part).encode())
         return digest.hexdigest()
 
@@ -741,7 +742,7 @@ def default_options(device: torch.device, model: nn.Module | None = None) -> dic
         options.update(INT8_CPU_OPTIONS)
     # Our kernels, used where they run (`CompiledDecoder.row_kernel_off`: why not): for bf16 projections and
     # attention, and for int8 projections of bf16 activations (an fp32 model's too, where `QuantLinear` computes in
-    # bf16) on the CPUs where that form measured faster (`row_kernel.INT8_CAPABILITIES`).
+    # bf16) on the CPUs where that form measured faster (`row_kernel.int8_form`).
     if model is not None and model.embed_tokens.weight.dtype == torch.bfloat16:
         options["row_kernel"] = options["attention_kernel"] = True
     elif int8:

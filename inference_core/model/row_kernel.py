@@ -27,8 +27,8 @@ pass over two blocks) or AVX2 with FMA (six 8-lane vectors; its 16 registers hol
 two rows' for one block). Measured per host (docs/benchmarks.md): on the AVX-512 Zen 5 host the bf16 form decodes at
 about twice the rate of inductor's matmuls and an int8 form lost to inductor's int8 template (0.93x); on an AVX2 Zen
 3 host the bf16 form is 1.22-1.26x inductor's matmuls and the int8 form 1.06-1.17x its template. So the bf16 form runs
-wherever the build does, the int8 form on AVX2 (`INT8_CAPABILITIES`); `EngineConfig(row_kernel=False)` (bench's
-`+inductor-mm`) keeps inductor's for both.
+wherever the build does, the int8 form on AVX2 and on AVX-512 hosts whose `tuning` took more streams or a prefetch
+(`int8_form`); `EngineConfig(row_kernel=False)` (bench's `+inductor-mm`) keeps inductor's for both.
 
 They are torch custom ops, `torch.ops.inference_core.linear_rows(x, packed, out_features)` and
 `linear_rows_int8(x, packed, scales, out_features)`, built from the C++ below the first time they are needed (about
@@ -489,19 +489,28 @@ def tracing(enabled: bool):
         _state.enabled = previous
 
 
-# Where the int8 form replaces inductor's int8 template, by measurement: faster on the AVX2 Zen 3 host (1.06-1.17x
-# in two runs), slower on the AVX-512 Zen 5 host (0.93x, a one-stream form; docs/benchmarks.md).
-INT8_CAPABILITIES = ("AVX2",)
+def int8_form() -> bool:
+    """Whether int8 projections run through our loop instead of inductor's int8 template, by measurement (the compiled
+    step's A/B, docs/benchmarks.md):
+    - on AVX2: 1.06-1.17x the template on the Zen 3 host (two runs);
+    - on AVX-512 where this machine's `tuning` took four streams or a prefetch: 1.26x the template on the Intel host
+      with AMX, with four streams and 1 KB ahead (12 of 12 pairs);
+    - not on AVX-512 where the tuning kept two streams without prefetch: there a one-stream form lost on the Zen 5
+      host (0.93x)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX2":
+        return True
+    tuned = tuning()
+    return capability == "AVX512" and bool(tuned) and (tuned["streams"], tuned["prefetch"]) != (2, 0)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a projection of `x` by `weight` runs through the op: inside `tracing(True)`, on the CPU, 2-D bf16 x of
-    at most MAX_ROWS rows, a bf16 weight, or an int8 one (`linear_int8`) on a CPU of `INT8_CAPABILITIES`."""
+    at most MAX_ROWS rows, a bf16 weight, or an int8 one (`linear_int8`) where `int8_form` says so."""
     if not (getattr(_state, "enabled", False) and x.device.type == "cpu" and x.dtype == torch.bfloat16
             and x.dim() == 2 and x.shape[0] <= MAX_ROWS):
         return False  # (and torch.compile, which never traces inside `tracing(True)`, reads no more of this)
-    return weight.dtype == torch.bfloat16 or (
-        weight.dtype == torch.int8 and torch.backends.cpu.get_cpu_capability() in INT8_CAPABILITIES)
+    return weight.dtype == torch.bfloat16 or (weight.dtype == torch.int8 and int8_form())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

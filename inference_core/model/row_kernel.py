@@ -411,7 +411,11 @@ def _tuned(path, capability: str) -> dict:
     sets it instead (for A/B runs; nothing kept)."""
     forced = os.environ.get("INFERENCE_CORE_ROW_TUNING")
     if forced:
-        streams, prefetch = (int(part) for part in forced.split(","))
+        choices = {f"{streams},{prefetch}": (streams, prefetch) for streams, prefetch in TUNING_CANDIDATES[capability]}
+        if forced.replace(" ", "") not in choices:
+            raise ValueError(f"INFERENCE_CORE_ROW_TUNING={forced!r}: on this CPU ({capability}) it takes one of "
+                             f"{', '.join(choices)} (streams per thread, prefetch distance in bytes)")
+        streams, prefetch = choices[forced.replace(" ", "")]
         return {"streams": streams, "prefetch": prefetch, "forced": True}
     try:
         kept = json.loads(path.read_text())

@@ -251,6 +251,10 @@ def test_the_tuning_is_measured_once_and_kept(our_ops, tmp_path, monkeypatch):
     assert row_kernel._tuned(path, capability)["busy"] and not path.exists()
     monkeypatch.setenv("INFERENCE_CORE_ROW_TUNING", "2,1024")
     assert row_kernel._tuned(path, capability) == {"streams": 2, "prefetch": 1024, "forced": True}
+    for bad in ("3,0", "2;1024", "fast"):
+        monkeypatch.setenv("INFERENCE_CORE_ROW_TUNING", bad)
+        with pytest.raises(ValueError, match=f"INFERENCE_CORE_ROW_TUNING='{bad}': on this CPU .* takes one of 2,0, "):
+            row_kernel._tuned(path, capability)
     monkeypatch.undo()
     real = row_kernel.measure_tuning(row_kernel.TUNING_CANDIDATES[capability], megabytes=8, rounds=2)
     assert (real["streams"], real["prefetch"]) in row_kernel.TUNING_CANDIDATES[capability]

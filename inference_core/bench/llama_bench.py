@@ -53,17 +53,17 @@ def llama_bench_binary(gguf: Path | None = None, threads: int = 1, build: bool =
     native build dies on a CPU with AMX, a second build with llama.cpp's AMX code left out (`NO_AMX_FLAGS`) is the
     one used, and its build record says why (`build_record`)."""
     native = _built(binary_dir() / "llama-bench", BUILD_FLAGS, build)
-    if gguf is None or (failure := crash(native, gguf, threads)) is None:
+    if gguf is None or (failed := crash(native, gguf, threads)) is None:
         return native
     if not cpu_has_amx():
         raise PeerUnavailable(f"llama-bench (built here with {' '.join(BUILD_FLAGS)}) crashed on a 16-token prompt: "
-                              f"{failure}")
-    print(f"bench: the native llama-bench crashed on a 16-token prompt ({failure}); this CPU has AMX, whose llama.cpp "
-          "path crashes on some hosts (llama.cpp issue 20824), so llama-bench is built without it", flush=True)
+                              f"{failed}")
+    print(f"bench: the native llama-bench crashed on a 16-token prompt ({failed}); this CPU has AMX, whose llama.cpp "
+          "path crashes on some hosts (llama.cpp issue 20824), so the build without it is used", flush=True)
     fallback = _built(binary_dir() / "llama-bench-no-amx", BUILD_FLAGS + NO_AMX_FLAGS, build,
-                      why=f"the native build crashed on a 16-token prompt here ({failure})")
-    if (failure := crash(fallback, gguf, threads)) is not None:
-        raise PeerUnavailable(f"llama-bench crashed on a 16-token prompt, built natively and without AMX: {failure}")
+                      why=f"the native build crashed on a 16-token prompt here ({failed})")
+    if (failed := crash(fallback, gguf, threads)) is not None:
+        raise PeerUnavailable(f"llama-bench crashed on a 16-token prompt, built natively and without AMX: {failed}")
     return fallback
 
 

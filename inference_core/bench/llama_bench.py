@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from inference_core.bench.llama_cpp import NO_AMX, PeerUnavailable, cpu_has_amx, failure, gguf_quant
+from inference_core.bench.llama_cpp import AMX_CRASHES, NO_AMX, PeerUnavailable, check_run, cpu_has_amx, gguf_quant
 from inference_core.model.paths import cache_root
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp is built
@@ -58,8 +58,8 @@ def llama_bench_binary(gguf: Path | None = None, threads: int = 1, build: bool =
     if not cpu_has_amx():
         raise PeerUnavailable(f"llama-bench (built here with {' '.join(BUILD_FLAGS)}) crashed on a 16-token prompt: "
                               f"{failed}")
-    print(f"bench: the native llama-bench crashed on a 16-token prompt ({failed}); this CPU has AMX, whose llama.cpp "
-          "path crashes on some hosts (llama.cpp issue 20824), so the build without it is used", flush=True)
+    print(f"bench: the native llama-bench crashed on a 16-token prompt ({failed}); {AMX_CRASHES}, so the build "
+          "without it is used", flush=True)
     fallback = _built(binary_dir() / "llama-bench-no-amx", BUILD_FLAGS + NO_AMX_FLAGS, build,
                       why=f"the native build crashed on a 16-token prompt here ({failed})")
     if (failed := crash(fallback, gguf, threads)) is not None:
@@ -69,11 +69,8 @@ def llama_bench_binary(gguf: Path | None = None, threads: int = 1, build: bool =
 
 def crash(binary: Path, gguf: Path, threads: int) -> str | None:
     """How `binary` fails a 16-token prompt and two generated tokens on `gguf` (None: it runs)."""
-    try:
-        return failure(subprocess.run([str(binary), "-m", str(gguf), "-p", "16", "-n", "2", "-t", str(threads), "-r",
-                                       "1", "-fa", "1", "-o", "json"], capture_output=True, text=True, timeout=300))
-    except subprocess.TimeoutExpired:
-        return "no answer within 300 s"
+    return check_run([str(binary), "-m", str(gguf), "-p", "16", "-n", "2", "-t", str(threads), "-r", "1", "-fa", "1",
+                      "-o", "json"])
 
 
 def build_record(binary: Path) -> dict:
@@ -141,6 +138,7 @@ def run_llama_bench(gguf: Path, threads: int, prompt_tokens: int = PROMPT_TOKENS
     prompt = next(test for test in tests if test["n_prompt"] == prompt_tokens and test["n_gen"] == 0)
     generate = next(test for test in tests if test["n_gen"] == GEN_TOKENS and test["n_prompt"] == 0)
     quant = gguf_quant(gguf) or "as stored"
+    record = build_record(binary)
     return {"name": f"llama-bench ({quant} GGUF)", "kv": f"llama.cpp ({generate.get('type_k', 'f16')})",
             "quant": f"{quant} (GGUF)", "weights_mib": round(gguf.stat().st_size / 2**20, 1), "compile": None,
             "compile_warmup_s": None, "compile_rss_mib": None, "threads": generate.get("n_threads", threads),
@@ -149,8 +147,7 @@ def run_llama_bench(gguf: Path, threads: int, prompt_tokens: int = PROMPT_TOKENS
             "llama_bench": {"command": " ".join(command),
                             "build_commit": generate.get("build_commit"), "build_number": generate.get("build_number"),
                             "cpu_info": generate.get("cpu_info"),
-                            "flags": build_record(binary).get("flags", list(BUILD_FLAGS)),
-                            "built_because": build_record(binary).get("why"),
+                            "flags": record.get("flags", list(BUILD_FLAGS)), "built_because": record.get("why"),
                             "tg_stddev": round(generate["stddev_ts"], 2), "pp_stddev": round(prompt["stddev_ts"], 1),
                             "llama_cpp_python": LLAMA_CPP_PYTHON}}
 

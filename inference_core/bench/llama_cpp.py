@@ -63,8 +63,17 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def failure(done: subprocess.CompletedProcess) -> str | None:
-    """How a finished child process failed (None: it did not)."""
+# Why a crash on a CPU with AMX is llama.cpp's AMX code, as both peers' messages say.
+AMX_CRASHES = "this CPU has AMX, whose llama.cpp path crashes on some hosts (llama.cpp issue 20824)"
+
+
+def check_run(command: list[str]) -> str | None:
+    """How `command`, a short run of llama.cpp in a child process, fails (None: it runs): killed by a signal, a
+    non-zero exit with the end of its stderr, or no answer within 300 s."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "no answer within 300 s"
     if done.returncode < 0:
         return f"killed by signal {-done.returncode} ({signal.Signals(-done.returncode).name})"
     return f"exit {done.returncode}: {done.stderr.strip()[-300:]}" if done.returncode else None
@@ -75,12 +84,7 @@ def crash(gguf_path: Path, threads: int) -> str | None:
     """How llama-cpp-python fails a 16-token prompt on `gguf_path` in a child process (None: it runs). On a 2-vCPU
     Intel host with AMX (2026-11-29), a native build died in its first prompt (SIGSEGV in llama.cpp's
     `ggml_backend_amx_mul_mat`, llama.cpp issue 20824), which in the bench's own process would end the bench."""
-    try:
-        done = subprocess.run([sys.executable, "-c", _CHECK, str(gguf_path), str(threads)], capture_output=True,
-                              text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        return "no answer within 300 s"
-    return failure(done)
+    return check_run([sys.executable, "-c", _CHECK, str(gguf_path), str(threads)])
 
 
 def peer_gguf_path(model_spec: str) -> Path:
@@ -115,8 +119,8 @@ class LlamaCppRunner:
         except ImportError:
             raise PeerUnavailable(f"llama-cpp-python is not installed; install it with: {INSTALL_COMMAND}") from None
         if (failed := crash(gguf_path, threads)) is not None:
-            hint = ("; this CPU has AMX, whose llama.cpp path crashes on some hosts (llama.cpp issue 20824): reinstall "
-                    f"llama-cpp-python without it: {NO_AMX_INSTALL_COMMAND}") if cpu_has_amx() else ""
+            hint = (f"; {AMX_CRASHES}: reinstall llama-cpp-python without it: {NO_AMX_INSTALL_COMMAND}"
+                    if cpu_has_amx() else "")
             raise PeerUnavailable(f"llama-cpp-python crashed on a 16-token prompt here ({failed}){hint}")
         self._llama_cpp = llama_cpp
         self.gguf_path = gguf_path

@@ -412,10 +412,11 @@ def _tuned(path, capability: str) -> dict:
     forced = os.environ.get("INFERENCE_CORE_ROW_TUNING")
     if forced:
         choices = {f"{streams},{prefetch}": (streams, prefetch) for streams, prefetch in TUNING_CANDIDATES[capability]}
-        if forced.replace(" ", "") not in choices:
+        choice = choices.get(forced.replace(" ", ""))
+        if choice is None:
             raise ValueError(f"INFERENCE_CORE_ROW_TUNING={forced!r}: on this CPU ({capability}) it takes one of "
                              f"{', '.join(choices)} (streams per thread, prefetch distance in bytes)")
-        streams, prefetch = choices[forced.replace(" ", "")]
+        streams, prefetch = choice
         return {"streams": streams, "prefetch": prefetch, "forced": True}
     try:
         kept = json.loads(path.read_text())
@@ -505,7 +506,8 @@ def int8_form() -> bool:
     if capability == "AVX2":
         return True
     tuned = tuning()
-    return capability == "AVX512" and bool(tuned) and (tuned["streams"], tuned["prefetch"]) != (2, 0)
+    return capability == "AVX512" and bool(tuned) and (
+        (tuned["streams"], tuned["prefetch"]) != TUNING_CANDIDATES["AVX512"][0])
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

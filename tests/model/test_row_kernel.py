@@ -181,6 +181,14 @@ def test_a_compiled_package_calls_the_ops_as_c_functions(our_ops, tmp_path):
     assert "proxy_executor_call_function" not in wrapper
 
 
+def packed_weights(out_features: int, in_features: int, generator: torch.Generator):
+    """A random bf16 weight and a random int8 one with its scales, both packed for the ops."""
+    packed = row_kernel.pack(torch.randn(out_features, in_features, generator=generator).bfloat16())
+    packed_int8 = row_kernel.pack(torch.randint(-127, 128, (out_features, in_features), generator=generator,
+                                                dtype=torch.int8))
+    return packed, packed_int8, torch.rand(out_features, generator=generator)
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 577, 64), (1, 48, 40), (1, 1000, 16), (2, 150, 8)])
 def test_the_threads_share_of_the_blocks_changes_no_bit(our_ops, threads, rows, out_features, in_features):
@@ -188,10 +196,7 @@ def test_the_threads_share_of_the_blocks_changes_no_bit(our_ops, threads, rows, 
     thread, bit for bit, for the bf16 and the int8 op, with an odd thread count and odd block counts."""
     generator = torch.Generator().manual_seed(threads)
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
-    packed = row_kernel.pack(torch.randn(out_features, in_features, generator=generator).bfloat16())
-    packed_int8 = row_kernel.pack(torch.randint(-127, 128, (out_features, in_features), generator=generator,
-                                                dtype=torch.int8))
-    scales = torch.rand(out_features, generator=generator)
+    packed, packed_int8, scales = packed_weights(out_features, in_features, generator)
     ops = torch.ops.inference_core
     previous = torch.get_num_threads()
     results = []
@@ -218,10 +223,7 @@ def test_every_tuning_of_the_loop_changes_no_bit(our_ops, rows):
         torch.set_num_threads(2)
         for out_features in (48 * 70 + 5, 130):
             x = torch.randn(rows, 96, generator=generator).bfloat16()
-            packed = row_kernel.pack(torch.randn(out_features, 96, generator=generator).bfloat16())
-            packed_int8 = row_kernel.pack(torch.randint(-127, 128, (out_features, 96), generator=generator,
-                                                        dtype=torch.int8))
-            scales = torch.rand(out_features, generator=generator)
+            packed, packed_int8, scales = packed_weights(out_features, 96, generator)
             results = []
             for streams, prefetch in candidates:
                 ops.set_row_tuning(streams, prefetch)

@@ -86,7 +86,8 @@ KERNEL_WORDS = (({"gemm", "mm", "bmm", "addmm", "linear", "int8pack", "int4pack"
                 ({"softmax"}, ATTENTION), ({"rsqrt", "roll"}, NORMS))
 # Our kernels (model.row_kernel, model.attention_kernel), by the names they record under: the op's, and inside a
 # package compiled with `--kernels` also that of its C entry point (aoti_torch_cpu_<op>), which holds the op's event.
-OUR_KERNELS = {"linear_rows": PROJECTIONS, "linear_rows_int8": PROJECTIONS, "attend_paged": ATTENTION}
+OUR_KERNELS = {"linear_rows": PROJECTIONS, "linear_rows_int8": PROJECTIONS, "linear_rows_int4": PROJECTIONS,
+               "attend_paged": ATTENTION}
 SAMPLING_OPS = {"softmax", "_softmax", "log_softmax", "_log_softmax", "argmax", "multinomial", "topk", "sort",
                 "cumsum", "exponential_"}  # outside the forward only (inside it softmax is attention's)
 

@@ -613,7 +613,8 @@ class CompiledDecoder:
 
     def _package_key(self, args: tuple) -> str:
         """What the compiled step depends on: the weights and config, this code, the shapes, the options, torch,
-        the CPU's instruction set and which int8 projections the export gives our op (`row_kernel.int8_form`). The key
+        the CPU's instruction set and which int8 and int4 projections the export gives our op (`row_kernel.int8_form`,
+        `int4_form`). The key
         width, a dynamic size of the package (`_build_package`), is left out: the width of the step that happens to
         build a bucket's package must not key it (an engine whose first step of a bucket met another width compiled
         the same step again)."""
@@ -623,8 +624,8 @@ class CompiledDecoder:
                       for index, (dtype, shape) in enumerate(shapes)]
         digest = hashlib.blake2b(digest_size=12)
         for part in (model_fingerprint(self.model), _CODE_FINGERPRINT, torch.__version__, self.device.type,
-                     torch.backends.cpu.get_cpu_capability(), row_kernel.int8_form(), self.paged,
-                     self.block_size, self.max_width, sorted(self.options.items()), shapes):
+                     torch.backends.cpu.get_cpu_capability(), row_kernel.int8_form(), row_kernel.int4_form(),
+                     self.paged, self.block_size, self.max_width, sorted(self.options.items()), shapes):
             digest.update(repr(part).encode())
         return digest.hexdigest()
 
@@ -737,15 +738,17 @@ def default_options(device: torch.device, model: nn.Module | None = None) -> dic
         # as a constant (torch 2.11 on an H100 specialized it to 128 and refused the dynamic width).
         return {"mode": "reduce-overhead", "coordinate_descent_tuning": True, "split_reductions": False}
     options = dict(CPU_OPTIONS)
-    int8 = model is not None and any(getattr(module, "scheme", None) == "int8" for module in model.modules())
+    schemes = {getattr(module, "scheme", None) for module in model.modules()} if model is not None else set()
+    int8 = "int8" in schemes
     if int8:
         options.update(INT8_CPU_OPTIONS)
     # Our kernels, used where they run (`CompiledDecoder.row_kernel_off`: why not): for bf16 projections and
     # attention, and for int8 projections of bf16 activations (an fp32 model's too, where `QuantLinear` computes in
-    # bf16) on the CPUs where that form measured faster (`row_kernel.int8_form`).
+    # bf16) on the CPUs where that form measured faster (`row_kernel.int8_form`), and int4 ones where the CPU has
+    # BF16 dot products (`row_kernel.int4_form`).
     if model is not None and model.embed_tokens.weight.dtype == torch.bfloat16:
         options["row_kernel"] = options["attention_kernel"] = True
-    elif int8:
+    elif int8 or "int4" in schemes:
         options["row_kernel"] = True
     return options
 

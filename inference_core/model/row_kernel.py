@@ -1,5 +1,6 @@
 """Our kernel for the compiled decode step's projections on an AVX-512 or AVX2 CPU: y = x W^T for a few rows of x, with
-W in bf16, or in int8 with a scale per output feature (`quant.linear.QuantLinear`'s int8 scheme).
+W in bf16, in int8 with a scale per output feature (`quant.linear.QuantLinear`'s int8 scheme), or, on AVX-512 with
+BF16 dot products, in int4 with a scale and zero per group (its int4 scheme, tinygemm's numbers).
 
 A decode step multiplies one row (a few, batched) by every weight matrix, so its time is the time to stream the
 weights from memory. Inductor's C++ GEMM template and oneDNN, which the compiled step otherwise uses for these
@@ -28,20 +29,25 @@ two rows' for one block). Measured per host (docs/benchmarks.md): on the AVX-512
 about twice the rate of inductor's matmuls and an int8 form lost to inductor's int8 template (0.93x); on an AVX2 Zen
 3 host the bf16 form is 1.22-1.26x inductor's matmuls and the int8 form 1.06-1.17x its template. So the bf16 form runs
 wherever the build does, the int8 form on AVX2 and on AVX-512 hosts whose `tuning` took more streams or a prefetch
-(`int8_form`); `EngineConfig(row_kernel=False)` (bench's `+inductor-mm`) keeps inductor's for both.
+(`int8_form`); `EngineConfig(row_kernel=False)` (bench's `+inductor-mm`) keeps inductor's for all three.
 
-They are torch custom ops, `torch.ops.inference_core.linear_rows(x, packed, out_features)` and
-`linear_rows_int8(x, packed, scales, out_features)`, built from the C++ below the first time they are needed (about
-35 s on the 2-core host, once per machine: the build is kept in the local cache) with the compiler inductor uses
-anyway (and ninja, a pinned requirement). `tracing(True)` around an export makes `model.llama.Linear` and
-`QuantLinear` call them for inputs they take (`takes`); the pack is then part of the graph, on a weight that freezing
-made a constant, so the compiler folds it into the package once. Where they cannot run (neither AVX-512 nor AVX2, not
-bf16 activations, more rows, a failed build: `unavailable`), the projection stays `F.linear` (or ATen's int8 kernel),
-whose kernels inductor picks itself.
+The int4 form (`pack_int4`, `int4_form`) turns each nibble into the bf16 number 128 + q with one AND-OR and multiplies
+32 of them by x's bf16 pairs in one vdpbf16ps, the group's scale and zero applied once per group: on the 2-vCPU Intel
+host it read the step's int4 weights at 20 GB/s where tinygemm read them at 14.6, and the compiled int4 step with 8
+steps a call decoded 1.21x inductor's int4 template (258.6 against 214.9 tok/s, 12 of 12 pairs).
+
+They are torch custom ops, `torch.ops.inference_core.linear_rows(x, packed, out_features)`, `linear_rows_int8(x,
+packed, scales, out_features)` and `linear_rows_int4(x, packed, group_size, out_features)`, built from the C++ below
+the first time they are needed (about 35 s on the 2-core host, once per machine: the build is kept in the local
+cache) with the compiler inductor uses anyway (and ninja, a pinned requirement). `tracing(True)` around an export
+makes `model.llama.Linear` and `QuantLinear` call them for inputs they take (`takes`, `takes_int4`); the pack is
+then part of the graph, on a weight that freezing made a constant, so the compiler folds it into the package once.
+Where they cannot run (neither AVX-512 nor AVX2, not bf16 activations, more rows, a failed build: `unavailable`),
+the projection stays `F.linear` (or ATen's int8 or int4 kernel), whose kernels inductor picks itself.
 
 The same build holds our paged attention op (`model.attention_kernel`) and the host's work between compiled greedy
 steps (`model.step_kernel`): one extension, one build, one `unavailable`.
-A compiled package calls all three ops as C functions (`SHIMS`, `c_shims`), not through AOTInductor's proxy executor.
+A compiled package calls each of our ops as a C function (`SHIMS`, `c_shims`), not through AOTInductor's proxy executor.
 """
 
 from __future__ import annotations
@@ -75,7 +81,9 @@ SOURCE = r"""
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -190,27 +198,16 @@ void blocks_rows(const float* x, int64_t M, int64_t K, const T* const* w, const 
   }
 }
 
-// x [M, K] bf16 by the packed weight [blocks, K, 48] (bf16, or int8 with fp32 scales [N]) -> [M, N] bf16.
-template <typename T>
-at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales, int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1);
-  const auto xc = x.contiguous();
-  std::vector<float> xf(M * K);
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
-  auto out = at::empty({M, N}, x.options());
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
-  const int64_t pf = g_prefetch.load(std::memory_order_relaxed);
+// Walks a weight's blocks over the threads: `run(S, b)` computes every row against blocks b[0..S) (S streams of the
+// weight in flight per thread; `S` a std::integral_constant), each block once. Four streams only where `four` (the
+// rows fit four streams' sums) and the host's tuning asks for them.
+template <class Run>
+void walk_blocks(int64_t M, int64_t blocks, bool four, const Run& run) {
   if (M > TWO_STREAMS_UP_TO) {  // each block alone (AVX2's registers hold two rows of one block, not of two)
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t n0[1] = {b * BLOCK};
-        const T* w[1] = {wp + b * K * BLOCK};
-        blocks_rows<1>(xf.data(), M, K, w, scales, op, N, n0, pf);
-      }
+      for (int64_t b = begin; b < end; ++b) run(std::integral_constant<int, 1>(), &b);
     });
-    return out;
+    return;
   }
   // S streams a thread: block c of a range's first part beside block c of each other part (S parts). No thread's
   // share is fixed
@@ -224,7 +221,7 @@ at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales,
   const int64_t ranges = (threads + 1) / 2;
   // Four streams where the host's tuning asks for them, for rows they hold, and where each range has at least 8 sets
   // of four blocks (fewer, and the two threads' shares of a small weight part unevenly); else two.
-  const int64_t wanted = M <= ROWS_FOUR ? std::min(g_streams.load(std::memory_order_relaxed), MAX_STREAMS) : 2;
+  const int64_t wanted = four ? std::min(g_streams.load(std::memory_order_relaxed), MAX_STREAMS) : 2;
   const int64_t S = wanted == 4 && blocks / ranges >= 32 ? 4 : 2;
   std::unique_ptr<std::atomic<int64_t>[]> claimed(new std::atomic<int64_t>[ranges]);
   for (int64_t r = 0; r < ranges; ++r) claimed[r].store(0);
@@ -235,26 +232,155 @@ at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales,
       const bool back = t % 2 == 1, alone = (t ^ 1) >= threads;
       for (int64_t i = 0; claimed[r].fetch_add(1, std::memory_order_relaxed) < part; ++i) {
         const int64_t c = b0 + (back ? part - 1 - i : i);
-        int64_t n0[4];
-        const T* w[4];
-        for (int64_t s = 0; s < S; ++s) {
-          n0[s] = (c + s * part) * BLOCK;
-          w[s] = wp + (c + s * part) * K * BLOCK;
-        }
+        int64_t b[4];
+        for (int64_t s = 0; s < S; ++s) b[s] = c + s * part;
         if (S == 4)
-          blocks_rows<MAX_STREAMS>(xf.data(), M, K, w, scales, op, N, n0, pf);
+          run(std::integral_constant<int, MAX_STREAMS>(), b);
         else
-          blocks_rows<2>(xf.data(), M, K, w, scales, op, N, n0, pf);
+          run(std::integral_constant<int, 2>(), b);
       }
-      for (int64_t b = b0 + S * part; b < b1 && (back || alone); ++b) {  // the range's last (b1 - b0) % S blocks
-        const int64_t n0[1] = {b * BLOCK};
-        const T* w[1] = {wp + b * K * BLOCK};
-        blocks_rows<1>(xf.data(), M, K, w, scales, op, N, n0, pf);
+      for (int64_t b = b0 + S * part; b < b1 && (back || alone); ++b)  // the range's last (b1 - b0) % S blocks
+        run(std::integral_constant<int, 1>(), &b);
+    }
+  });
+}
+
+// x [M, K] bf16 by the packed weight [blocks, K, 48] (bf16, or int8 with fp32 scales [N]) -> [M, N] bf16.
+template <typename T>
+at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto xc = x.contiguous();
+  std::vector<float> xf(M * K);
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
+  auto out = at::empty({M, N}, x.options());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t pf = g_prefetch.load(std::memory_order_relaxed);
+  walk_blocks(M, (N + BLOCK - 1) / BLOCK, M <= ROWS_FOUR, [&](auto streams, const int64_t* b) {
+    constexpr int S = decltype(streams)::value;
+    int64_t n0[S];
+    const T* w[S];
+    for (int s = 0; s < S; ++s) {
+      n0[s] = b[s] * BLOCK;
+      w[s] = wp + b[s] * K * BLOCK;
+    }
+    blocks_rows<S>(xf.data(), M, K, w, scales, op, N, n0, pf);
+  });
+  return out;
+}
+
+// int4 weights (`pack_int4`: tinygemm's numbers, w = (q - 8) * scale + zero, a bf16 scale and zero per group of G
+// input features and output feature), on AVX-512 with BF16 dot products. Each block of 48 output features holds, per
+// group, G / 8 octets of three 64-byte vectors and then the group's 48 scales and 48 zeros (bf16): in vector j of
+// octet o, lane i (output 16j + i) is two 16-bit words t = 0, 1 whose nibble h is q for input feature 8o + 2h + t.
+// A nibble masked out of its word and or-ed with 0x4300 is the bf16 number 128 + q (exact: bf16 holds 8 bits), so
+// one AND-OR (vpternlog) per four-nibble step makes 32 bf16 weights, and one vdpbf16ps multiplies them by the
+// matching pairs of x (bf16, exact products, fp32 sums). Per group: gsum = sum x (128 + q); the output gains
+// scale * gsum + (zero - 136 scale) * sum x, which is sum x ((q - 8) scale + zero).
+#if defined(__AVX512F__)
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+constexpr int64_t INT4_ROWS = 2;  // input rows a pass computes (S = 4 streams: one)
+
+template <int R, int S, bool PF>
+void int4_block_rows(const uint16_t* x, const float* xsum, int64_t K, int64_t G, const uint8_t* const* w,
+                     at::BFloat16* out, int64_t N, const int64_t* n0, int64_t pf) {
+  const int64_t groups = K / G, octets = G / 8, stride = octets * 192 + 192;
+  const __m512i low4 = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+  const __m512 b136 = _mm512_set1_ps(136.0f);
+  alignas(64) float acc[S][R][BLOCK] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 gacc[S][R][NV];
+    for (int s = 0; s < S; ++s)
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NV; ++j) gacc[s][r][j] = _mm512_setzero_ps();
+    for (int64_t o = 0; o < octets; ++o) {
+      const int64_t k = g * G + 8 * o;
+      __m512i xp[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 4; ++h) {
+          int32_t pair;
+          std::memcpy(&pair, x + r * K + k + 2 * h, sizeof(pair));
+          xp[r][h] = _mm512_set1_epi32(pair);
+        }
+      for (int s = 0; s < S; ++s) {
+        const uint8_t* p = w[s] + g * stride + o * 192;
+        if constexpr (PF) {
+          _mm_prefetch(reinterpret_cast<const char*>(p) + pf, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(p) + pf + 64, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(p) + pf + 128, _MM_HINT_T0);
+        }
+        for (int j = 0; j < NV; ++j) {
+          const __m512i words = _mm512_loadu_si512(p + 64 * j);
+          for (int h = 0; h < 4; ++h) {
+            const __m512i shifted = h ? _mm512_srli_epi16(words, 4 * h) : words;
+            const __m512bh wv = (__m512bh)_mm512_ternarylogic_epi32(shifted, low4, bias, 0xEA);  // (a & b) | c
+            for (int r = 0; r < R; ++r) gacc[s][r][j] = _mm512_dpbf16_ps(gacc[s][r][j], (__m512bh)xp[r][h], wv);
+          }
+        }
       }
+    }
+    for (int s = 0; s < S; ++s) {
+      const uint16_t* scale = reinterpret_cast<const uint16_t*>(w[s] + g * stride + octets * 192);
+      for (int j = 0; j < NV; ++j) {
+        const __m512 sc = widen(scale + 16 * j), offset = _mm512_fnmadd_ps(b136, sc, widen(scale + BLOCK + 16 * j));
+        for (int r = 0; r < R; ++r) {
+          float* a = acc[s][r] + 16 * j;
+          const __m512 sum = _mm512_fmadd_ps(sc, gacc[s][r][j], _mm512_load_ps(a));
+          _mm512_store_ps(a, _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), sum));
+        }
+      }
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    const int64_t cols = std::min<int64_t>(BLOCK, N - n0[s]);
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < cols; ++c) out[r * N + n0[s] + c] = at::BFloat16(acc[s][r][c]);
+  }
+}
+
+template <int R, int S, bool PF>
+void int4_rows_pass(int64_t rows, const uint16_t* x, const float* xsum, int64_t K, int64_t G,
+                    const uint8_t* const* w, at::BFloat16* out, int64_t N, const int64_t* n0, int64_t pf) {
+  if constexpr (R > 1) {
+    if (rows < R) return int4_rows_pass<R - 1, S, PF>(rows, x, xsum, K, G, w, out, N, n0, pf);
+  }
+  int4_block_rows<R, S, PF>(x, xsum, K, G, w, out, N, n0, pf);
+}
+
+// x [M, K] bf16 by the packed int4 weight [blocks, K / G, G / 8 * 192 + 192] bytes -> [M, N] bf16.
+at::Tensor int4_rows_by_blocks(const at::Tensor& x, const uint8_t* wp, int64_t G, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / G, block_bytes = groups * (G / 8 * 192 + 192);
+  const auto xc = x.contiguous();
+  const at::BFloat16* xb = xc.data_ptr<at::BFloat16>();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb);
+  std::vector<float> xsum(M * groups, 0.0f);  // each row's sum over each group, in order
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / G] += static_cast<float>(xb[m * K + k]);
+  auto out = at::empty({M, N}, x.options());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t pf = g_prefetch.load(std::memory_order_relaxed);
+  walk_blocks(M, (N + BLOCK - 1) / BLOCK, M <= ROWS_FOUR, [&](auto streams, const int64_t* b) {
+    constexpr int S = decltype(streams)::value;
+    constexpr int64_t ROWS = S == 4 ? 1 : INT4_ROWS;
+    int64_t n0[S];
+    const uint8_t* w[S];
+    for (int s = 0; s < S; ++s) {
+      n0[s] = b[s] * BLOCK;
+      w[s] = wp + b[s] * block_bytes;
+    }
+    for (int64_t m = 0; m < M; m += ROWS) {
+      const int64_t rows = std::min<int64_t>(ROWS, M - m);
+      if (pf)
+        int4_rows_pass<ROWS, S, true>(rows, xp + m * K, xsum.data() + m * groups, K, G, w, op + m * N, N, n0, pf);
+      else
+        int4_rows_pass<ROWS, S, false>(rows, xp + m * K, xsum.data() + m * groups, K, G, w, op + m * N, N, n0, 0);
     }
   });
   return out;
 }
+#pragma GCC pop_options
+#endif
 
 void check_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::ScalarType weight, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be a 2-D bf16 tensor");
@@ -275,6 +401,19 @@ at::Tensor linear_rows_int8(const at::Tensor& x, const at::Tensor& packed, const
   return rows_by_blocks(x, packed.data_ptr<int8_t>(), scales.data_ptr<float>(), N);
 }
 
+at::Tensor linear_rows_int4(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_rows_int4: x must be a 2-D bf16 tensor");
+  const int64_t K = x.size(1), G = group_size;
+  TORCH_CHECK(G % 8 == 0 && G > 0 && K % G == 0 && packed.dim() == 3 && packed.scalar_type() == at::kByte &&
+              packed.size(1) == K / G && packed.size(2) == G / 8 * 192 + 192 && packed.size(0) * BLOCK >= N &&
+              packed.is_contiguous(), "linear_rows_int4: packed must be the int4 weight of row_kernel.pack_int4");
+#if defined(__AVX512F__)
+  return int4_rows_by_blocks(x, packed.data_ptr<uint8_t>(), G, N);
+#else
+  TORCH_CHECK(false, "linear_rows_int4 needs AVX-512 with BF16");
+#endif
+}
+
 void set_row_tuning(int64_t streams, int64_t prefetch) {
   TORCH_CHECK((streams == 2 || streams == 4) && streams <= MAX_STREAMS && prefetch >= 0 && prefetch <= 65536,
               "set_row_tuning: streams must be 2 (or 4 with AVX-512) and prefetch 0-65536 bytes");
@@ -287,11 +426,13 @@ void set_row_tuning(int64_t streams, int64_t prefetch) {
 TORCH_LIBRARY(inference_core, m) {
   m.def("linear_rows(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("linear_rows_int8(Tensor x, Tensor packed, Tensor scales, int out_features) -> Tensor");
+  m.def("linear_rows_int4(Tensor x, Tensor packed, int group_size, int out_features) -> Tensor");
   m.def("set_row_tuning(int streams, int prefetch) -> ()", set_row_tuning);  // no tensors: one kernel for all
 }
 TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
   m.impl("linear_rows", linear_rows);
   m.impl("linear_rows_int8", linear_rows_int8);
+  m.impl("linear_rows_int4", linear_rows_int4);
 }
 """
 
@@ -326,6 +467,13 @@ AOTITorchError aoti_torch_cpu_linear_rows_int8(AtenTensorHandle x, AtenTensorHan
     *out = torch::aot_inductor::new_tensor_handle(linear_rows_int8(tensor(x), tensor(packed), tensor(scales), n));
   });
 }
+AOTITorchError aoti_torch_cpu_linear_rows_int4(AtenTensorHandle x, AtenTensorHandle packed, int64_t group_size,
+                                               int64_t n, AtenTensorHandle* out) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    RECORD_FUNCTION("inference_core::linear_rows_int4", std::vector<c10::IValue>());
+    *out = torch::aot_inductor::new_tensor_handle(linear_rows_int4(tensor(x), tensor(packed), group_size, n));
+  });
+}
 AOTITorchError aoti_torch_cpu_attend_paged(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
                                            AtenTensorHandle k_pool, AtenTensorHandle v_pool, AtenTensorHandle table,
                                            AtenTensorHandle key_mask, double scale, AtenTensorHandle* out) {
@@ -355,6 +503,24 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, BLOCK, in_features).transpose(1, 2).contiguous()
 
 
+def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """An int4 weight, q [out, in] in 0..15 and tinygemm's bf16 (scale, zero) [in / group, out, 2], -> the bytes
+    `linear_rows_int4` reads: [ceil(out / BLOCK), in / group, group / 8 * 192 + 192], per block and group the nibbles
+    (octets of three 64-byte vectors: lane i of vector j, output 16j + i, holds input feature 8o + 2h + t at nibble h
+    of its word t) and then the group's 48 scales and 48 zeros."""
+    out_features, in_features = q.shape
+    groups = scales_and_zeros.shape[0]
+    pad = -out_features % BLOCK
+    nibbles = F.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(-1, BLOCK // 16, 16, in_features // 8, 4, 2)
+    words = torch.stack([nibbles[..., 0, :] | (nibbles[..., 1, :] << 4),  # [block, j, i, octet, t, byte]
+                         nibbles[..., 2, :] | (nibbles[..., 3, :] << 4)], -1)
+    blocks = words.shape[0]
+    words = words.permute(0, 3, 1, 2, 4, 5).reshape(blocks, groups, -1)
+    numbers = F.pad(scales_and_zeros.to(torch.bfloat16), (0, 0, 0, pad))  # [groups, out, 2]
+    numbers = numbers.view(groups, blocks, BLOCK, 2).permute(1, 0, 3, 2).contiguous()  # [block, group, 2, 48]
+    return torch.cat([words, numbers.view(torch.uint8).view(blocks, groups, 4 * BLOCK)], -1).contiguous()
+
+
 def unavailable() -> str | None:
     """Why the op cannot run here (None: it is built and registered). Builds it the first time on a machine (about
     35 s) into the local cache, in a directory named after the source, the flags (`FLAGS`, by the CPU's instruction
@@ -382,7 +548,7 @@ def _build() -> str | None:
         ctypes.CDLL(library, mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     except (RuntimeError, OSError) as error:  # no compiler, no ninja, a failed build: inductor's matmuls instead
         return f"its build failed ({str(error).splitlines()[0][:200]})"
-    for op in ("linear_rows", "linear_rows_int8"):
+    for op in ("linear_rows", "linear_rows_int8", "linear_rows_int4"):
         torch.library.register_fake(f"inference_core::{op}")(_fake)
     attention_kernel.register_fake()
     _state_tuning.update(_tuned(directory / "tuning.json", capability))
@@ -473,13 +639,14 @@ def c_shims() -> dict:
     bf16 = "AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*"
     int8 = "AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*"
     attention = ", ".join(["AtenTensorHandle"] * 7 + ["double", "AtenTensorHandle*"])
-    arguments = {"linear_rows": bf16, "linear_rows_int8": int8, "attend_paged": attention}
+    int4 = "AtenTensorHandle, AtenTensorHandle, int64_t, int64_t, AtenTensorHandle*"
+    arguments = {"linear_rows": bf16, "linear_rows_int8": int8, "linear_rows_int4": int4, "attend_paged": attention}
     return {getattr(torch.ops.inference_core, name).default: [f"AOTITorchError aoti_torch_cpu_{name}({types})"]
             for name, types in arguments.items()}
 
 
 def _fake(x: torch.Tensor, *weights_and_out_features) -> torch.Tensor:
-    """Both ops' output shape for export: [rows of x, out_features], their last argument."""
+    """The projection ops' output shape for export: [rows of x, out_features], their last argument."""
     return x.new_empty(x.shape[0], weights_and_out_features[-1])
 
 
@@ -510,6 +677,20 @@ def int8_form() -> bool:
         (tuned["streams"], tuned["prefetch"]) != TUNING_CANDIDATES["AVX512"][0])
 
 
+def int4_form() -> bool:
+    """Whether int4 projections (`linear_int4`) run through our loop: on AVX-512 CPUs with BF16 dot products, where
+    the loop is built with them."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()
+
+
+def takes_int4(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether an int4 projection of `x` by tinygemm's CPU-packed weight [out, in / 2] runs through the op: as `takes`,
+    where `int4_form` says so, for out features a multiple of 64 (the layout `quant.kernels.unpack_int4_cpu` reads)."""
+    return (getattr(_state, "enabled", False) and x.device.type == "cpu" and x.dtype == torch.bfloat16
+            and x.dim() == 2 and x.shape[0] <= MAX_ROWS and packed.dtype == torch.uint8 and packed.dim() == 2
+            and packed.shape[0] % 64 == 0 and int4_form())
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a projection of `x` by `weight` runs through the op: inside `tracing(True)`, on the CPU, 2-D bf16 x of
     at most MAX_ROWS rows, a bf16 weight, or an int8 one (`linear_int8`) where `int8_form` says so."""
@@ -523,6 +704,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x W^T (+ b) through the op (call where `takes` says so, after `unavailable()` returned None)."""
     out = torch.ops.inference_core.linear_rows(x, pack(weight), weight.shape[0])
     return out if bias is None else out + bias
+
+
+def linear_int4(x: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x w^T for an int4 weight, q [out, in] in 0..15, w = (q - 8) scale + zero with tinygemm's bf16 scales and zeros
+    [in / group, out, 2] (`quant.linear.QuantLinear`'s int4 scheme): fp32 sums, rounded once to bf16 (call where
+    `takes_int4` says so)."""
+    group = q.shape[1] // scales_and_zeros.shape[0]
+    return torch.ops.inference_core.linear_rows_int4(x, pack_int4(q, scales_and_zeros), group, q.shape[0])
 
 
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

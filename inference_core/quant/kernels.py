@@ -103,6 +103,16 @@ def pack_int4(q: torch.Tensor, path: str = "tinygemm") -> torch.Tensor:
     return torch._convert_weight_to_int4pack_for_cpu(q, 1)
 
 
+def unpack_int4_cpu(packed: torch.Tensor) -> torch.Tensor:
+    """The CPU's tinygemm layout back to q [out, in] uint8 in 0..15, for an AVX-512 build's pack of a weight whose
+    output features are a multiple of 64 (`row_kernel.takes_int4` checks both): per 64 output features and input
+    feature k, 32 bytes, byte d holding output d in its low nibble and output 32 + d in its high one."""
+    out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    blocks = packed.view(out_features // 64, in_features, 32)
+    halves = torch.stack([blocks & 15, blocks >> 4], 1)  # [out / 64, 2, in, 32]
+    return halves.transpose(2, 3).reshape(out_features, in_features)
+
+
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales: torch.Tensor) -> torch.Tensor:
     """x [rows, in] -> [rows, out] through the int4 kernel of the packed weight's layout (on CUDA x must be bf16):
     on CUDA, nibbles (uint8) through our Triton kernel for a few rows and dequantized for more, or tinygemm's int32

@@ -10,6 +10,8 @@ activations: one decode row against a 1536x576 int8 weight took 30 us in bf16 an
 on the full weight: 69 us), so an fp32 model's activations are cast to bf16 around each quantized projection where
 that measures faster on this host (`compute_dtype`, measured once), as it does on CPUs with AVX-512 BF16 or AMX. On
 CUDA tinygemm takes bf16 activations only, so an fp16 or fp32 model casts around its int4 projections the same way.
+In a compiled decode step on the CPU, int8 and int4 projections of a few rows run through our own loop where it
+measured faster (`model.row_kernel`: `int8_form`, `int4_form`), on the same numbers.
 `QuantLinear.dequantized()` gives back the float weight the kernel computes with, the reference the tests hold the
 kernels to.
 
@@ -149,6 +151,8 @@ class QuantLinear(nn.Module):
             out = row_kernel.linear_int8(flat, self.qweight, self.scales)
         elif self.scheme == "int8":
             out = kernels.int8_mm(flat, self.qweight, self.scales, self.int8_path)
+        elif row_kernel.takes_int4(flat, self.qweight):  # int4, exporting a compiled decode step
+            out = row_kernel.linear_int4(flat, kernels.unpack_int4_cpu(self.qweight), self.scales)
         else:
             out = kernels.int4_mm(flat, self.qweight, self.group_size, self.scales)
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)

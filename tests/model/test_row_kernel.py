@@ -16,7 +16,10 @@ from inference_core import Engine, EngineConfig
 from inference_core.engine.compiled import compile_unavailable
 from inference_core.model import attention_kernel, row_kernel
 from inference_core.model.llama import Linear
-from inference_core.quant.linear import QuantLinear
+from inference_core.quant import kernels
+from inference_core.quant.linear import QuantLinear, round_int4
+
+needs_int4_form = pytest.mark.skipif(not row_kernel.int4_form(), reason="the int4 form needs AVX-512 with BF16")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
@@ -73,10 +76,62 @@ def test_a_quantized_int8_projection_calls_it_while_tracing_where_measured_faste
     assert torch.allclose(traced.module()(x).float(), quantized(x).float(), rtol=2 ** -7, atol=1e-3)
 
 
+@needs_int4_form
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("out_features, in_features, group", [(48, 64, 32), (50, 128, 64), (577, 576, 32),
+                                                              (64, 1536, 128)])
+def test_the_int4_op_equals_an_fp32_matmul_of_the_dequantized_weight(our_ops, rows, out_features, in_features, group):
+    """int4 weights in tinygemm's numbers (QuantLinear's int4 scheme: bf16 scale and zero per group): the fp32 sums
+    of x w, w = (q - 8) scale + zero, rounded once to bf16, as tinygemm computes them (in another order), for
+    output features that fill no whole block and every group size."""
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    rounded = round_int4(torch.randn(out_features, in_features, generator=generator) / 8, group)
+    scales = kernels.scales_and_zeros(rounded.scale, rounded.zero, torch.bfloat16)
+    got = row_kernel.linear_int4(x, rounded.q, scales)
+    want = x.float() @ rounded.dequantized(torch.bfloat16).t()
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, rtol=2 ** -8, atol=1e-4 * in_features ** 0.5)
+    if out_features % 16 == 0:  # tinygemm's CPU packing takes these
+        aten = torch._weight_int4pack_mm_for_cpu(x, kernels.pack_int4(rounded.q), group, scales)
+        assert torch.allclose(got.float(), aten.float(), rtol=2 ** -7, atol=1e-4 * in_features ** 0.5)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the AVX-512 build's layout")
+@pytest.mark.parametrize("out_features, in_features", [(64, 32), (576, 576), (192, 1536)])
+def test_the_int4_weights_come_back_out_of_tinygemms_cpu_layout(out_features, in_features):
+    q = torch.randint(0, 16, (out_features, in_features), generator=torch.Generator().manual_seed(in_features),
+                      dtype=torch.int32)
+    assert torch.equal(kernels.unpack_int4_cpu(kernels.pack_int4(q)), q.to(torch.uint8))
+
+
+@pytest.mark.parametrize("form", [True, False])
+def test_a_quantized_int4_projection_calls_it_while_tracing_where_the_cpu_has_bf16_dot_products(our_ops, form,
+                                                                                                 monkeypatch):
+    """`QuantLinear`'s int4 scheme in an exported decode step: our op where `int4_form` says so, for output features
+    a multiple of 64 (the layout read back), with the eager layer's outputs to one bf16 rounding; tinygemm's kernel
+    otherwise."""
+    if form and not row_kernel.int4_form():
+        pytest.skip("the int4 form needs AVX-512 with BF16")
+    monkeypatch.setattr(row_kernel, "int4_form", lambda: form)
+    x = torch.randn(3, 64).bfloat16()
+    for out_features, ours in ((128, form), (48, False)):
+        layer = Linear(64, out_features, bias=False)
+        layer.weight.data = torch.randn(out_features, 64).bfloat16()
+        quantized = QuantLinear(layer, "int4", group_size=32, compute=torch.bfloat16)
+        with row_kernel.tracing(True):
+            traced = torch.export.export(quantized, (x,))
+        ops = {str(node.target) for node in traced.graph.nodes if node.op == "call_function"}
+        assert ("inference_core.linear_rows_int4.default" in ops) == ours
+        assert torch.allclose(traced.module()(x).float(), quantized(x).float(), rtol=2 ** -7, atol=1e-2)
+
+
 def test_the_op_refuses_a_weight_that_is_not_packed(our_ops):
     x = torch.randn(1, 64).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="row_kernel.pack"):
         torch.ops.inference_core.linear_rows(x, torch.randn(48, 64).to(torch.bfloat16), 48)
+    with pytest.raises(RuntimeError, match="row_kernel.pack_int4"):
+        torch.ops.inference_core.linear_rows_int4(x, torch.zeros(1, 2, 100, dtype=torch.uint8), 32, 48)
 
 
 def test_pack_lays_out_blocks_of_48_output_features():
@@ -123,6 +178,26 @@ def test_compiled_decode_uses_it_for_bf16_unless_switched_off(tiny_bf16, our_ops
     assert len(keys) == (3 if our_ops_reason is None else 1)
 
 
+@needs_int4_form
+@pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
+def test_a_compiled_int4_step_calls_it_and_answers_as_eager(tiny_bf16, our_ops):
+    """The tiny bf16 model with int4 weights, compiled: its projections of 64 output features or more run through the
+    int4 op (k and v, 32 features, through tinygemm's), and every answer equals the eager int4 engine's (or parts at
+    a near-tie)."""
+    from conftest import compiled_matches_eager
+    from tiny_models import greedy, prompt
+
+    from inference_core.quant.linear import QuantConfig
+    from inference_core.quant.quantize import quantize
+
+    quantized = quantize(tiny_bf16, QuantConfig("int4", 32))
+    compiled, _ = compiled_matches_eager(quantized, kv_mode="paged", block_size=4, max_num_seqs=1,
+                                         max_num_batched_tokens=64, max_seq_len=96)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        compiled.complete(prompt(8, seed=3), greedy(3))
+    assert "inference_core::linear_rows_int4" in {event.name for event in profiler.events()}
+
+
 @pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama-bf16")
@@ -131,7 +206,8 @@ def tiny_bf16(tmp_path_factory):
 
 
 class OurOps(torch.nn.Module):
-    """Each of our ops once, as a compiled step calls them: a bf16 projection, paged attention, an int8 projection."""
+    """Each of our ops once, as a compiled step calls them: a bf16 projection, paged attention, an int8 projection
+    and, where the int4 form runs, an int4 one."""
 
     def __init__(self):
         super().__init__()
@@ -146,12 +222,22 @@ class OurOps(torch.nn.Module):
 
         self.qkv, self.out_int8 = weight(192, 64), int8(40, 192)
         self.scales = torch.nn.Parameter(torch.rand(40, generator=generator) / 100, requires_grad=False)
+        rounded = round_int4(torch.randn(64, 64, generator=generator) / 8, 32)
+        self.q4 = torch.nn.Parameter(rounded.q.to(torch.uint8), requires_grad=False)
+        self.scales4 = torch.nn.Parameter(kernels.scales_and_zeros(rounded.scale, rounded.zero, torch.bfloat16),
+                                          requires_grad=False)
 
     def forward(self, x, k_pool, v_pool, table, mask):
         qkv = row_kernel.linear(x, self.qkv, None)  # [1, 192]: q of 1 head, k and v of 1 KV head, head_dim 64
         q, k, v = qkv[:, :64], qkv[:, 64:128].view(1, 1, 64), qkv[:, 128:].view(1, 1, 64)
         attended = attention_kernel.attend(q, k, v, k_pool, v_pool, table, mask, 0.125).reshape(1, 64).to(x.dtype)
-        return row_kernel.linear_int8(attended.repeat(1, 3), self.out_int8, self.scales)
+        out = row_kernel.linear_int8(attended.repeat(1, 3), self.out_int8, self.scales)
+        if row_kernel.int4_form():
+            out = torch.cat([out, row_kernel.linear_int4(attended, self.q4, self.scales4)], 1)
+        return out
+
+
+PROJECTION_OPS = ("linear_rows", "linear_rows_int8") + (("linear_rows_int4",) if row_kernel.int4_form() else ())
 
 
 def test_a_compiled_package_calls_the_ops_as_c_functions(our_ops, tmp_path):
@@ -173,38 +259,50 @@ def test_a_compiled_package_calls_the_ops_as_c_functions(our_ops, tmp_path):
             got = package(*args)
     assert torch.equal(got, want)
     recorded = {event.name for event in profiler.events()}
-    assert {f"inference_core::{name}" for name in ("linear_rows", "linear_rows_int8", "attend_paged")} <= recorded
+    assert {f"inference_core::{name}" for name in PROJECTION_OPS + ("attend_paged",)} <= recorded
     with zipfile.ZipFile(path) as package:
         (wrapper,) = [package.read(name).decode() for name in package.namelist() if name.endswith("wrapper.cpp")]
-    for name in ("linear_rows", "linear_rows_int8", "attend_paged"):  # declared, then called
+    for name in PROJECTION_OPS + ("attend_paged",):  # declared, then called
         assert wrapper.count(f"aoti_torch_cpu_{name}(") == 2
     assert "proxy_executor_call_function" not in wrapper
 
 
 def packed_weights(out_features: int, in_features: int, generator: torch.Generator):
-    """A random bf16 weight and a random int8 one with its scales, both packed for the ops."""
+    """A random bf16 weight, a random int8 one with its scales and (where the int4 form runs) an int4 one in groups of
+    32, each packed for the ops."""
     packed = row_kernel.pack(torch.randn(out_features, in_features, generator=generator).bfloat16())
     packed_int8 = row_kernel.pack(torch.randint(-127, 128, (out_features, in_features), generator=generator,
                                                 dtype=torch.int8))
-    return packed, packed_int8, torch.rand(out_features, generator=generator)
+    rounded = round_int4(torch.randn(out_features, in_features, generator=generator), 32)
+    packed_int4 = row_kernel.pack_int4(rounded.q, kernels.scales_and_zeros(rounded.scale, rounded.zero,
+                                                                            torch.bfloat16))
+    return packed, packed_int8, torch.rand(out_features, generator=generator), packed_int4
+
+
+def every_op(x: torch.Tensor, weights: tuple, out_features: int) -> list:
+    """Each projection op of x by `packed_weights`' weights: bf16, int8 and, where it runs, int4."""
+    packed, packed_int8, scales, packed_int4 = weights
+    ops = torch.ops.inference_core
+    results = [ops.linear_rows(x, packed, out_features), ops.linear_rows_int8(x, packed_int8, scales, out_features)]
+    if row_kernel.int4_form():
+        results.append(ops.linear_rows_int4(x, packed_int4, 32, out_features))
+    return results
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("rows, out_features, in_features", [(1, 577, 64), (1, 48, 40), (1, 1000, 16), (2, 150, 8)])
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 577, 64), (1, 48, 64), (1, 1000, 32), (2, 150, 32)])
 def test_the_threads_share_of_the_blocks_changes_no_bit(our_ops, threads, rows, out_features, in_features):
     """The threads take the blocks as they come free (two a range, one from each end): the result is that of one
-    thread, bit for bit, for the bf16 and the int8 op, with an odd thread count and odd block counts."""
+    thread, bit for bit, for each projection op, with an odd thread count and odd block counts."""
     generator = torch.Generator().manual_seed(threads)
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
-    packed, packed_int8, scales = packed_weights(out_features, in_features, generator)
-    ops = torch.ops.inference_core
+    weights = packed_weights(out_features, in_features, generator)
     previous = torch.get_num_threads()
     results = []
     try:
         for count in (1, threads):
             torch.set_num_threads(count)
-            results.append((ops.linear_rows(x, packed, out_features),
-                            ops.linear_rows_int8(x, packed_int8, scales, out_features)))
+            results.append(every_op(x, weights, out_features))
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(one, many) for one, many in zip(*results))
@@ -213,8 +311,8 @@ def test_the_threads_share_of_the_blocks_changes_no_bit(our_ops, threads, rows, 
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_every_tuning_of_the_loop_changes_no_bit(our_ops, rows):
     """Streams per thread and the prefetch distance (`row_kernel.tuning`, measured per machine) reorder the work, not
-    a sum: every candidate of this CPU gives the default's result, with blocks enough for four streams (71) and few
-    (3), on two threads; a tuning outside the candidates is refused."""
+    a sum: every candidate of this CPU gives the default's result (each projection op), with blocks enough for four
+    streams (71) and few (3), on two threads; a tuning outside the candidates is refused."""
     candidates = row_kernel.TUNING_CANDIDATES[torch.backends.cpu.get_cpu_capability()]
     generator = torch.Generator().manual_seed(rows)
     ops = torch.ops.inference_core
@@ -223,12 +321,11 @@ def test_every_tuning_of_the_loop_changes_no_bit(our_ops, rows):
         torch.set_num_threads(2)
         for out_features in (48 * 70 + 5, 130):
             x = torch.randn(rows, 96, generator=generator).bfloat16()
-            packed, packed_int8, scales = packed_weights(out_features, 96, generator)
+            weights = packed_weights(out_features, 96, generator)
             results = []
             for streams, prefetch in candidates:
                 ops.set_row_tuning(streams, prefetch)
-                results.append((ops.linear_rows(x, packed, out_features),
-                                ops.linear_rows_int8(x, packed_int8, scales, out_features)))
+                results.append(every_op(x, weights, out_features))
             assert all(torch.equal(a, b) for result in results[1:] for a, b in zip(results[0], result))
         with pytest.raises(RuntimeError, match="streams must be 2"):
             ops.set_row_tuning(3, 0)

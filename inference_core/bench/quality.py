@@ -242,6 +242,9 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", default="none,int8,int4",
                         help=f"weight quantizations, comma-separated, from: {', '.join(SCHEMES)}")
     parser.add_argument("--quant-group", type=int, default=32, help="int4: input features per scale and zero")
+    parser.add_argument("--quant-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                        help="quantize the LM head with the projections (--no-quant-lm-head: keep it in the model "
+                             "dtype)")
     parser.add_argument("--kv-dtype", default="auto", help="KV cache dtypes, comma-separated, from: auto, int8")
     parser.add_argument("--window", type=int, help="perplexity chunk length (default: the model's context, at most "
                                                    "8192; smaller is faster)")
@@ -259,7 +262,8 @@ def run_quality(args) -> int:
     # 1. Every flag checked before the model loads.
     schemes = _choices("--quant", args.quant, SCHEMES)
     kv_dtypes = _choices("--kv-dtype", args.kv_dtype, KV_DTYPES)
-    variants = [Variant(QuantConfig(scheme, args.quant_group) if scheme != "none" else QuantConfig(), kv_dtype)
+    variants = [Variant(QuantConfig(scheme, args.quant_group, args.quant_lm_head) if scheme != "none"
+                        else QuantConfig(), kv_dtype)
                 for scheme in schemes for kv_dtype in kv_dtypes]
     for flag, value, least in (("--window", args.window, 2), ("--max-new-tokens", args.max_new_tokens, 1),
                                ("--eval-tokens", args.eval_tokens, 2)):

@@ -143,7 +143,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default="contiguous,paged,contiguous+compile,paged+compile",
                         help="our configurations to run, comma-separated: a KV mode (none, contiguous, paged), "
                              "with '+compile' for compiled decode, '+stepsN' for N compiled decode steps a host round "
-                             "trip (greedy) and '+int8' or '+int4' for quantized weights")
+                             "trip (greedy), '+int8' or '+int4' for quantized weights and, with one of them, "
+                             "'+float-lm-head' to keep the LM head in the model dtype")
     parser.add_argument("--quant-group", type=int, default=32, help="int4 rows: input features per scale and zero")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers row")
     parser.add_argument("--peer", type=peer_list, action="extend",
@@ -164,8 +165,8 @@ def run_bench(args) -> int:
         raise ConfigError("bench needs --repeats >= 1 and --max-new-tokens >= 2.")
 
     parsed = {name: parse_config(name) for name in (part.strip() for part in args.configs.split(",")) if name}
-    configs = {name: config for name, (config, _) in parsed.items()}
-    schemes = {name: QuantConfig(scheme, args.quant_group) for name, (_, scheme) in parsed.items()}
+    configs = {name: config for name, (config, _, _) in parsed.items()}
+    schemes = {name: QuantConfig(scheme, args.quant_group, lm_head) for name, (_, scheme, lm_head) in parsed.items()}
     rows = load_prompts(args.prompts or DEFAULT_PROMPTS)  # a bad file fails before the model loads
     loaded = load_model(args.model, args.device, args.dtype)
     models = {scheme: quantize(loaded, scheme) for scheme in set(schemes.values())}  # one copy per scheme
@@ -334,27 +335,30 @@ def resident_mib() -> float:
     return 0.0
 
 
-def parse_config(name: str) -> tuple[EngineConfig, str]:
-    """A bench row's name -> its engine config and weight quantization: a KV mode, with '+compile' for compiled
-    decode, '+stepsN' for N compiled decode steps a host round trip, '+inductor-mm' for compiled decode with the
-    matmuls inductor picks instead of our projection kernel (model.row_kernel), '+inductor-attention' with the
-    attention inductor compiles instead of ours (model.attention_kernel) and '+int8' or '+int4' for quantized
-    weights (e.g. paged+compile+int8, paged+compile+steps8)."""
+def parse_config(name: str) -> tuple[EngineConfig, str, bool]:
+    """A bench row's name -> its engine config, weight quantization and whether the LM head is quantized too: a KV
+    mode, with '+compile' for compiled decode, '+stepsN' for N compiled decode steps a host round trip, '+inductor-mm'
+    for compiled decode with the matmuls inductor picks instead of our projection kernel (model.row_kernel),
+    '+inductor-attention' with the attention inductor compiles instead of ours (model.attention_kernel), '+int8' or
+    '+int4' for quantized weights and, with one of them, '+float-lm-head' to keep the LM head in the model dtype
+    (e.g. paged+compile+int8, paged+compile+steps8, paged+compile+int4+float-lm-head)."""
     kv_mode, *extras = name.split("+")
     quant = [extra for extra in extras if extra in ("int8", "int4")]
     steps = [int(extra[5:]) for extra in extras if re.fullmatch(r"steps\d+", extra)]
-    if any(extra not in ("compile", "int8", "int4", "inductor-mm", "inductor-attention")
+    if any(extra not in ("compile", "int8", "int4", "inductor-mm", "inductor-attention", "float-lm-head")
            and not re.fullmatch(r"steps\d+", extra)
            for extra in extras) \
-            or len(quant) > 1 or len(steps) > 1 or len(set(extras)) < len(extras):
+            or len(quant) > 1 or len(steps) > 1 or len(set(extras)) < len(extras) \
+            or ("float-lm-head" in extras and not quant):
         raise ConfigError(f"unknown bench configuration {name!r}: use a KV mode (none, contiguous, paged), with "
                           "'+compile' for compiled decode, '+stepsN' for N decode steps a round trip, '+inductor-mm' "
                           "for inductor's matmuls instead of our projection kernel, '+inductor-attention' for "
-                          "inductor's attention instead of our attention kernel and '+int8' or '+int4' for quantized "
-                          "weights (e.g. paged+compile+int8).")
+                          "inductor's attention instead of our attention kernel, '+int8' or '+int4' for quantized "
+                          "weights and, with one of them, '+float-lm-head' to keep the LM head in the model dtype "
+                          "(e.g. paged+compile+int8).")
     return (EngineConfig(kv_mode=kv_mode, compile="compile" in extras, decode_steps=steps[0] if steps else 1,
                          row_kernel="inductor-mm" not in extras, attention_kernel="inductor-attention" not in extras),
-            quant[0] if quant else "none")
+            quant[0] if quant else "none", "float-lm-head" not in extras)
 
 
 def write_report(report: dict, path: str | None, quiet: bool = False) -> None:

@@ -1,7 +1,7 @@
-"""`python -m inference_core quality` (`inference_core.bench.quality`): perplexity held to transformers on the same weights
-(one chunk, several chunks, the bundled model on the start of the eval text), int8 weights and an int8 KV cache moving
-it a little, greedy agreement's arithmetic and the reference agreeing with itself, and the CLI's rows, JSON and bad
-flags."""
+"""`python -m inference_core quality` (`inference_core.bench.quality`): perplexity held to transformers on the same
+weights (one chunk, several chunks, the bundled model on the start of the eval text), int8 weights and an int8 KV
+cache moving it a little, greedy agreement's arithmetic and the reference agreeing with itself, and the CLI's rows,
+JSON and bad flags."""
 
 from __future__ import annotations
 
@@ -131,6 +131,10 @@ def test_cli_prints_the_table_and_writes_rows_and_host(tiny, tmp_path, capsys):
     assert [row["activations"] for row in rows] == ["float32", "float32", activations, activations]
     assert rows[2]["weights_mib"] < rows[0]["weights_mib"] == rows[1]["weights_mib"]
     assert report["first_divergence_by_prompt"]["reference"] == {"p0": None, "p1": None}
+    assert main(["quality", "--model", loaded.name, "--device", "cpu", "--quant", "int4", "--no-quant-lm-head",
+                 "--window", "64", "--eval-tokens", "150", "--no-agreement", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [row["name"] for row in rows] == ["reference", "int4 g32 (LM head in the model dtype)"]
 
 
 @pytest.mark.parametrize("argv,message", [

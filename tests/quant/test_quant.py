@@ -1,6 +1,6 @@
-"""Weight-only quantization (`inference_core.quant.linear`): the kernels against the dequantized weights they stand for, the
-round-to-nearest error bound, the original model left alone, every KV mode and batching on a quantized model, the
-CLI's flags and bench rows, and the bundled model still answering."""
+"""Weight-only quantization (`inference_core.quant.linear`): the kernels against the dequantized weights they stand
+for, the round-to-nearest error bound, the original model left alone, every KV mode and batching on a quantized
+model, the CLI's flags and bench rows, and the bundled model still answering."""
 
 from __future__ import annotations
 
@@ -127,13 +127,19 @@ def test_generate_and_bench_take_quantized_weights(tiny, tmp_path, capsys):
     assert "group size must be one of" in capsys.readouterr().err
     path, prompts = tmp_path / "bench.json", tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "words", "kind": "completion", "prompt": "t5 t9 t33 t7 t81"}) + "\n")
-    assert main(["bench", *cpu, "--prompts", str(prompts), "--configs", "paged,paged+int8,paged+int4", "--no-hf",
-                 "--repeats", "1", "--max-new-tokens", "6", "--json", str(path)]) == 0
+    assert main(["bench", *cpu, "--prompts", str(prompts), "--configs",
+                 "paged,paged+int8,paged+int4,paged+int4+float-lm-head", "--no-hf", "--repeats", "1",
+                 "--max-new-tokens", "6", "--json", str(path)]) == 0
     rows = {row["name"]: row for row in json.loads(path.read_text())["rows"]}
     assert rows["paged"]["quant"] == "none" and rows["paged+int4"]["quant"] == "int4 g32"
+    assert rows["paged+int4+float-lm-head"]["quant"] == "int4 g32 (LM head in the model dtype)"
     assert rows["paged+int4"]["weights_mib"] < rows["paged+int8"]["weights_mib"] < rows["paged"]["weights_mib"]
+    assert rows["paged+int4"]["weights_mib"] < rows["paged+int4+float-lm-head"]["weights_mib"] < rows["paged"][
+        "weights_mib"]
     assert all(row["decode_tokens_per_s"] > 0 and row["roofline_pct"] > 0 for row in rows.values())
-    assert main(["bench", *cpu, "--configs", "paged+int8+int4", "--no-hf"]) == 2
+    for bad in ("paged+int8+int4", "paged+float-lm-head"):
+        assert main(["bench", *cpu, "--configs", bad, "--no-hf"]) == 2
+        assert "'+float-lm-head' to keep the LM head" in capsys.readouterr().err
 
 
 def test_bundled_quantized_still_answers(bundled):

@@ -131,11 +131,12 @@ inline vec widen(const int8_t* p) {  // 8 int8 -> 8 fp32
 #endif
 constexpr int NV = BLOCK / LANES;  // vectors a block's row of 48 output features is
 
-// The host's tuning (`row_kernel.tuning`, chosen by measurement once per machine): streams from memory per thread for
-// one row (2, or 4 where MAX_STREAMS allows), and how many bytes ahead of each stream the loop asks for the weights
-// (0: no software prefetch). Neither changes a sum: each output feature's sum runs over k in order either way.
-std::atomic<int64_t> g_streams{2};
-std::atomic<int64_t> g_prefetch{0};
+// The host's tuning (`row_kernel.tuning`, chosen by measurement once per machine) for each form of the loop (0: bf16
+// and int8 weights, 1: int4): streams from memory per thread for one row (2, or 4 where MAX_STREAMS allows), and how
+// many bytes ahead of each stream the loop asks for the weights (0: no software prefetch). Neither changes a sum: each
+// output feature's sum runs over k in order either way.
+std::atomic<int64_t> g_streams[2] = {2, 2};
+std::atomic<int64_t> g_prefetch[2] = {0, 0};
 
 // R input rows against S blocks at once (S streams of the weight in flight per thread: at moments the host's memory
 // gives more, two streams read 91-96 GB/s where one read 66-79, measured on one 270 MB weight). T: the weight's
@@ -200,9 +201,9 @@ void blocks_rows(const float* x, int64_t M, int64_t K, const T* const* w, const 
 
 // Walks a weight's blocks over the threads: `run(S, b)` computes every row against blocks b[0..S) (S streams of the
 // weight in flight per thread; `S` a std::integral_constant), each block once. Four streams only where `four` (the
-// rows fit four streams' sums) and the host's tuning asks for them.
+// rows fit four streams' sums) and the host's tuning of the loop's `form` asks for them.
 template <class Run>
-void walk_blocks(int64_t M, int64_t blocks, bool four, const Run& run) {
+void walk_blocks(int64_t M, int64_t blocks, bool four, int form, const Run& run) {
   if (M > TWO_STREAMS_UP_TO) {  // each block alone (AVX2's registers hold two rows of one block, not of two)
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) run(std::integral_constant<int, 1>(), &b);
@@ -221,7 +222,7 @@ void walk_blocks(int64_t M, int64_t blocks, bool four, const Run& run) {
   const int64_t ranges = (threads + 1) / 2;
   // Four streams where the host's tuning asks for them, for rows they hold, and where each range has at least 8 sets
   // of four blocks (fewer, and the two threads' shares of a small weight part unevenly); else two.
-  const int64_t wanted = four ? std::min(g_streams.load(std::memory_order_relaxed), MAX_STREAMS) : 2;
+  const int64_t wanted = four ? std::min(g_streams[form].load(std::memory_order_relaxed), MAX_STREAMS) : 2;
   const int64_t S = wanted == 4 && blocks / ranges >= 32 ? 4 : 2;
   std::unique_ptr<std::atomic<int64_t>[]> claimed(new std::atomic<int64_t>[ranges]);
   for (int64_t r = 0; r < ranges; ++r) claimed[r].store(0);
@@ -255,8 +256,8 @@ at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales,
   for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
   auto out = at::empty({M, N}, x.options());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t pf = g_prefetch.load(std::memory_order_relaxed);
-  walk_blocks(M, (N + BLOCK - 1) / BLOCK, M <= ROWS_FOUR, [&](auto streams, const int64_t* b) {
+  const int64_t pf = g_prefetch[0].load(std::memory_order_relaxed);
+  walk_blocks(M, (N + BLOCK - 1) / BLOCK, M <= ROWS_FOUR, 0, [&](auto streams, const int64_t* b) {
     constexpr int S = decltype(streams)::value;
     int64_t n0[S];
     const T* w[S];
@@ -359,8 +360,8 @@ at::Tensor int4_rows_by_blocks(const at::Tensor& x, const uint8_t* wp, int64_t G
     for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / G] += static_cast<float>(xb[m * K + k]);
   auto out = at::empty({M, N}, x.options());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t pf = g_prefetch.load(std::memory_order_relaxed);
-  walk_blocks(M, (N + BLOCK - 1) / BLOCK, M <= ROWS_FOUR, [&](auto streams, const int64_t* b) {
+  const int64_t pf = g_prefetch[1].load(std::memory_order_relaxed);
+  walk_blocks(M, (N + BLOCK - 1) / BLOCK, M <= ROWS_FOUR, 1, [&](auto streams, const int64_t* b) {
     constexpr int S = decltype(streams)::value;
     constexpr int64_t ROWS = S == 4 ? 1 : INT4_ROWS;
     int64_t n0[S];
@@ -414,11 +415,12 @@ at::Tensor linear_rows_int4(const at::Tensor& x, const at::Tensor& packed, int64
 #endif
 }
 
-void set_row_tuning(int64_t streams, int64_t prefetch) {
+void set_row_tuning(int64_t streams, int64_t prefetch, int64_t form) {
   TORCH_CHECK((streams == 2 || streams == 4) && streams <= MAX_STREAMS && prefetch >= 0 && prefetch <= 65536,
               "set_row_tuning: streams must be 2 (or 4 with AVX-512) and prefetch 0-65536 bytes");
-  g_streams.store(streams);
-  g_prefetch.store(prefetch);
+  TORCH_CHECK(form == 0 || form == 1, "set_row_tuning: form 0 (bf16 and int8 weights) or 1 (int4)");
+  g_streams[form].store(streams);
+  g_prefetch[form].store(prefetch);
 }
 
 }  // namespace
@@ -427,7 +429,7 @@ TORCH_LIBRARY(inference_core, m) {
   m.def("linear_rows(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("linear_rows_int8(Tensor x, Tensor packed, Tensor scales, int out_features) -> Tensor");
   m.def("linear_rows_int4(Tensor x, Tensor packed, int group_size, int out_features) -> Tensor");
-  m.def("set_row_tuning(int streams, int prefetch) -> ()", set_row_tuning);  // no tensors: one kernel for all
+  m.def("set_row_tuning(int streams, int prefetch, int form=0) -> ()", set_row_tuning);  // no tensors: one kernel
 }
 TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
   m.impl("linear_rows", linear_rows);
@@ -553,6 +555,9 @@ def _build() -> str | None:
     attention_kernel.register_fake()
     _state_tuning.update(_tuned(directory / "tuning.json", capability))
     torch.ops.inference_core.set_row_tuning(_state_tuning["streams"], _state_tuning["prefetch"])
+    if "int4" in _state_tuning:
+        torch.ops.inference_core.set_row_tuning(_state_tuning["int4"]["streams"], _state_tuning["int4"]["prefetch"],
+                                                FORMS["int4"])
     return None
 
 
@@ -563,35 +568,49 @@ def _build() -> str | None:
 # Intel host with AMX"). AVX2 has too few registers for four streams' sums.
 TUNING_CANDIDATES = {"AVX512": ((2, 0), (2, 1024), (4, 0), (4, 1024)), "AVX2": ((2, 0), (2, 1024))}
 TUNING_MARGIN = 0.97  # a candidate replaces the default only where it takes at most this share of its time
+# The loop's forms, each tuned on its own (the op's `form`): bf16 weights (whose tuning int8 ones share) and int4. The
+# int4 form reads a third of the bytes for the same work, and may want other settings: on the Intel host one
+# measurement of the bf16 passes chose (2, 1 KB) over (4, 1 KB) by a hair (0.832 against 0.838), and with it the
+# compiled int4 step decoded at 0.94x its speed with four streams (two runs of 10 alternating pairs: 1.060x and
+# 1.054x for four, faster in 10 and 9).
+FORMS = {"bf16": 0, "int4": 1}
 _state_tuning: dict = {}
 
 
 def tuning() -> dict:
-    """The projection loop's tuning on this machine: `streams` and `prefetch`, with the measurement that chose them
-    (`ratios`: each candidate's median time over the default's); empty until `unavailable()` has built the op."""
+    """The projection loop's tuning on this machine: `streams` and `prefetch` of the bf16 (and int8) form, with the
+    measurement that chose them (`ratios`: each candidate's median time over the default's), and where the int4 form
+    runs (`int4_form`) the same for it under `int4`; empty until `unavailable()` has built the op."""
     return dict(_state_tuning)
 
 
 def _tuned(path, capability: str) -> dict:
-    """The tuning kept at `path`, or measured now (`measure_tuning`) and kept there; `INFERENCE_CORE_ROW_TUNING=2,1024`
-    sets it instead (for A/B runs; nothing kept)."""
+    """The tuning kept at `path`, or measured now (`measure_tuning`, each form the CPU runs) and kept there;
+    `INFERENCE_CORE_ROW_TUNING=2,1024` sets it for every form instead (for A/B runs; nothing kept)."""
+    candidates = TUNING_CANDIDATES[capability]
     forced = os.environ.get("INFERENCE_CORE_ROW_TUNING")
     if forced:
-        choices = {f"{streams},{prefetch}": (streams, prefetch) for streams, prefetch in TUNING_CANDIDATES[capability]}
+        choices = {f"{streams},{prefetch}": (streams, prefetch) for streams, prefetch in candidates}
         choice = choices.get(forced.replace(" ", ""))
         if choice is None:
             raise ValueError(f"INFERENCE_CORE_ROW_TUNING={forced!r}: on this CPU ({capability}) it takes one of "
                              f"{', '.join(choices)} (streams per thread, prefetch distance in bytes)")
-        streams, prefetch = choice
-        return {"streams": streams, "prefetch": prefetch, "forced": True}
+        setting = {"streams": choice[0], "prefetch": choice[1], "forced": True}
+        return {**setting, "int4": dict(setting)} if int4_form() else setting
+
+    def valid(entry) -> bool:
+        return isinstance(entry, dict) and (entry.get("streams"), entry.get("prefetch")) in candidates
+
     try:
         kept = json.loads(path.read_text())
-        if (kept["streams"], kept["prefetch"]) in TUNING_CANDIDATES[capability]:
-            return kept
-    except (OSError, ValueError, KeyError):
-        pass
-    chosen = measure_tuning(TUNING_CANDIDATES[capability])
-    if chosen["busy"]:  # the default for now, and a new measurement next time
+    except (OSError, ValueError):
+        kept = {}
+    chosen = kept if valid(kept) else measure_tuning(candidates)
+    if int4_form() and not valid(chosen.get("int4")):
+        chosen = {**chosen, "int4": measure_tuning(candidates, form="int4")}
+    if chosen is kept:
+        return kept
+    if chosen.get("busy") or chosen.get("int4", {}).get("busy"):  # the default for now, and a new measurement next time
         return chosen
     partial = path.with_suffix(f".{os.getpid()}.tmp")  # engines in other processes may measure at the same time
     partial.write_text(json.dumps(chosen, indent=1))
@@ -599,20 +618,27 @@ def _tuned(path, capability: str) -> dict:
     return chosen
 
 
-def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7) -> dict:
-    """Each candidate's time for one pass of one row over `megabytes` of packed bf16 weights ([2048, 1024] each, more
-    than the caches hold), in `rounds` rounds with the candidates' order rotated; the median over rounds of each
-    candidate's time over the default's (the first) decides, by `TUNING_MARGIN`. Where the default's own passes
-    differ by more than a quarter, the host is `busy` and the default stands. About 0.5 s on the 2-core hosts."""
-    weights = [torch.ones(2048 // BLOCK + 1, 1024, BLOCK, dtype=torch.bfloat16)
-               for _ in range(megabytes * 2**20 // (2048 * 1024 * 2))]
+def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7, form: str = "bf16") -> dict:
+    """Each candidate's time for one pass of one row over `megabytes` of the `form`'s packed weights ([2048, 1024]
+    each, more than the caches hold), in `rounds` rounds with the candidates' order rotated; the median over rounds of
+    each candidate's time over the default's (the first) decides, by `TUNING_MARGIN`. Where the default's own passes
+    differ by more than a quarter, the host is `busy` and the default stands. About 0.5 s a form on the 2-core
+    hosts."""
+    ops = torch.ops.inference_core
     x = torch.ones(1, 1024, dtype=torch.bfloat16)
+    if form == "int4":
+        weight = pack_int4(torch.zeros(2048, 1024, dtype=torch.uint8), torch.ones(1024 // 32, 2048, 2))
+        project = functools.partial(ops.linear_rows_int4, x, group_size=32, out_features=2048)
+    else:
+        weight = torch.ones(2048 // BLOCK + 1, 1024, BLOCK, dtype=torch.bfloat16)
+        project = functools.partial(ops.linear_rows, x, out_features=2048)
+    weights = [weight.clone() for _ in range(megabytes * 2**20 // weight.nbytes)]
 
     def one_pass(streams: int, prefetch: int) -> float:
-        torch.ops.inference_core.set_row_tuning(streams, prefetch)
+        ops.set_row_tuning(streams, prefetch, FORMS[form])
         started = time.perf_counter()
-        for weight in weights:
-            torch.ops.inference_core.linear_rows(x, weight, 2048)
+        for packed in weights:
+            project(packed=packed)
         return time.perf_counter() - started
 
     one_pass(*candidates[0])

@@ -4,6 +4,7 @@ off. The compiled step that calls them is checked on the bundled model against e
 
 from __future__ import annotations
 
+import json
 import zipfile
 
 import pytest
@@ -310,13 +311,13 @@ def test_the_threads_share_of_the_blocks_changes_no_bit(our_ops, threads, rows, 
 
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_every_tuning_of_the_loop_changes_no_bit(our_ops, rows):
-    """Streams per thread and the prefetch distance (`row_kernel.tuning`, measured per machine) reorder the work, not
-    a sum: every candidate of this CPU gives the default's result (each projection op), with blocks enough for four
-    streams (71) and few (3), on two threads; a tuning outside the candidates is refused."""
+    """Streams per thread and the prefetch distance (`row_kernel.tuning`, measured per machine and form) reorder the
+    work, not a sum: every candidate of this CPU gives the default's result (each projection op), with blocks enough
+    for four streams (71) and few (3), on two threads; a tuning outside the candidates, or of no form, is refused."""
     candidates = row_kernel.TUNING_CANDIDATES[torch.backends.cpu.get_cpu_capability()]
     generator = torch.Generator().manual_seed(rows)
     ops = torch.ops.inference_core
-    kept, previous = row_kernel.tuning(), torch.get_num_threads()
+    previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         for out_features in (48 * 70 + 5, 130):
@@ -324,39 +325,62 @@ def test_every_tuning_of_the_loop_changes_no_bit(our_ops, rows):
             weights = packed_weights(out_features, 96, generator)
             results = []
             for streams, prefetch in candidates:
-                ops.set_row_tuning(streams, prefetch)
+                for form in row_kernel.FORMS.values():
+                    ops.set_row_tuning(streams, prefetch, form)
                 results.append(every_op(x, weights, out_features))
             assert all(torch.equal(a, b) for result in results[1:] for a, b in zip(results[0], result))
         with pytest.raises(RuntimeError, match="streams must be 2"):
             ops.set_row_tuning(3, 0)
+        with pytest.raises(RuntimeError, match="form 0"):
+            ops.set_row_tuning(2, 0, 2)
     finally:
-        ops.set_row_tuning(kept["streams"], kept["prefetch"])
+        restore_tuning()
         torch.set_num_threads(previous)
 
 
-def test_the_tuning_is_measured_once_and_kept(our_ops, tmp_path, monkeypatch):
-    """Measured where nothing is kept (a candidate of this CPU, the ratios that chose it), then read back; a busy
-    moment's measurement is not kept; the environment's setting overrides both."""
+def restore_tuning() -> None:
+    """The op set back to this machine's tuning (`row_kernel.tuning`), every form of it."""
+    kept = row_kernel.tuning()
+    torch.ops.inference_core.set_row_tuning(kept["streams"], kept["prefetch"])
+    if "int4" in kept:
+        torch.ops.inference_core.set_row_tuning(kept["int4"]["streams"], kept["int4"]["prefetch"],
+                                                row_kernel.FORMS["int4"])
+
+
+@pytest.mark.parametrize("int4", [False, True])
+def test_the_tuning_is_measured_once_and_kept(our_ops, tmp_path, monkeypatch, int4):
+    """Measured where nothing is kept (a candidate of this CPU, the ratios that chose it), for each form the CPU runs,
+    then read back; a tuning kept before the int4 form existed gains it; a busy moment's measurement is not kept; the
+    environment's setting overrides all of them."""
     capability = torch.backends.cpu.get_cpu_capability()
     measured = {"streams": 2, "prefetch": 0, "busy": False, "ratios": {"2,0": 1.0}}
     calls = []
-    monkeypatch.setattr(row_kernel, "measure_tuning", lambda candidates: calls.append(candidates) or dict(measured))
+    monkeypatch.setattr(row_kernel, "measure_tuning",
+                        lambda candidates, form="bf16": calls.append(form) or dict(measured))
+    monkeypatch.setattr(row_kernel, "int4_form", lambda: int4)
     monkeypatch.delenv("INFERENCE_CORE_ROW_TUNING", raising=False)
     path = tmp_path / "tuning.json"
-    assert row_kernel._tuned(path, capability) == measured and path.is_file()
-    assert row_kernel._tuned(path, capability) == measured and len(calls) == 1
+    want = {**measured, "int4": measured} if int4 else measured
+    assert row_kernel._tuned(path, capability) == want and path.is_file()
+    assert row_kernel._tuned(path, capability) == want and calls == ["bf16", "int4"][:1 + int4]
+    if int4:  # kept by a build without the int4 form: only that form is measured
+        path.write_text(json.dumps(measured))
+        assert row_kernel._tuned(path, capability) == want and calls[2:] == ["int4"]
+        assert json.loads(path.read_text()) == want
     path.unlink()
     measured["busy"] = True
     assert row_kernel._tuned(path, capability)["busy"] and not path.exists()
     monkeypatch.setenv("INFERENCE_CORE_ROW_TUNING", "2,1024")
-    assert row_kernel._tuned(path, capability) == {"streams": 2, "prefetch": 1024, "forced": True}
+    forced = {"streams": 2, "prefetch": 1024, "forced": True}
+    assert row_kernel._tuned(path, capability) == ({**forced, "int4": forced} if int4 else forced)
     for bad in ("3,0", "2;1024", "fast"):
         monkeypatch.setenv("INFERENCE_CORE_ROW_TUNING", bad)
         with pytest.raises(ValueError, match=f"INFERENCE_CORE_ROW_TUNING='{bad}': on this CPU .* takes one of 2,0, "):
             row_kernel._tuned(path, capability)
     monkeypatch.undo()
-    real = row_kernel.measure_tuning(row_kernel.TUNING_CANDIDATES[capability], megabytes=8, rounds=2)
-    assert (real["streams"], real["prefetch"]) in row_kernel.TUNING_CANDIDATES[capability]
-    assert set(real["ratios"]) == {f"{s},{p}" for s, p in row_kernel.TUNING_CANDIDATES[capability]}
-    ops = torch.ops.inference_core
-    ops.set_row_tuning(row_kernel.tuning()["streams"], row_kernel.tuning()["prefetch"])
+    forms = ["bf16", "int4"] if row_kernel.int4_form() else ["bf16"]
+    for form in forms:
+        real = row_kernel.measure_tuning(row_kernel.TUNING_CANDIDATES[capability], megabytes=8, rounds=2, form=form)
+        assert (real["streams"], real["prefetch"]) in row_kernel.TUNING_CANDIDATES[capability]
+        assert set(real["ratios"]) == {f"{s},{p}" for s, p in row_kernel.TUNING_CANDIDATES[capability]}
+    restore_tuning()

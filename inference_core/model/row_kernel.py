@@ -585,8 +585,9 @@ def tuning() -> dict:
 
 
 def _tuned(path, capability: str) -> dict:
-    """The tuning kept at `path`, or measured now (`measure_tuning`, each form the CPU runs) and kept there;
-    `INFERENCE_CORE_ROW_TUNING=2,1024` sets it for every form instead (for A/B runs; nothing kept)."""
+    """The tuning kept at `path`, or measured now (`measure_tuning`, each form the CPU runs; a kept tuning without the
+    int4 form's measurement gains it) and kept there; `INFERENCE_CORE_ROW_TUNING=2,1024` sets it for every form
+    instead (for A/B runs; nothing kept)."""
     candidates = TUNING_CANDIDATES[capability]
     forced = os.environ.get("INFERENCE_CORE_ROW_TUNING")
     if forced:
@@ -596,7 +597,7 @@ def _tuned(path, capability: str) -> dict:
             raise ValueError(f"INFERENCE_CORE_ROW_TUNING={forced!r}: on this CPU ({capability}) it takes one of "
                              f"{', '.join(choices)} (streams per thread, prefetch distance in bytes)")
         setting = {"streams": choice[0], "prefetch": choice[1], "forced": True}
-        return {**setting, "int4": dict(setting)} if int4_form() else setting
+        return {**setting, "int4": {**setting, "versus_aten": None}} if int4_capable() else setting
 
     def valid(entry) -> bool:
         return isinstance(entry, dict) and (entry.get("streams"), entry.get("prefetch")) in candidates
@@ -606,7 +607,7 @@ def _tuned(path, capability: str) -> dict:
     except (OSError, ValueError):
         kept = {}
     chosen = kept if valid(kept) else measure_tuning(candidates)
-    if int4_form() and not valid(chosen.get("int4")):
+    if int4_capable() and not (valid(chosen.get("int4")) and "versus_aten" in chosen["int4"]):
         chosen = {**chosen, "int4": measure_tuning(candidates, form="int4")}
     if chosen is kept:
         return kept
@@ -622,13 +623,24 @@ def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7, form: str 
     """Each candidate's time for one pass of one row over `megabytes` of the `form`'s packed weights ([2048, 1024]
     each, more than the caches hold), in `rounds` rounds with the candidates' order rotated; the median over rounds of
     each candidate's time over the default's (the first) decides, by `TUNING_MARGIN`. Where the default's own passes
-    differ by more than a quarter, the host is `busy` and the default stands. About 0.5 s a form on the 2-core
-    hosts."""
+    differ by more than a quarter, the host is `busy` and the default stands. The int4 form's rounds also time ATen's
+    int4 kernel on the same weights (`versus_aten`: the chosen setting's time over its). About 0.5 s a form on the
+    2-core hosts."""
     ops = torch.ops.inference_core
     x = torch.ones(1, 1024, dtype=torch.bfloat16)
+    aten = None  # the int4 form: ATen's kernel on the same weights in its own layout, timed in the same rounds
     if form == "int4":
-        weight = pack_int4(torch.zeros(2048, 1024, dtype=torch.uint8), torch.ones(1024 // 32, 2048, 2))
+        q, scales = torch.zeros(2048, 1024, dtype=torch.int32), torch.ones(1024 // 32, 2048, 2, dtype=torch.bfloat16)
+        weight = pack_int4(q, scales)
         project = functools.partial(ops.linear_rows_int4, x, group_size=32, out_features=2048)
+        aten_weights = [torch._convert_weight_to_int4pack_for_cpu(q, 1)
+                        for _ in range(megabytes * 2**20 // weight.nbytes)]
+
+        def aten() -> float:
+            started = time.perf_counter()
+            for packed in aten_weights:
+                torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales)
+            return time.perf_counter() - started
     else:
         weight = torch.ones(2048 // BLOCK + 1, 1024, BLOCK, dtype=torch.bfloat16)
         project = functools.partial(ops.linear_rows, x, out_features=2048)
@@ -642,21 +654,27 @@ def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7, form: str 
         return time.perf_counter() - started
 
     one_pass(*candidates[0])
-    ratios, defaults = {candidate: [] for candidate in candidates}, []
+    ratios, defaults, aten_ratios = {candidate: [] for candidate in candidates}, [], []
     for round_ in range(rounds):
         order = candidates[round_ % len(candidates):] + candidates[:round_ % len(candidates)]
+        before = aten() if aten and round_ % 2 else None  # ATen's pass first in odd rounds, last in even ones
         times = {candidate: one_pass(*candidate) for candidate in order}
         defaults.append(times[candidates[0]])
         for candidate in candidates:
             ratios[candidate].append(times[candidate] / times[candidates[0]])
+        if aten:
+            aten_ratios.append((before or aten()) / times[candidates[0]])
     medians = {candidate: statistics.median(values) for candidate, values in ratios.items()}
     best = min(candidates, key=medians.get)
     busy = max(defaults) > 1.25 * min(defaults)  # the host's memory or cores taken by others: not a fair moment
     streams, prefetch = best if medians[best] <= TUNING_MARGIN and not busy else candidates[0]
-    return {"streams": streams, "prefetch": prefetch, "threads": torch.get_num_threads(), "busy": busy,
-            "ratios": {f"{s},{p}": round(ratio, 3) for (s, p), ratio in medians.items()},
-            "default_pass_ms": [round(seconds * 1e3, 2) for seconds in defaults],
-            "measured": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    measured = {"streams": streams, "prefetch": prefetch, "threads": torch.get_num_threads(), "busy": busy,
+                "ratios": {f"{s},{p}": round(ratio, 3) for (s, p), ratio in medians.items()},
+                "default_pass_ms": [round(seconds * 1e3, 2) for seconds in defaults],
+                "measured": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    if aten:  # the chosen setting's time over ATen's kernel's (int4_form takes our loop where it is at most 1)
+        measured["versus_aten"] = round(medians[(streams, prefetch)] / statistics.median(aten_ratios), 3)
+    return measured
 
 
 def c_shims() -> dict:
@@ -703,10 +721,19 @@ def int8_form() -> bool:
         (tuned["streams"], tuned["prefetch"]) != TUNING_CANDIDATES["AVX512"][0])
 
 
-def int4_form() -> bool:
-    """Whether int4 projections (`linear_int4`) run through our loop: on AVX-512 CPUs with BF16 dot products, where
-    the loop is built with them."""
+def int4_capable() -> bool:
+    """Whether this CPU runs the loop's int4 form: AVX-512 with BF16 dot products (the build has it on AVX-512)."""
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()
+
+
+def int4_form() -> bool:
+    """Whether int4 projections (`linear_int4`) run through our loop: where the CPU can (`int4_capable`) and this
+    machine's int4 tuning measured the loop at most as slow as ATen's int4 kernel (tinygemm's, which inductor's int4
+    template otherwise competes with) on the same weights (`tuning()["int4"]["versus_aten"]`; on the Intel host with
+    AMX 0.79; None where `INFERENCE_CORE_ROW_TUNING` set the tuning instead: the loop then runs); False until
+    `unavailable()` has built the op."""
+    ratio = tuning().get("int4", {}).get("versus_aten", 2.0)
+    return int4_capable() and (ratio is None or ratio <= 1.0)
 
 
 def takes_int4(x: torch.Tensor, packed: torch.Tensor) -> bool:

@@ -20,7 +20,7 @@ from inference_core.model.llama import Linear
 from inference_core.quant import kernels
 from inference_core.quant.linear import QuantLinear, round_int4
 
-needs_int4_form = pytest.mark.skipif(not row_kernel.int4_form(), reason="the int4 form needs AVX-512 with BF16")
+needs_int4_form = pytest.mark.skipif(not row_kernel.int4_capable(), reason="the int4 form needs AVX-512 with BF16")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
@@ -112,7 +112,7 @@ def test_a_quantized_int4_projection_calls_it_while_tracing_where_the_cpu_has_bf
     """`QuantLinear`'s int4 scheme in an exported decode step: our op where `int4_form` says so, for output features
     a multiple of 64 (the layout read back), with the eager layer's outputs to one bf16 rounding; tinygemm's kernel
     otherwise."""
-    if form and not row_kernel.int4_form():
+    if form and not row_kernel.int4_capable():
         pytest.skip("the int4 form needs AVX-512 with BF16")
     monkeypatch.setattr(row_kernel, "int4_form", lambda: form)
     x = torch.randn(3, 64).bfloat16()
@@ -191,6 +191,8 @@ def test_a_compiled_int4_step_calls_it_and_answers_as_eager(tiny_bf16, our_ops):
     from inference_core.quant.linear import QuantConfig
     from inference_core.quant.quantize import quantize
 
+    if not row_kernel.int4_form():
+        pytest.skip(f"this machine measured our int4 loop slower than ATen's ({row_kernel.tuning().get('int4')})")
     quantized = quantize(tiny_bf16, QuantConfig("int4", 32))
     compiled, _ = compiled_matches_eager(quantized, kv_mode="paged", block_size=4, max_num_seqs=1,
                                          max_num_batched_tokens=64, max_seq_len=96)
@@ -233,12 +235,12 @@ class OurOps(torch.nn.Module):
         q, k, v = qkv[:, :64], qkv[:, 64:128].view(1, 1, 64), qkv[:, 128:].view(1, 1, 64)
         attended = attention_kernel.attend(q, k, v, k_pool, v_pool, table, mask, 0.125).reshape(1, 64).to(x.dtype)
         out = row_kernel.linear_int8(attended.repeat(1, 3), self.out_int8, self.scales)
-        if row_kernel.int4_form():
+        if row_kernel.int4_capable():
             out = torch.cat([out, row_kernel.linear_int4(attended, self.q4, self.scales4)], 1)
         return out
 
 
-PROJECTION_OPS = ("linear_rows", "linear_rows_int8") + (("linear_rows_int4",) if row_kernel.int4_form() else ())
+PROJECTION_OPS = ("linear_rows", "linear_rows_int8") + (("linear_rows_int4",) if row_kernel.int4_capable() else ())
 
 
 def test_a_compiled_package_calls_the_ops_as_c_functions(our_ops, tmp_path):
@@ -285,7 +287,7 @@ def every_op(x: torch.Tensor, weights: tuple, out_features: int) -> list:
     packed, packed_int8, scales, packed_int4 = weights
     ops = torch.ops.inference_core
     results = [ops.linear_rows(x, packed, out_features), ops.linear_rows_int8(x, packed_int8, scales, out_features)]
-    if row_kernel.int4_form():
+    if row_kernel.int4_capable():
         results.append(ops.linear_rows_int4(x, packed_int4, 32, out_features))
     return results
 
@@ -355,32 +357,54 @@ def test_the_tuning_is_measured_once_and_kept(our_ops, tmp_path, monkeypatch, in
     capability = torch.backends.cpu.get_cpu_capability()
     measured = {"streams": 2, "prefetch": 0, "busy": False, "ratios": {"2,0": 1.0}}
     calls = []
-    monkeypatch.setattr(row_kernel, "measure_tuning",
-                        lambda candidates, form="bf16": calls.append(form) or dict(measured))
-    monkeypatch.setattr(row_kernel, "int4_form", lambda: int4)
+
+    def measure(candidates, form="bf16"):
+        calls.append(form)
+        return {**measured, "versus_aten": 0.7} if form == "int4" else dict(measured)
+
+    monkeypatch.setattr(row_kernel, "measure_tuning", measure)
+    monkeypatch.setattr(row_kernel, "int4_capable", lambda: int4)
     monkeypatch.delenv("INFERENCE_CORE_ROW_TUNING", raising=False)
     path = tmp_path / "tuning.json"
-    want = {**measured, "int4": measured} if int4 else measured
+    want = {**measured, "int4": {**measured, "versus_aten": 0.7}} if int4 else measured
     assert row_kernel._tuned(path, capability) == want and path.is_file()
     assert row_kernel._tuned(path, capability) == want and calls == ["bf16", "int4"][:1 + int4]
-    if int4:  # kept by a build without the int4 form: only that form is measured
-        path.write_text(json.dumps(measured))
-        assert row_kernel._tuned(path, capability) == want and calls[2:] == ["int4"]
-        assert json.loads(path.read_text()) == want
+    if int4:  # kept by a build without the int4 form, or without its measurement against ATen: only it is measured
+        for kept in (measured, {**measured, "int4": measured}):
+            path.write_text(json.dumps(kept))
+            assert row_kernel._tuned(path, capability) == want and calls[-1] == "int4"
+            assert json.loads(path.read_text()) == want
+        assert calls == ["bf16", "int4", "int4", "int4"]
     path.unlink()
     measured["busy"] = True
     assert row_kernel._tuned(path, capability)["busy"] and not path.exists()
     monkeypatch.setenv("INFERENCE_CORE_ROW_TUNING", "2,1024")
     forced = {"streams": 2, "prefetch": 1024, "forced": True}
-    assert row_kernel._tuned(path, capability) == ({**forced, "int4": forced} if int4 else forced)
+    assert row_kernel._tuned(path, capability) == ({**forced, "int4": {**forced, "versus_aten": None}} if int4
+                                                   else forced)
     for bad in ("3,0", "2;1024", "fast"):
         monkeypatch.setenv("INFERENCE_CORE_ROW_TUNING", bad)
         with pytest.raises(ValueError, match=f"INFERENCE_CORE_ROW_TUNING='{bad}': on this CPU .* takes one of 2,0, "):
             row_kernel._tuned(path, capability)
     monkeypatch.undo()
-    forms = ["bf16", "int4"] if row_kernel.int4_form() else ["bf16"]
+    forms = ["bf16", "int4"] if row_kernel.int4_capable() else ["bf16"]
     for form in forms:
         real = row_kernel.measure_tuning(row_kernel.TUNING_CANDIDATES[capability], megabytes=8, rounds=2, form=form)
         assert (real["streams"], real["prefetch"]) in row_kernel.TUNING_CANDIDATES[capability]
         assert set(real["ratios"]) == {f"{s},{p}" for s, p in row_kernel.TUNING_CANDIDATES[capability]}
+        assert ("versus_aten" in real) == (form == "int4") and real.get("versus_aten", 1) > 0
     restore_tuning()
+
+
+@pytest.mark.parametrize("capable, measured, ours", [(True, {"versus_aten": 0.7}, True),
+                                                     (True, {"versus_aten": 1.2}, False),
+                                                     (True, {"versus_aten": None}, True), (True, None, False),
+                                                     (False, {"versus_aten": 0.7}, False)])
+def test_the_int4_form_runs_where_the_cpu_can_and_it_measured_no_slower_than_atens(capable, measured, ours,
+                                                                                    monkeypatch):
+    """Our int4 loop where the CPU has BF16 dot products and this machine's int4 tuning timed it at most as slow as
+    ATen's int4 kernel (None: a tuning set by the environment, not measured); not before the op is built."""
+    monkeypatch.setattr(row_kernel, "int4_capable", lambda: capable)
+    monkeypatch.setattr(row_kernel, "tuning", lambda: {"streams": 2, "prefetch": 0,
+                                                       **({"int4": measured} if measured else {})})
+    assert row_kernel.int4_form() == ours

@@ -176,27 +176,29 @@ void block_rows(const float* x, int64_t K, const T* const* w, const float* scale
   }
 }
 
-// block_rows<r, S> for r = rows <= R (a template argument for each count, so that the accumulators stay registers).
-template <int R, int S, bool PF, typename T>
-void rows_pass(int64_t rows, const float* x, int64_t K, const T* const* w, const float* scales, at::BFloat16* out,
-               int64_t N, const int64_t* n0, int64_t pf) {
-  if constexpr (R > 1) {
-    if (rows < R) return rows_pass<R - 1, S, PF>(rows, x, K, w, scales, out, N, n0, pf);
+// Every row of M, R at a time: `pass(m, r, pf)` for the rows from m, with r = min(R, M - m) and pf = whether to
+// prefetch as compile-time constants (std::integral_constant, std::bool_constant), so that a pass's accumulators stay
+// registers.
+template <int R, class Pass>
+void row_passes(int64_t M, bool pf, const Pass& pass) {
+  for (int64_t m = 0; m < M; m += R) {
+    if constexpr (R > 1) {
+      if (M - m < R) return row_passes<R - 1>(M - m, pf, [&](int64_t from, auto r, auto p) { pass(m + from, r, p); });
+    }
+    if (pf)
+      pass(m, std::integral_constant<int, R>(), std::true_type());
+    else
+      pass(m, std::integral_constant<int, R>(), std::false_type());
   }
-  block_rows<R, S, PF>(x, K, w, scales, out, N, n0, pf);
 }
 
 template <int S, typename T>
 void blocks_rows(const float* x, int64_t M, int64_t K, const T* const* w, const float* scales, at::BFloat16* out,
                  int64_t N, const int64_t* n0, int64_t pf) {
-  constexpr int64_t ROWS = S == 4 ? ROWS_FOUR : S == 2 ? ROWS_TWO : ROWS_ONE;
-  for (int64_t m = 0; m < M; m += ROWS) {
-    const int64_t rows = std::min<int64_t>(ROWS, M - m);
-    if (pf)
-      rows_pass<ROWS, S, true>(rows, x + m * K, K, w, scales, out + m * N, N, n0, pf);
-    else
-      rows_pass<ROWS, S, false>(rows, x + m * K, K, w, scales, out + m * N, N, n0, 0);
-  }
+  constexpr int ROWS = S == 4 ? ROWS_FOUR : S == 2 ? ROWS_TWO : ROWS_ONE;
+  row_passes<ROWS>(M, pf, [&](int64_t m, auto rows, auto prefetch) {
+    block_rows<decltype(rows)::value, S, decltype(prefetch)::value>(x + m * K, K, w, scales, out + m * N, N, n0, pf);
+  });
 }
 
 // Walks a weight's blocks over the threads: `run(S, b)` computes every row against blocks b[0..S) (S streams of the
@@ -210,14 +212,13 @@ void walk_blocks(int64_t M, int64_t blocks, bool four, int form, const Run& run)
     });
     return;
   }
-  // S streams a thread: block c of a range's first part beside block c of each other part (S parts). No thread's
-  // share is fixed
-  // in advance. With fixed halves, the bundled model's bf16 step on the 2-core AVX2 host spent 8-15% of each op's
-  // time with one thread done and the other still reading (which thread varied from run to run); taken as they come
-  // free, the step decoded 1.004x and 1.032x as fast (two runs of 30-40 alternating pairs). Each two threads share a
-  // range (ranges in proportion to their threads), one taking pairs from its front and the other from its back until
-  // they meet; a thread without a partner takes its range alone. Which thread computes a block changes none of its
-  // sums.
+  // S streams a thread: block c of a range's first part beside block c of each other part (S parts). No thread's share
+  // is fixed in advance. With fixed halves, the bundled model's bf16 step on the 2-core AVX2 host spent 8-15% of each
+  // op's time with one thread done and the other still reading (which thread varied from run to run); taken as they
+  // come free, the step decoded 1.004x and 1.032x as fast (two runs of 30-40 alternating pairs). Each two threads
+  // share a range (ranges in proportion to their threads), one taking pairs from its front and the other from its back
+  // until they meet; a thread without a partner takes its range alone. Which thread computes a block changes none of
+  // its sums.
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks / 2));
   const int64_t ranges = (threads + 1) / 2;
   // Four streams where the host's tuning asks for them, for rows they hold, and where each range has at least 8 sets
@@ -281,7 +282,7 @@ at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales,
 #if defined(__AVX512F__)
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
-constexpr int64_t INT4_ROWS = 2;  // input rows a pass computes (S = 4 streams: one)
+constexpr int INT4_ROWS = 2;  // input rows a pass computes (S = 4 streams: one)
 
 template <int R, int S, bool PF>
 void int4_block_rows(const uint16_t* x, const float* xsum, int64_t K, int64_t G, const uint8_t* const* w,
@@ -340,15 +341,6 @@ void int4_block_rows(const uint16_t* x, const float* xsum, int64_t K, int64_t G,
   }
 }
 
-template <int R, int S, bool PF>
-void int4_rows_pass(int64_t rows, const uint16_t* x, const float* xsum, int64_t K, int64_t G,
-                    const uint8_t* const* w, at::BFloat16* out, int64_t N, const int64_t* n0, int64_t pf) {
-  if constexpr (R > 1) {
-    if (rows < R) return int4_rows_pass<R - 1, S, PF>(rows, x, xsum, K, G, w, out, N, n0, pf);
-  }
-  int4_block_rows<R, S, PF>(x, xsum, K, G, w, out, N, n0, pf);
-}
-
 // x [M, K] bf16 by the packed int4 weight [blocks, K / G, G / 8 * 192 + 192] bytes -> [M, N] bf16.
 at::Tensor int4_rows_by_blocks(const at::Tensor& x, const uint8_t* wp, int64_t G, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / G, block_bytes = groups * (G / 8 * 192 + 192);
@@ -363,20 +355,17 @@ at::Tensor int4_rows_by_blocks(const at::Tensor& x, const uint8_t* wp, int64_t G
   const int64_t pf = g_prefetch[1].load(std::memory_order_relaxed);
   walk_blocks(M, (N + BLOCK - 1) / BLOCK, M <= ROWS_FOUR, 1, [&](auto streams, const int64_t* b) {
     constexpr int S = decltype(streams)::value;
-    constexpr int64_t ROWS = S == 4 ? 1 : INT4_ROWS;
+    constexpr int ROWS = S == 4 ? 1 : INT4_ROWS;
     int64_t n0[S];
     const uint8_t* w[S];
     for (int s = 0; s < S; ++s) {
       n0[s] = b[s] * BLOCK;
       w[s] = wp + b[s] * block_bytes;
     }
-    for (int64_t m = 0; m < M; m += ROWS) {
-      const int64_t rows = std::min<int64_t>(ROWS, M - m);
-      if (pf)
-        int4_rows_pass<ROWS, S, true>(rows, xp + m * K, xsum.data() + m * groups, K, G, w, op + m * N, N, n0, pf);
-      else
-        int4_rows_pass<ROWS, S, false>(rows, xp + m * K, xsum.data() + m * groups, K, G, w, op + m * N, N, n0, 0);
-    }
+    row_passes<ROWS>(M, pf, [&](int64_t m, auto rows, auto prefetch) {
+      int4_block_rows<decltype(rows)::value, S, decltype(prefetch)::value>(
+          xp + m * K, xsum.data() + m * groups, K, G, w, op + m * N, N, n0, pf);
+    });
   });
   return out;
 }

@@ -613,8 +613,8 @@ def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7, form: str 
     each, more than the caches hold), in `rounds` rounds with the candidates' order rotated; the median over rounds of
     each candidate's time over the default's (the first) decides, by `TUNING_MARGIN`. Where the default's own passes
     differ by more than a quarter, the host is `busy` and the default stands. The int4 form's rounds also time ATen's
-    int4 kernel on the same weights (`versus_aten`: the chosen setting's time over its). About 0.5 s a form on the
-    2-core hosts."""
+    int4 kernel on the same weights (`versus_aten`: the chosen setting's time over its; None where busy). About 0.5 s
+    a form on the 2-core hosts."""
     ops = torch.ops.inference_core
     x = torch.ones(1, 1024, dtype=torch.bfloat16)
     aten = None  # the int4 form: ATen's kernel on the same weights in its own layout, timed in the same rounds
@@ -661,8 +661,12 @@ def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7, form: str 
                 "ratios": {f"{s},{p}": round(ratio, 3) for (s, p), ratio in medians.items()},
                 "default_pass_ms": [round(seconds * 1e3, 2) for seconds in defaults],
                 "measured": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-    if aten:  # the chosen setting's time over ATen's kernel's (int4_form takes our loop where it is at most 1)
-        measured["versus_aten"] = round(medians[(streams, prefetch)] / statistics.median(aten_ratios), 3)
+    if aten:  # the chosen setting's time over ATen's kernel's (int4_form takes our loop where it is at most 1); on a
+        # busy host none (not measured: the loop runs, as where the environment sets the tuning), since the default
+        # setting that then stands may be far from the loop's best (1.13x ATen's time against 0.86x for the best, in
+        # one busy measurement on the Intel host)
+        measured["versus_aten"] = None if busy else round(
+            medians[(streams, prefetch)] / statistics.median(aten_ratios), 3)
     return measured
 
 
@@ -719,8 +723,8 @@ def int4_form() -> bool:
     """Whether int4 projections (`linear_int4`) run through our loop: where the CPU can (`int4_capable`) and this
     machine's int4 tuning measured the loop at most as slow as ATen's int4 kernel (tinygemm's, which inductor's int4
     template otherwise competes with) on the same weights (`tuning()["int4"]["versus_aten"]`; on the Intel host with
-    AMX 0.79; None where `INFERENCE_CORE_ROW_TUNING` set the tuning instead: the loop then runs); False until
-    `unavailable()` has built the op."""
+    AMX 0.79; None where `INFERENCE_CORE_ROW_TUNING` set the tuning instead or the host was busy: the loop then runs);
+    False until `unavailable()` has built the op."""
     ratio = tuning().get("int4", {}).get("versus_aten", 2.0)
     return int4_capable() and (ratio is None or ratio <= 1.0)
 

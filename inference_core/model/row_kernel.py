@@ -543,10 +543,7 @@ def _build() -> str | None:
         torch.library.register_fake(f"inference_core::{op}")(_fake)
     attention_kernel.register_fake()
     _state_tuning.update(_tuned(directory / "tuning.json", capability))
-    torch.ops.inference_core.set_row_tuning(_state_tuning["streams"], _state_tuning["prefetch"])
-    if "int4" in _state_tuning:
-        torch.ops.inference_core.set_row_tuning(_state_tuning["int4"]["streams"], _state_tuning["int4"]["prefetch"],
-                                                FORMS["int4"])
+    apply_tuning()
     return None
 
 
@@ -571,6 +568,14 @@ def tuning() -> dict:
     measurement that chose them (`ratios`: each candidate's median time over the default's), and where the int4 form
     runs (`int4_form`) the same for it under `int4`; empty until `unavailable()` has built the op."""
     return dict(_state_tuning)
+
+
+def apply_tuning() -> None:
+    """Sets the op to this machine's `tuning`, every form of it (after a measurement or a test tried others)."""
+    tuned = tuning()
+    torch.ops.inference_core.set_row_tuning(tuned["streams"], tuned["prefetch"])
+    if "int4" in tuned:
+        torch.ops.inference_core.set_row_tuning(tuned["int4"]["streams"], tuned["int4"]["prefetch"], FORMS["int4"])
 
 
 def _tuned(path, capability: str) -> dict:
@@ -729,21 +734,24 @@ def int4_form() -> bool:
     return int4_capable() and (ratio is None or ratio <= 1.0)
 
 
+def _takes_rows(x: torch.Tensor) -> bool:
+    """Inside `tracing(True)`, on the CPU, 2-D bf16 x of at most MAX_ROWS rows: the inputs every projection op takes
+    (torch.compile, which never traces inside `tracing(True)`, reads no more than the flag)."""
+    return (getattr(_state, "enabled", False) and x.device.type == "cpu" and x.dtype == torch.bfloat16
+            and x.dim() == 2 and x.shape[0] <= MAX_ROWS)
+
+
 def takes_int4(x: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether an int4 projection of `x` by tinygemm's CPU-packed weight [out, in / 2] runs through the op: as `takes`,
     where `int4_form` says so, for out features a multiple of 64 (the layout `quant.kernels.unpack_int4_cpu` reads)."""
-    return (getattr(_state, "enabled", False) and x.device.type == "cpu" and x.dtype == torch.bfloat16
-            and x.dim() == 2 and x.shape[0] <= MAX_ROWS and packed.dtype == torch.uint8 and packed.dim() == 2
-            and packed.shape[0] % 64 == 0 and int4_form())
+    return (_takes_rows(x) and packed.dtype == torch.uint8 and packed.dim() == 2 and packed.shape[0] % 64 == 0
+            and int4_form())
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a projection of `x` by `weight` runs through the op: inside `tracing(True)`, on the CPU, 2-D bf16 x of
     at most MAX_ROWS rows, a bf16 weight, or an int8 one (`linear_int8`) where `int8_form` says so."""
-    if not (getattr(_state, "enabled", False) and x.device.type == "cpu" and x.dtype == torch.bfloat16
-            and x.dim() == 2 and x.shape[0] <= MAX_ROWS):
-        return False  # (and torch.compile, which never traces inside `tracing(True)`, reads no more of this)
-    return weight.dtype == torch.bfloat16 or (weight.dtype == torch.int8 and int8_form())
+    return _takes_rows(x) and (weight.dtype == torch.bfloat16 or (weight.dtype == torch.int8 and int8_form()))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -336,17 +336,8 @@ def test_every_tuning_of_the_loop_changes_no_bit(our_ops, rows):
         with pytest.raises(RuntimeError, match="form 0"):
             ops.set_row_tuning(2, 0, 2)
     finally:
-        restore_tuning()
+        row_kernel.apply_tuning()
         torch.set_num_threads(previous)
-
-
-def restore_tuning() -> None:
-    """The op set back to this machine's tuning (`row_kernel.tuning`), every form of it."""
-    kept = row_kernel.tuning()
-    torch.ops.inference_core.set_row_tuning(kept["streams"], kept["prefetch"])
-    if "int4" in kept:
-        torch.ops.inference_core.set_row_tuning(kept["int4"]["streams"], kept["int4"]["prefetch"],
-                                                row_kernel.FORMS["int4"])
 
 
 @pytest.mark.parametrize("int4", [False, True])
@@ -395,7 +386,7 @@ def test_the_tuning_is_measured_once_and_kept(our_ops, tmp_path, monkeypatch, in
         assert ("versus_aten" in real) == (form == "int4")
         if form == "int4":  # a busy moment decides nothing about the form
             assert real["versus_aten"] is None if real["busy"] else real["versus_aten"] > 0
-    restore_tuning()
+    row_kernel.apply_tuning()
 
 
 @pytest.mark.parametrize("capable, measured, ours", [(True, {"versus_aten": 0.7}, True),

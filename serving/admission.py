@@ -78,10 +78,11 @@ class Run:
 
     def to_compile(self) -> list[str]:
         """The local lanes whose compiled decode graph is not built yet (`compile` builds it)."""
-        return [name for name, engine in self.engines.items() if self.pool.needs_compiling(engine)]
+        return [name for name, engine in self.engines.items()
+                if self.pool.needs_compiling(engine, self.job.lanes[name][1].spec())]
 
     def compile(self, name: str) -> float:
-        return self.pool.compile(self.engines[name])
+        return self.pool.compile(self.engines[name], self.job.lanes[name][1].spec())
 
     def start(self, sink=None, first: str | None = None, tag=None) -> list[EventHandle]:
         """Hand every request to the engine loop and start every external lane, lane `first` first; `sink`: the

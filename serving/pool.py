@@ -147,14 +147,17 @@ class EnginePool:
         starts and tracks it; a ConfigError (a `LimitExceeded` when waiting helps) says why not."""
         return admit(self, job)
 
-    def needs_compiling(self, engine: Engine) -> bool:
-        """Whether `engine` decodes compiled and has not compiled its batch-1 graph yet."""
-        return engine.decoder is not None and not engine.decoder.ready(1)
+    def needs_compiling(self, engine: Engine, spec: SpecConfig | None = None) -> bool:
+        """Whether `engine` decodes compiled and has not compiled its batch-1 graph yet, or the query steps that
+        requests with `spec` verify through."""
+        return engine.decoder is not None and not all(
+            engine.decoder.ready(1, queries) for queries in (0, *engine.compiled_queries(spec)))
 
-    def compile(self, engine: Engine) -> float:
-        """Compile `engine`'s batch-1 decode graph now, in the loop thread (the device is busy meanwhile); returns the
-        seconds it took, which the race and the chat report apart from decode speed."""
-        return self.loop.call(engine.warm_up_compiled)
+    def compile(self, engine: Engine, spec: SpecConfig | None = None) -> float:
+        """Compile `engine`'s batch-1 decode graph (and the query steps of `spec`) now, in the loop thread (the device
+        is busy meanwhile); returns the seconds it took, which the race and the chat report apart from decode
+        speed."""
+        return self.loop.call(engine.warm_up_compiled, (1,), spec)
 
     def plan(self, settings: LaneSettings, context_len: int, engine: Engine | None = None) -> dict:
         """The memory plan of a lane's settings on this pool's model for sequences of `context_len` tokens

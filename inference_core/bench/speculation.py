@@ -8,6 +8,10 @@ draft and so shows the cost of drafting with no gain), `medusa` and `eagle` (tra
 file of your own; --tree-width lists tree widths to verify, 1 being the chain). The JSON also keeps acceptance by
 draft position (for a tree: a position counts as accepted when any of its candidates is).
 
+With --compile both are compiled: plain decoding through the compiled decode step, each verification through the
+compiled query step (`engine.query_graph`), every package built before the first timed run; the JSON keeps the
+compile stats (steps by bucket, and the forwards that ran eager and why).
+
 Method: greedy decoding (so both runs produce the same tokens, which the bench checks in float32; in 16-bit weights
 a verification's several-row matmuls round differently from a one-row decode, so a near-tie may go the other way:
 such runs are counted in the table and the JSON, not hidden), up to --max-new-tokens, a
@@ -83,6 +87,9 @@ def add_spec_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", default="chat,code,grounded", help="benchmark prompt kinds, comma-separated")
     add_model_arguments(parser)
     parser.add_argument("--kv", choices=KV_MODES, default="paged")
+    parser.add_argument("--compile", action="store_true",
+                        help="plain and speculative runs both compiled (decode steps, verifications), each package "
+                             "built before any timed run")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", dest="json_path", help="write the results here")
@@ -105,7 +112,8 @@ def run_spec_bench(args) -> int:
     draft = None
     if "draft" in sources:  # default: the target drafting for itself (every draft accepted, at the full cost)
         draft = load_model(args.draft_model, args.device, loaded.dtype_name) if args.draft_model else loaded
-    engine = Engine(loaded, EngineConfig(kv_mode=args.kv), draft_model=draft)
+    compiled = bool(getattr(args, "compile", False))
+    engine = Engine(loaded, EngineConfig(kv_mode=args.kv, compile=compiled), draft_model=draft)
     if getattr(args, "draft_heads", None):
         engine.load_draft_heads(next(s for s in sources if s in ("medusa", "eagle")), args.draft_heads)
     layer_counts = [int(n) for n in str(args.draft_layers or "").split(",") if n.strip()] or [None]
@@ -121,8 +129,13 @@ def run_spec_bench(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     prompts = [(row["kind"], row["id"], engine.prompt_ids(row["prompt"], row.get("system"))) for row in rows]
     print(f"spec-bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, KV {args.kv}, "
-          f"{len(prompts)} prompts x {args.repeats} repeats, up to {args.max_new_tokens} new tokens", flush=True)
-    for spec in [None, *settings.values()]:  # warm-up, never timed
+          f"{'compiled, ' if compiled else ''}{len(prompts)} prompts x {args.repeats} repeats, up to "
+          f"{args.max_new_tokens} new tokens", flush=True)
+    for spec in [None, *settings.values()]:  # warm-up, never timed: the compiled packages first
+        warmup_s = engine.warm_up_compiled((1,), spec)
+        if compiled:
+            print(f"compiled for {'plain decoding' if spec is None else spec.method + f' k={spec.k}'} in "
+                  f"{warmup_s:.1f} s", flush=True)
         _run(engine, prompts[0][2], SamplingParams(max_new_tokens=8), spec)
     costs = forward_cost(engine, sorted({1, *(spec.k * spec.tree_width + 1 for spec in settings.values())}))
     print("forward of n tokens against 1 (a verification of n - 1 drafts against a decode step): "
@@ -185,7 +198,8 @@ def run_spec_bench(args) -> int:
     if args.json_path:
         report = {"model": loaded.name, "sources": sources, "machine": machine_info(loaded.device),
                   "draft_model": draft.name if draft else None, "device": str(loaded.device),
-                  "dtype": str(loaded.dtype).removeprefix("torch."), "kv": args.kv,
+                  "dtype": str(loaded.dtype).removeprefix("torch."), "kv": args.kv, "compiled": compiled,
+                  "compile_stats": engine.compile_stats(),
                   "forward_ms_by_tokens": {n: round(ms, 2) for n, ms in costs.items()},
                   "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rows": table}
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,10 @@ the KV cache, and is written so that a compiler can turn it into a few fused ker
   dynamic there too (buckets above 1), so one inductor compile serves every bucket and each bucket records its own
   CUDA graph.
 
-Nothing inside the step syncs with the host or loops over sequences. Prefill, chunked prefill, mixed steps and
-speculative verification stay on the eager path.
+Nothing inside the step syncs with the host or loops over sequences. Several tokens a sequence (speculative
+verification, trained draft heads' steps, which read hidden states) run through the query step beside it
+(`query_graph`, AOTInductor only), by the same machinery; prefill chunks past its size and mixed steps stay on the
+eager path (`refusal` says why, and the stats count it).
 
 Two ways to compile it (`CompiledDecoder(backend=...)`):
 
@@ -57,7 +59,7 @@ import threading
 import time
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -65,7 +67,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_core.config import ConfigError
-from inference_core.engine import package_weights, triton_attention
+from inference_core.engine import package_weights, query_graph, triton_attention
+from inference_core.engine.query_graph import MAX_QUERIES, QueryGraph
+from inference_core.engine.query_graph import read_context as _read_context
 from inference_core.model import attention_kernel, row_kernel
 from inference_core.model.llama import CausalLM, model_fingerprint
 from inference_core.model.paths import cache_root
@@ -141,6 +145,11 @@ class DecodeGraph(nn.Module):
         self.opaque_attention = opaque_attention
         self.our_attention = our_attention  # our CPU kernel where it takes a layer (`model.attention_kernel`)
 
+    def width_dims(self) -> dict[int, int]:
+        """The dimension of each input that is the key width (dynamic in a package): the block table's (paged) and
+        the key mask's."""
+        return {2: 1, 3: 1} if self.paged else {3: 1}
+
     def forward(self, input_ids, positions, read_index, key_mask, k_pool, v_pool):
         """input_ids, positions: [B]; read_index: contiguous [B] slots, paged [B, blocks] int32 block table;
         key_mask: [B, width] bool, True where a cached key is attended. k_pool, v_pool: the cache's whole tensors.
@@ -169,15 +178,6 @@ class DecodeGraph(nn.Module):
             x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
         logits = model.lm_head.forward(model.norm.forward(x)).float()
         return logits, torch.stack(new_k), torch.stack(new_v)
-
-
-def _read_context(k_pool, v_pool, read_index, width: int, paged: bool):
-    """One layer's cached keys and values of each sequence, [B, kv_heads, width, d]: paged, the blocks of each row of
-    the block table `read_index` ([blocks, block_size, kv_heads, d] pool); contiguous, the first `width` positions of
-    each slot in `read_index` ([slots, kv_heads, max_seq_len, d] pool)."""
-    if paged:
-        return (k_pool[read_index].flatten(1, 2).transpose(1, 2), v_pool[read_index].flatten(1, 2).transpose(1, 2))
-    return k_pool[:, :, :width].index_select(0, read_index), v_pool[:, :, :width].index_select(0, read_index)
 
 
 @torch.library.custom_op("inference_core::decode_attention", mutates_args=())
@@ -239,10 +239,15 @@ class CompileStats:
     # the same shapes had them in this process first)
     from_disk: int = 0  # of those, graphs loaded from the disk cache (a second start) instead of compiled
     recompiles: int = 0  # compiles of a bucket that already had a graph (should stay 0)
-    compiled_steps: int = 0  # decode steps run through an already compiled graph
+    compiled_steps: int = 0  # steps run through an already compiled graph
+    # Of those, by bucket: "Bx1", the decode step of B sequences; "BxT query", the query step of B sequences of T new
+    # tokens each (`query_graph`).
+    steps_by_bucket: dict[str, int] = field(default_factory=dict)
+    # Forwards of a compiled engine that ran eager, by the reason (`CompiledDecoder.refusal`).
+    fallbacks: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {name: dict(value) if isinstance(value, dict) else value for name, value in self.__dict__.items()}
 
 
 class CompiledDecoder:
@@ -296,6 +301,7 @@ class CompiledDecoder:
         model.rope_tables(model.embed_tokens.weight.dtype)  # built now: a graph traced before would be rebuilt after
         self.step = DecodeGraph(model, self.paged, self.block_size, opaque_attention=self.backend == "torch.compile",
                                 our_attention="attention_kernel" in self.options).eval()
+        self.query_step = QueryGraph(model, self.paged, self.block_size).eval()  # several tokens a sequence
         # Inductor options are applied as a config patch around each call, not through torch.compile(options=...):
         # freezing (weights as constants, prepacked for oneDNN) is decided outside what `options` patches, and
         # measured no faster than no freezing when passed that way.
@@ -322,7 +328,7 @@ class CompiledDecoder:
         if self.static_inputs:
             for pool in (kv_cache.k, kv_cache.v):
                 torch._dynamo.mark_static_address(pool, guard=False)
-        self._programs: dict[int, object] = {}  # aoti: bucket -> loaded package
+        self._programs: dict = {}  # aoti: bucket (or ("queries", bucket, query bucket)) -> loaded package
         self._ready_buckets: set[int] = set()  # buckets whose graph has run in this engine
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
         self._key_positions = torch.arange(self.max_width * self.block_size, device=device)  # for the key masks
@@ -370,6 +376,75 @@ class CompiledDecoder:
         last = (self.max_width - 1) * self.block_size if self.backend == "aoti" else float("inf")
         return 0 < len(seqs) <= self.buckets[-1] and all(
             0 < seq.num_computed_tokens and seq.num_computed_tokens + steps - 1 < last for seq in seqs)
+
+    def refusal(self, seqs, num_new_tokens: list[int], padded: bool = False) -> str | None:
+        """Why a forward of `num_new_tokens[i]` new tokens for each of `seqs` cannot run compiled, in the decode step
+        or the query step (None: it can). The reasons are what the stats' `fallbacks` count."""
+        if self.backend != "aoti" and any(count != 1 for count in num_new_tokens):
+            return "several tokens a sequence (the torch.compile backend compiles one-token decode steps only)"
+        if padded:
+            return "a static batch's padding"
+        if len(seqs) > self.buckets[-1]:
+            return f"more than {self.buckets[-1]} sequences"
+        if max(num_new_tokens) > MAX_QUERIES:
+            return f"more than {MAX_QUERIES} new tokens (a prefill chunk)"
+        last = (self.max_width - 1) * self.block_size if self.backend == "aoti" else float("inf")
+        if any(seq.num_computed_tokens + count - 1 >= last for seq, count in zip(seqs, num_new_tokens)):
+            return "the end of the compiled key width"
+        return None
+
+    @torch.inference_mode()
+    def run_queries(self, seqs, num_new_tokens: list[int], num_logits: int = 1):
+        """Forward `num_new_tokens[i]` new tokens of each of `seqs` after its cached ones through the query step
+        (`query_graph.QueryGraph`), where `refusal` found none. Returns (fp32 logits of each sequence's last
+        `num_logits` new tokens, in the sequences' order, [rows, vocab]; per sequence the final-normed hidden states
+        of its new tokens, [num_new_tokens[i], hidden]). Writes the new KV (the caller has made room, and commits)."""
+        count, bucket = len(seqs), self.bucket_for(len(seqs))
+        # Queries a sequence: the fewest of a package already loaded that hold the step's, else the step's own.
+        queries = min((key[2] for key in self._programs if isinstance(key, tuple) and key[1] == bucket
+                       and key[2] >= max(num_new_tokens)), default=max(num_new_tokens))
+        firsts = [seq.num_computed_tokens for seq in seqs]
+        news = torch.tensor(num_new_tokens + [1] * (bucket - count))
+        starts = torch.tensor(firsts + [0] * (bucket - count))
+        offsets = torch.arange(queries)
+        positions = starts[:, None] + torch.minimum(offsets[None, :], news[:, None] - 1)  # [B, T]: padding repeats
+        input_ids = torch.zeros(bucket, queries, dtype=torch.long)
+        for row, (seq, first, new) in enumerate(zip(seqs, firsts, num_new_tokens)):
+            tokens = seq.token_ids[first:first + new]
+            input_ids[row, :new] = torch.tensor(tokens)
+            input_ids[row, new:] = tokens[-1]
+        width = self._width_needed(max(firsts) - 1)  # the cached keys: positions before each first new token
+        if self.paged:  # padded with block 0, as are blocks a sliding window gave back (FREED): the mask hides both
+            read_index = torch.zeros(bucket, width, dtype=torch.int32)
+            for row, seq in enumerate(seqs):
+                blocks = [max(block, 0) for block in seq.block_table[:width]]
+                read_index[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        else:
+            read_index = torch.tensor([seq.cache_slot for seq in seqs] + [seqs[0].cache_slot] * (bucket - count))
+        key_positions = torch.arange(width * self.block_size)
+        # [B, T, width], whole (a package exported with one shape reads the strides of that shape: a mask broadcast
+        # over T here gave every query after the first another query's row).
+        key_mask = (key_positions[None, None, :] < starts[:, None, None]).expand(bucket, queries, -1)
+        new_mask = (offsets[:, None] >= offsets[None, :]) & (offsets[None, None, :] < news[:, None, None])
+        new_mask |= torch.eye(queries, dtype=torch.bool)  # [B, T, T]: every query (padding too) sees its own key
+        window = self.kv_cache.sliding_window
+        if window is not None:  # a query at position p sees keys at positions p - window + 1 .. p
+            key_mask = key_mask & (key_positions[None, None, :] > positions[:, :, None] - window)
+            new_mask &= positions[:, None, :] > positions[:, :, None] - window
+        args = (input_ids, positions, read_index, key_mask, new_mask, self.kv_cache.k, self.kv_cache.v)
+        logits, hidden, new_k, new_v = self._call_package(("queries", bucket, queries), args, self.query_step)
+        # The real queries' rows of the flat [B * T] outputs, in the sequences' order.
+        rows = [row * queries + offset for row, new in enumerate(num_new_tokens) for offset in range(new)]
+        token_seqs = [seq for seq, new in zip(seqs, num_new_tokens) for _ in range(new)]
+        token_positions = [first + offset for first, new in zip(firsts, num_new_tokens) for offset in range(new)]
+        index = torch.tensor(rows)
+        slots = read_index[[row for row, new in enumerate(num_new_tokens) for _ in range(new)]] if not self.paged \
+            else None
+        self._store(new_k.index_select(1, index), new_v.index_select(1, index), token_seqs, token_positions,
+                    torch.tensor(token_positions), slots)
+        logit_rows = [row * queries + offset for row, new in enumerate(num_new_tokens)
+                      for offset in range(new - min(num_logits, new), new)]
+        return logits[logit_rows], [hidden[row * queries:row * queries + new] for row, new in enumerate(num_new_tokens)]
 
     @torch.inference_mode()
     def run(self, seqs) -> torch.Tensor:
@@ -515,17 +590,21 @@ class CompiledDecoder:
             return self._call_package(bucket, args)
         return self._call_compiled(bucket, args)
 
-    def _call_package(self, bucket: int, args: tuple):
+    def _call_package(self, bucket, args: tuple, graph: nn.Module | None = None):
+        """Call the package of `bucket` (a batch bucket of the decode step, or ("queries", batch bucket, query
+        bucket) of `graph`, the query step), loading or building it on first use."""
         # An exported program takes its inputs with the strides it was traced with (dense): the width views of the
         # bucket's buffers are not.
         args = tuple(arg.contiguous() for arg in args)
         started = time.perf_counter()
         program = self._programs.get(bucket)
         if program is None:
-            program = self._programs[bucket] = self._load_or_build(args)
+            program = self._programs[bucket] = self._load_or_build(args, self.step if graph is None else graph)
             self.stats.warmup_s += time.perf_counter() - started
         elif bucket in self._ready_buckets:
             self.stats.compiled_steps += 1
+            name = f"{bucket[1]}x{bucket[2]} query" if isinstance(bucket, tuple) else f"{bucket}x1"
+            self.stats.steps_by_bucket[name] = self.stats.steps_by_bucket.get(name, 0) + 1
         self._ready_buckets.add(bucket)
         # The package's loader, called with the flat list of inputs, as the package's own __call__ does after
         # flattening them through the export's input spec, which it parses from JSON at every call: 0.2 ms a step.
@@ -558,11 +637,11 @@ class CompiledDecoder:
         self._ready_buckets.add(bucket)
         return outputs
 
-    def _load_or_build(self, args: tuple):
-        """The AOTInductor package of the step for these inputs' shapes (one batch bucket): already loaded in this
-        process (by another engine with the same model and shapes), loaded from the disk cache, or exported, compiled
-        and written there first."""
-        key = self._package_key(args)
+    def _load_or_build(self, args: tuple, graph: nn.Module):
+        """The AOTInductor package of `graph` (the decode step or the query step) for these inputs' shapes (one
+        bucket): already loaded in this process (by another engine with the same model and shapes), loaded from the
+        disk cache, or exported, compiled and written there first."""
+        key = self._package_key(args, graph)
         path = compile_cache_dir() / f"decode-{key}.pt2"
         with _PACKAGE_LOCK:
             program = _LOADED_PACKAGES.get(key)
@@ -572,7 +651,7 @@ class CompiledDecoder:
                 self.stats.from_disk += 1
                 os.utime(path)  # recently used: kept when the cache is trimmed
             else:
-                self._build_package(args, path)
+                self._build_package(args, path, graph)
             program = torch._inductor.aoti_load_package(str(path))
             # Its weights in huge pages, kept alive with the package (`package_weights`).
             program.weights = package_weights.load(program, path)
@@ -580,18 +659,19 @@ class CompiledDecoder:
             _LOADED_PACKAGES[key] = program
             return program
 
-    def _build_package(self, args: tuple, path: Path) -> None:
+    def _build_package(self, args: tuple, path: Path, graph: nn.Module) -> None:
         dynamic = None
-        if self.max_width >= 3:  # the key width varies; the batch bucket and the cache tensors are fixed
+        if self.max_width >= 3:  # the key width varies; the buckets and the cache tensors are fixed
             # Up to the cache's whole width less one: export's shape reasoning treats the whole width as a special case.
             width = torch.export.Dim("width", min=2, max=self.max_width - 1)
-            dynamic = ((None, None, {1: width}, {1: width * self.block_size}, None, None) if self.paged
-                       else (None, None, None, {1: width}, None, None))
+            dims = graph.width_dims()
+            dynamic = tuple({dims[index]: width if index == 2 else width * self.block_size} if index in dims else None
+                            for index in range(len(args)))
         with torch.inference_mode(False), torch.no_grad():
             # Shapes are what export needs: the values are not read, the cache tensors are not copied.
             example = tuple(torch.zeros_like(t) if t.numel() < 1 << 20 else torch.empty_like(t) for t in args)
             with row_kernel.tracing("row_kernel" in self.options):
-                program = torch.export.export(self.step, example, dynamic_shapes=dynamic)
+                program = torch.export.export(graph, example, dynamic_shapes=dynamic)
             configs = dict(self._inductor_config)
             if "row_kernel" in self.options or "attention_kernel" in self.options:  # our ops called as C functions
                 configs["aot_inductor.custom_ops_to_c_shims"] = row_kernel.c_shims()
@@ -611,26 +691,46 @@ class CompiledDecoder:
         os.replace(partial, path)
         trim_compile_cache()
 
-    def _package_key(self, args: tuple) -> str:
+    def _package_key(self, args: tuple, graph: nn.Module | None = None) -> str:
         """What the compiled step depends on: the weights and config, this code, the shapes, the options, torch,
         the CPU's instruction set and which int8 and int4 projections the export gives our op (`row_kernel.int8_form`,
         `int4_form`). The key width, a dynamic size of the package (`_build_package`), is left out: the width of the
         step that happens to build a bucket's package must not key it (an engine whose first step of a bucket met
         another width compiled the same step again)."""
+        graph = self.step if graph is None else graph
         shapes = [(t.dtype, tuple(t.shape)) for t in args]
         if self.max_width >= 3:  # the block table's (paged) and the key mask's widths are dynamic
-            shapes = [(dtype, shape[:1] if index in (2, 3) and len(shape) > 1 else shape)
+            dims = graph.width_dims()
+            shapes = [(dtype, shape[:dims[index]] + shape[dims[index] + 1:] if index in dims else shape)
                       for index, (dtype, shape) in enumerate(shapes)]
         digest = hashlib.blake2b(digest_size=12)
-        for part in (model_fingerprint(self.model), _CODE_FINGERPRINT, torch.__version__, self.device.type,
-                     torch.backends.cpu.get_cpu_capability(), row_kernel.int8_form(), row_kernel.int4_form(),
+        for part in (type(graph).__name__, model_fingerprint(self.model), _CODE_FINGERPRINT, torch.__version__,
+                     self.device.type, torch.backends.cpu.get_cpu_capability(), row_kernel.int8_form(),
+                     row_kernel.int4_form(),
                      self.paged, self.block_size, self.max_width, sorted(self.options.items()), shapes):
             digest.update(repr(part).encode())
         return digest.hexdigest()
 
-    def ready(self, batch_size: int) -> bool:
-        """Whether the graph of `batch_size`'s bucket has run once (compiled, or found compiled) in this engine."""
-        return self.bucket_for(batch_size) in self._ready_buckets
+    def ready(self, batch_size: int, queries: int = 0) -> bool:
+        """Whether the decode graph of `batch_size`'s bucket has run once (compiled, or found compiled) in this
+        engine; with `queries`, the query step of that many tokens a sequence (or more) too."""
+        bucket = self.bucket_for(batch_size)
+        return bucket in self._ready_buckets and (not queries or any(
+            isinstance(key, tuple) and key[1] == bucket and key[2] >= queries for key in self._ready_buckets))
+
+    @torch.inference_mode()
+    def warm_up_queries(self, batch_size: int, queries: int) -> None:
+        """Compile (or load) the query step of `queries` tokens a sequence for `batch_size`'s bucket, with a step of
+        padding rows only (the cache is read, not written)."""
+        bucket = self.bucket_for(batch_size)
+        width = self._width(2)
+        mask = torch.eye(queries, dtype=torch.bool).expand(bucket, queries, queries).contiguous()
+        read_index = (torch.zeros(bucket, width, dtype=torch.int32) if self.paged
+                      else torch.zeros(bucket, dtype=torch.long))
+        args = (torch.zeros(bucket, queries, dtype=torch.long), torch.zeros(bucket, queries, dtype=torch.long),
+                read_index, torch.zeros(bucket, queries, width * self.block_size, dtype=torch.bool), mask,
+                self.kv_cache.k, self.kv_cache.v)
+        self._call_package(("queries", bucket, queries), args, self.query_step)
 
     def weight_memory(self) -> list[torch.Tensor]:
         """The memory this engine's compiled steps read their weights from, in place: int64 views of the buffers that
@@ -704,8 +804,8 @@ _PACKAGE_LOCK = threading.Lock()
 _LOADED_PACKAGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CODE_FINGERPRINT = hashlib.blake2b(  # the model, the quantized projections, this module and our kernels' (whose ops
     "".join(inspect.getsource(module) for module in (  # and packed weights a package holds)
-        sys.modules[CausalLM.__module__], quant_linear, sys.modules[__name__], row_kernel, attention_kernel,
-        package_weights)).encode(),
+        sys.modules[CausalLM.__module__], quant_linear, sys.modules[__name__], query_graph, row_kernel,
+        attention_kernel, package_weights)).encode(),
     digest_size=12).hexdigest()
 
 

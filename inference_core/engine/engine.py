@@ -39,8 +39,8 @@ from inference_core.model.loader import LoadedModel, check_draft_model
 from inference_core.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from inference_core.roofline import run_points, weights_read_per_step
 from inference_core.sampling import SamplingParams, sample_batch
-from inference_core.spec.decoding import (MAX_K, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, SpecConfig, next_k,
-                                          speculative_step, tree_speculative_step)
+from inference_core.spec.decoding import (MAX_K, ChainDraft, DraftModelDrafter, EarlyExitDrafter, NgramDrafter,
+                                          SpecConfig, draft_chain, finish_chain, next_k, tree_speculative_step)
 from inference_core.spec.draft_heads import DraftHeads, EagleDrafter, MedusaDrafter, find_heads, load_heads
 from inference_core.structured import Grammars
 
@@ -292,8 +292,8 @@ class Engine:
             self._close_drafter(request)
         plain = [w for w in output.work if w.kind != "speculative"]
         speculative = [w for w in output.work if w.kind == "speculative"]
-        # 3. One forward for every plain sequence (prefill chunks and decodes), then each speculative request in a
-        # step of its own (draft, verify, roll back).
+        # 3. One forward for every plain sequence (prefill chunks and decodes), then one for the speculative
+        # requests (each drafts, all verify together, each rolls back).
         padding_rows = len(self.scheduler.padding) if plain else 0
         compiled_before = self._compile_seconds()
         prompt_padding, burst = 0, 1
@@ -301,9 +301,8 @@ class Engine:
             self._run_burst(plain, burst, len(output.work), finished)
         elif plain:
             prompt_padding = self._run_plain(plain, len(output.work), finished)
-        for work in speculative:
-            if not work.request.finished:
-                self._run_speculative(work.request, len(output.work), finished)
+        if speculative:
+            self._run_speculative(speculative, len(output.work), finished)
         if not self.scheduler.running:
             self.scheduler.free_padding()  # a static batch has ended: its padding rows' KV goes back
         self.steps_taken += 1
@@ -433,50 +432,91 @@ class Engine:
         seq = request.seq
         return isinstance(self.kv_cache, RecomputeKVCache) or seq.num_computed_tokens == len(seq)
 
-    def _run_speculative(self, request: Request, batch_size: int, finished: list[Request]) -> None:
-        seq = request.seq
-        self._mark_scheduled(request)
+    def _run_speculative(self, work: list[ScheduledWork], batch_size: int, finished: list[Request]) -> None:
+        """The step's speculating requests: each drafts (`draft_chain`; a tree verifies in a forward of its own),
+        then one forward verifies every chain, beside a plain token for each request that drafted nothing, and each
+        request keeps what the target accepted and rolls the rest back (`finish_chain`)."""
+        requests = [w.request for w in work if not w.request.finished]
+        for request in requests:
+            self._mark_scheduled(request)
         step_start = time.perf_counter()
+        compiled_before = self._compile_seconds()  # a query step's first use compiles (or loads) its package
+        steps: dict[int, list[tuple]] = {}  # by request index: the tokens of a tree's step
+        chains: dict[int, ChainDraft | None] = {}  # the requests of the shared forward (None: a plain token)
         try:
-            if request.drafter is None:
-                request.drafter = self._drafter(request.spec)
-            # Drafts need KV room too: shorten the draft to what the free blocks hold (0: a plain step).
-            room = request.room() - 1
-            k = min(request.draft_k, room)
-            width = request.spec.tree_width  # a tree holds k * width drafts while it is verified
-            while k > 0 and not self.kv_cache.can_append(seq, len(seq) + k * width):
-                k -= 1
-            tokens = []
-            if k > 0 and width > 1:
-                tokens = tree_speculative_step(self.runner, seq, request.drafter, k, width, request.spec_stats,
-                                               request.eos_ids, request.params,
-                                               request if request.reads_logits else None)
-            elif k > 0:
-                tokens = speculative_step(self.runner, seq, request.drafter, k, request.spec_stats, request.params,
-                                          request.generator, request.eos_ids,
-                                          request.row_contexts if request.reads_logits else None)
-            if tokens and request.spec.adaptive:
+            for index, request in enumerate(requests):
+                seq = request.seq
+                if request.drafter is None:
+                    request.drafter = self._drafter(request.spec)
+                k = self._draft_room(request)
+                if k > 0 and request.spec.tree_width > 1:
+                    steps[index] = tree_speculative_step(
+                        self.runner, seq, request.drafter, k, request.spec.tree_width, request.spec_stats,
+                        request.eos_ids, request.params, request if request.reads_logits else None)
+                    if steps[index]:
+                        continue
+                chains[index] = None if k <= 0 or request.spec.tree_width > 1 else draft_chain(
+                    seq, request.drafter, k, request.spec_stats, request.params, request.generator, request.eos_ids,
+                    request.row_contexts if request.reads_logits else None)
+                self.kv_cache.ensure_capacity(seq)  # its drafts' room, taken before the next request asks for its own
+            if chains:
+                verified = self._verify_chains([requests[index] for index in chains], list(chains.values()))
+                steps.update(zip(chains, verified))
+        except BaseException as error:
+            for index, chain in chains.items():
+                if chain is not None:
+                    del requests[index].seq.token_ids[chain.num_before:]
+            for request in requests:
+                self._fail(request, error)
+            raise
+        step_s = time.perf_counter() - step_start
+        compile_s = self._compile_seconds() - compiled_before
+        for index, request in enumerate(requests):
+            tokens = steps[index]
+            if request.spec.adaptive and tokens[0][1] is not None:  # a verification: its acceptance moves k
                 accepted = len(tokens) - 1
                 request.draft_k = next_k(request.draft_k, accepted + len(tokens[-1][2]), accepted,
                                          request.spec.max_k)
-            if not tokens:  # nothing drafted or no room: a plain decode step of its own
-                position = seq.num_computed_tokens  # the first forwarded (mode none: the whole sequence again)
-                logits = self.runner.run([seq], return_hidden=request.spec.reads_hidden)
-                if request.spec.reads_hidden:
-                    logits, hidden = logits
-                    request.drafter.observe(position, hidden[0])
-                chosen, logprobs = self._choose(logits, [request])
-                tokens = [(chosen[0], None, (), logprobs[0], ())]
-        except BaseException as error:
-            self._fail(request, error)
-            raise
-        step_s = time.perf_counter() - step_start
-        request.account_step(step_s, batch_size, 0)
-        for index, (token, kind, rejected, logprobs, rejected_logprobs) in enumerate(tokens):
-            self._emit_token(request, token, step_s if index == 0 else 0.0, batch_size, finished, kind, rejected,
-                             logprobs, rejected_logprobs)
-            if request.finished:
-                break
+            request.account_step(step_s, batch_size, 0, compile_s)
+            for position, (token, kind, rejected, logprobs, rejected_logprobs) in enumerate(tokens):
+                self._emit_token(request, token, step_s if position == 0 else 0.0, batch_size, finished, kind,
+                                 rejected, logprobs, rejected_logprobs)
+                if request.finished:
+                    break
+
+    def _draft_room(self, request: Request) -> int:
+        """How many drafts `request` may propose this step: its draft length, shortened to the tokens it may still
+        produce and to what the free KV blocks hold (a tree holds k * width drafts while it is verified)."""
+        k = min(request.draft_k, request.room() - 1)
+        while k > 0 and not self.kv_cache.can_append(request.seq, len(request.seq) + k * request.spec.tree_width):
+            k -= 1
+        return k
+
+    def _verify_chains(self, requests: list[Request], chains: list[ChainDraft | None]) -> list[list[tuple]]:
+        """One forward over `requests`: each chain's last token and drafts (`chains[i]`), or one plain token where
+        the chain is None. Returns each request's tokens."""
+        readers = [request.spec.reads_hidden for request in requests]
+        seqs = [request.seq for request in requests]
+        counts = [len(seq) - seq.num_computed_tokens for seq in seqs]  # the tokens each forwards
+        firsts = [seq.num_computed_tokens for seq in seqs]
+        needed = [1 if chain is None else chain.num_rows for chain in chains]  # logits rows each reads
+        output = self.runner.run(seqs, counts, num_logits=max(needed), return_hidden=any(readers))
+        logits, hidden = output if any(readers) else (output, None)
+        steps, row = [], 0
+        for index, (request, chain, count, need) in enumerate(zip(requests, chains, counts, needed)):
+            taken = min(max(needed), count)  # the rows `run` returned for this sequence: its last `taken` tokens'
+            rows = logits[row + taken - need:row + taken]
+            row += taken
+            mine = hidden[index] if readers[index] else None
+            if chain is not None:
+                steps.append(finish_chain(self.runner, request.seq, request.drafter, chain, rows, mine,
+                                          request.spec_stats, request.params, request.generator))
+                continue
+            if mine is not None:  # a plain step's hidden states, every position it computed
+                request.drafter.observe(firsts[index], mine)
+            chosen, logprobs = self._choose(rows, [request])
+            steps.append([(chosen[0], None, (), logprobs[0], ())])
+        return steps
 
     def _mark_scheduled(self, request: Request) -> None:
         if request.first_scheduled_at is None:
@@ -598,15 +638,27 @@ class Engine:
         for an eager engine."""
         return self.decoder.stats.as_dict() if self.decoder is not None else None
 
-    def warm_up_compiled(self, batch_sizes: tuple[int, ...] = (1,)) -> float:
+    def warm_up_compiled(self, batch_sizes: tuple[int, ...] = (1,), spec: SpecConfig | None = None) -> float:
         """Compile the decode graph for the buckets of `batch_sizes` now (a compiled engine otherwise compiles a
-        bucket on its first decode step at that size). Returns the seconds it took; 0 for an eager engine."""
+        bucket on its first decode step at that size), and the query steps requests with `spec` verify through
+        (`compiled_queries`). Returns the seconds it took; 0 for an eager engine."""
         if self.decoder is None:
             return 0.0
         started = time.perf_counter()
         for size in batch_sizes:
             self.decoder.warm_up(size)
+            for queries in self.compiled_queries(spec):
+                self.decoder.warm_up_queries(size, queries)
         return time.perf_counter() - started
+
+    def compiled_queries(self, spec: SpecConfig | None) -> tuple[int, ...]:
+        """The query steps (tokens a sequence) a compiled engine runs for requests with `spec`: a chain's longest
+        verification, the last token and `max_k` drafts. Shorter ones run in the same package, and so do trained
+        heads' plain steps (one token, its hidden state read) and their short prompts. Trees and drafting passes run
+        eager."""
+        if spec is None or not spec.enabled or spec.tree_width > 1:
+            return ()
+        return (spec.max_k + 1,)
 
     def num_requests(self) -> int:
         """Requests queued or running (0 whenever nothing is generating)."""

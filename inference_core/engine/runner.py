@@ -86,7 +86,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.decoder = decoder  # a `compiled.CompiledDecoder` for steps that are only decodes (None: all eager)
+        self.decoder = decoder  # a `compiled.CompiledDecoder` for the steps it takes (None: all eager)
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int], num_logits: int = 1,
                 num_padding: list[int] | None = None) -> ForwardBatch:
@@ -199,14 +199,10 @@ class ModelRunner:
         the last real token. The caller has checked that the KV cache has room for them."""
         if num_new_tokens is None:
             num_new_tokens = [len(seq) - seq.num_computed_tokens for seq in seqs]
-        if self.decoder is not None and num_logits == 1 and not any(num_padding or ()) and not return_hidden \
-                and self.decoder.handles(seqs, num_new_tokens):
-            for seq in seqs:
-                self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + 1)
-            logits = self.decoder.run(seqs)
-            for seq in seqs:
-                self.kv_cache.commit(seq, seq.num_computed_tokens + 1)
-            return logits
+        if self.decoder is not None:
+            compiled = self._run_compiled(seqs, num_new_tokens, num_logits, any(num_padding or ()), return_hidden)
+            if compiled is not None:
+                return compiled
         num_padding = num_padding or [0] * len(seqs)
         for seq, pads in zip(seqs, num_padding):
             seq.token_ids.extend([PAD_TOKEN] * pads)  # for the forward only: taken out again below
@@ -230,6 +226,39 @@ class ModelRunner:
             hidden[index] = flat[start:start + num_new_tokens[index]]
         return logits, hidden
 
+    def _run_compiled(self, seqs: list[Sequence], num_new_tokens: list[int], num_logits: int, padded: bool,
+                      return_hidden: bool):
+        """`run` through the compiled decoder: the decode step where every sequence forwards one token and only its
+        logits are read, else the query step (several tokens a sequence, or hidden states returned). None where
+        neither takes the forward: the reason is counted in the decoder's stats (`fallbacks`), and `run` runs it
+        eager."""
+        decoder = self.decoder
+        if num_logits == 1 and not padded and not return_hidden and decoder.handles(seqs, num_new_tokens):
+            for seq in seqs:
+                self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + 1)
+            logits = decoder.run(seqs)
+            for seq in seqs:
+                self.kv_cache.commit(seq, seq.num_computed_tokens + 1)
+            return logits
+        reason = decoder.refusal(seqs, num_new_tokens, padded)
+        if reason is None and num_logits == 1 and not return_hidden:
+            reason = "a prefill chunk or a mixed step"  # the query step serves verification and hidden readers
+        if reason is not None:
+            self.count_fallback(reason)
+            return None
+        for seq, count in zip(seqs, num_new_tokens):
+            self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + count)
+        logits, hidden = decoder.run_queries(seqs, num_new_tokens, num_logits)
+        for seq, count in zip(seqs, num_new_tokens):
+            self.kv_cache.commit(seq, seq.num_computed_tokens + count)
+        return (logits, hidden) if return_hidden else logits
+
+    def count_fallback(self, reason: str) -> None:
+        """A forward of a compiled engine that runs eager, for `reason` (the compile stats' `fallbacks`)."""
+        if self.decoder is not None:
+            fallbacks = self.decoder.stats.fallbacks
+            fallbacks[reason] = fallbacks.get(reason, 0) + 1
+
     @torch.inference_mode()
     def run_tree(self, seq: Sequence, depths: list[int], tree_mask: torch.Tensor):
         """A tree verification forward. The last len(depths) tokens of `seq` are a draft tree in slot order: node i
@@ -241,6 +270,7 @@ class ModelRunner:
         accepted path (its KV moved to consecutive slots) and commits that."""
         first, num_nodes = seq.num_computed_tokens, len(depths)
         root = len(seq) - num_nodes  # node 0's position (and slot)
+        self.count_fallback("a draft tree's verification")
         self.kv_cache.ensure_capacity(seq)
         batch = self.prepare([seq], [len(seq) - first], num_logits=num_nodes)
         positions = torch.cat([torch.arange(first, root, device=self.device),
@@ -265,6 +295,7 @@ class ModelRunner:
         (writing only their KV) and return the last token's fp32 logits [1, vocab]. Nothing is committed: the caller
         moves `seq.num_computed_tokens` itself and puts it back before the full-depth pass, which rewrites every
         layer's KV at those positions."""
+        self.count_fallback("an early-exit draft pass")
         self.kv_cache.ensure_capacity(seq)
         batch = self.prepare([seq], [len(seq) - seq.num_computed_tokens])
         return self.model.forward(batch, self.kv_cache, num_layers)

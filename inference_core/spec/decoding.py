@@ -292,12 +292,28 @@ class SpecStats:
         }
 
 
-def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: SpecStats, params: SamplingParams,
-                     generator, eos_ids, contexts=None) -> list[tuple]:
-    """One verification step: draft, score the last token + drafts in one forward, keep the accepted prefix
-    (greedy: the agreeing one; sampling: the standard rule), roll the rest back. Returns the step's tokens as
-    (token, draft kind, rejected drafts, TokenLogprobs or None, the target's log-probabilities of the rejected drafts
-    it verified), or [] when the drafter proposed nothing.
+@dataclass(slots=True)
+class ChainDraft:
+    """A chain of drafts appended to its sequence, waiting for the target's verification forward
+    (`draft_chain`, then `finish_chain` with the forward's logits)."""
+
+    proposed: list[int]  # what the drafter proposed (through the first end of sequence)
+    drafts: list[int]  # those the target verifies: cut at the first one a grammar forbids
+    draft_probs: torch.Tensor | None  # [len(proposed), vocab] the draft's distributions (sampling from a model)
+    rows: list | None  # each verified position's shaping context, or None
+    num_before: int  # the sequence's length before the drafts (its last token's KV not yet written)
+    drafted_at: float  # perf_counter when drafting ended
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows the verification reads: the last token's and each draft's."""
+        return len(self.drafts) + 1
+
+
+def draft_chain(seq: Sequence, drafter, max_drafts: int, stats: SpecStats, params: SamplingParams, generator,
+                eos_ids, contexts=None) -> ChainDraft | None:
+    """A verification step's first half: propose up to `max_drafts` drafts and append the ones the target will
+    verify to `seq`. None (and `seq` unchanged) when the drafter proposed nothing: the caller takes a plain step.
 
     `contexts(drafts)` (the request's `row_contexts`, for a request that shapes its logits or asks for
     log-probabilities) cuts the drafts at the first one its grammar forbids, before the target sees them, and gives
@@ -308,17 +324,22 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
     proposed = through_first_eos(proposed, eos_ids)
     drafted_at = time.perf_counter()
     stats.draft_ms += (drafted_at - started) * 1e3
-    if not proposed:  # nothing to propose: the caller takes a plain step
-        return []
+    if not proposed:
+        return None
     legal, rows = contexts(proposed) if contexts is not None else (len(proposed), None)
-    drafts = proposed[:legal]
-    num_before = len(seq)  # the last token (KV not yet written) is at num_before - 1
-    seq.token_ids.extend(drafts)
-    # logits: [len(drafts) + 1, vocab] for the positions of the last token and of each draft
-    reads_hidden = getattr(drafter, "wants_hidden", False)
-    logits = runner.run([seq], num_logits=len(drafts) + 1, return_hidden=reads_hidden)
-    if reads_hidden:
-        logits, hidden = logits
+    chain = ChainDraft(proposed, proposed[:legal], draft_probs, rows, len(seq), drafted_at)
+    seq.token_ids.extend(chain.drafts)
+    return chain
+
+
+def finish_chain(runner, seq: Sequence, drafter, chain: ChainDraft, logits: torch.Tensor, hidden, stats: SpecStats,
+                 params: SamplingParams, generator) -> list[tuple]:
+    """A verification step's second half, after the forward that scored the last token and the drafts (`logits`:
+    [chain.num_rows, vocab], fp32; `hidden`: the final-normed hidden states of the positions the forward computed,
+    for a drafter that reads them, else None): keep the accepted prefix (greedy: the agreeing one; sampling: the
+    standard rule), roll the rest back. Returns the step's tokens as (token, draft kind, rejected drafts,
+    TokenLogprobs or None, the target's log-probabilities of the rejected drafts it verified)."""
+    drafts, rows = chain.drafts, chain.rows
     shaped = shape_logits(logits, rows) if rows is not None else logits
     if params.greedy:
         target_ids = shaped.argmax(dim=-1).tolist()
@@ -326,18 +347,19 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
         final_token = target_ids[accepted]
     else:
         target_probs = probabilities(shaped, params)
+        draft_probs = chain.draft_probs
         if draft_probs is not None:  # a draft model with a narrower vocabulary: no probability on the rest
             draft_probs = _pad_width(draft_probs[:len(drafts)], target_probs.shape[-1])
         accepted, final_token = accept_sampled(drafts, draft_probs, target_probs, generator)
     # Keep the KV of the last token and the accepted drafts; the tokens themselves are re-appended by the caller.
-    del seq.token_ids[num_before:]
-    if reads_hidden:  # the hidden states of the kept positions (mode none forwards more before them); the last one
-        # predicted the final token
-        drafter.observe(num_before - 1, hidden[0][-(len(drafts) + 1):][:accepted + 1])
-    runner.kv_cache.rollback(seq, num_before + accepted)
-    stats.record(len(proposed), accepted)
-    stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
-    tokens = step_tokens(drafts[:accepted], final_token, proposed)
+    del seq.token_ids[chain.num_before:]
+    if hidden is not None:  # the hidden states of the kept positions (mode none forwards more before them); the
+        # last one predicted the final token
+        drafter.observe(chain.num_before - 1, hidden[-chain.num_rows:][:accepted + 1])
+    runner.kv_cache.rollback(seq, chain.num_before + accepted)
+    stats.record(len(chain.proposed), accepted)
+    stats.verify_ms += (time.perf_counter() - chain.drafted_at) * 1e3
+    tokens = step_tokens(drafts[:accepted], final_token, chain.proposed)
     if params.logprobs is None:
         return [(*token, None, ()) for token in tokens]
     # Each emitted token's log-probabilities come from the row that predicted it; a rejected draft the target
@@ -349,6 +371,27 @@ def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: Spe
         logits[accepted:len(drafts)], shaped[accepted:len(drafts)], rows[accepted:len(drafts)], rejected))
     return [(*token, lp, rejected_logprobs if kind == "replaced" else ())
             for token, lp, kind in zip(tokens, logprobs, (kind for _, kind, _ in tokens))]
+
+
+def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: SpecStats, params: SamplingParams,
+                     generator, eos_ids, contexts=None) -> list[tuple]:
+    """One verification step of one sequence: draft (`draft_chain`), score the last token + drafts in one forward,
+    keep the accepted prefix and roll the rest back (`finish_chain`). Returns the step's tokens as `finish_chain`
+    does, or [] when the drafter proposed nothing. (The engine verifies all its speculating requests in one forward:
+    `Engine._run_speculative`.)"""
+    chain = draft_chain(seq, drafter, max_drafts, stats, params, generator, eos_ids, contexts)
+    if chain is None:  # nothing to propose: the caller takes a plain step
+        return []
+    reads_hidden = getattr(drafter, "wants_hidden", False)
+    try:
+        # logits: [len(drafts) + 1, vocab] for the positions of the last token and of each draft
+        logits = runner.run([seq], num_logits=chain.num_rows, return_hidden=reads_hidden)
+    except BaseException:
+        del seq.token_ids[chain.num_before:]
+        raise
+    logits, hidden = logits if reads_hidden else (logits, None)
+    return finish_chain(runner, seq, drafter, chain, logits, hidden[0] if reads_hidden else None, stats, params,
+                        generator)
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ import torch
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core import load_model
+from inference_core.engine.compiled import compile_unavailable
 from inference_core.spec.draft_heads import EagleDrafter, MedusaDrafter, find_heads, lm_head_rows, load_heads
 from inference_core.model.llama import Linear, packed_bf16_available
 from inference_core.sequence import Sequence
@@ -86,6 +87,30 @@ def test_greedy_with_trained_heads_is_lossless_on_tiny(tiny, tiny_heads, tiny_an
             accepted += fast.stats.spec["accepted"]
     assert accepted > 0
     assert_nothing_held(engine)
+
+
+@pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
+def test_greedy_with_trained_heads_compiled_is_lossless_and_never_eager(tiny, tiny_heads):
+    """A compiled engine runs the heads' verifications (the last token and 3 drafts) and their plain steps (one
+    token, its hidden state read) through the query step, whose package it builds before the first request; the
+    4-token prompts fit it too, so no forward runs eager, and greedy ids are plain greedy's."""
+    eager = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for kind in KINDS:
+        engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4, compile=True))
+        engine.load_draft_heads(kind, tiny_heads[kind][0])
+        spec = SpecConfig(kind, k=3)
+        engine.warm_up_compiled((1,), spec)
+        accepted = 0
+        for prompt in ([1, 5, 9, 3], [7, 7, 4, 2]):
+            fast = engine.complete(prompt, params, spec=spec)
+            assert fast.token_ids == eager.complete(prompt, params).token_ids, (kind, prompt)
+            assert fast.stats.compile["compile_s"] == 0
+            accepted += fast.stats.spec["accepted"]
+        stats = engine.compile_stats()
+        assert accepted > 0 and stats["fallbacks"] == {}, kind
+        assert stats["steps_by_bucket"]["1x4 query"] > 0
+        assert_nothing_held(engine)
 
 
 @pytest.mark.skipif(not packed_bf16_available(), reason="bf16 heads run packed only on a CPU with native bf16 math")

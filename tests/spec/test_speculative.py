@@ -20,7 +20,7 @@ from inference_core.sequence import Sequence
 from inference_core.spec.decoding import (SpecConfig, SpecStats, accept_greedy, accept_sampled, next_k,
                                         propose_ngram)
 from conftest import assert_nothing_held, make_engine
-from tiny_models import build_tiny, TINY_VOCAB
+from tiny_models import build_tiny, run_to_end, TINY_VOCAB
 
 
 def first_layers_copy(loaded: LoadedModel, num_layers: int) -> LoadedModel:
@@ -278,6 +278,36 @@ def tiny_pair(tmp_path_factory):
     target = build_tiny(tmp_path_factory.mktemp("target"), seed=0, initializer_range=0.3)
     draft = build_tiny(tmp_path_factory.mktemp("draft"), seed=1, initializer_range=0.15)
     return target, draft
+
+
+@pytest.mark.parametrize("kv_mode", ["none", "contiguous", "paged"])
+def test_speculating_requests_verify_in_one_forward_and_each_equals_its_solo_run(tiny_pair, kv_mode):
+    """Five requests at once, each with its own draft source: every step drafts for each of them, then verifies all
+    their chains (and a plain token for those that drafted nothing) in one forward; each answer is its solo plain
+    greedy one, and the pool ends empty. A small paged pool leaves some steps no room to draft."""
+    target, draft = tiny_pair
+    engine = Engine(target, EngineConfig(kv_mode=kv_mode, block_size=2, max_num_seqs=8,
+                                         kv_cache_tokens=120 if kv_mode == "paged" else None), draft_model=draft)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    specs = [SpecConfig("ngram", k=3, ngram_min=1), SpecConfig("early-exit", k=2, draft_layers=1),
+             SpecConfig("draft", k=3), SpecConfig("ngram", k=2, adaptive=True, ngram_min=1), SpecConfig()]
+    prompts = [[3 + (i * 5 + j * 3) % 13 for j in range(6 + i)] * 2 for i in range(len(specs))]
+    want = [engine.complete(ids, params).token_ids for ids in prompts]
+    forwards = []
+    run = engine.runner.run
+
+    def counted(seqs, *args, **kwargs):
+        forwards.append((len(seqs), kwargs.get("num_logits", 1)))
+        return run(seqs, *args, **kwargs)
+
+    engine.runner.run = counted
+    requests = [engine.submit(ids, params, spec=spec) for ids, spec in zip(prompts, specs)]
+    run_to_end(engine)
+    assert [request.events[-1].token_ids for request in requests] == want
+    assert any(count == 4 and logits > 1 for count, logits in forwards)  # four chains verified together
+    assert sum(request.events[-1].stats.spec["accepted"] for request in requests[:4]) > 0
+    assert_nothing_held(engine)
+    assert_draft_released(engine)
 
 
 def exact_marginals(loaded: LoadedModel, prompt: list[int], params: SamplingParams, length: int) -> list[torch.Tensor]:

@@ -1,0 +1,104 @@
+"""The compiled step for several new tokens per sequence: a speculative chain's verification (the last token and its
+k drafts), and a step whose hidden states a trained draft head reads (one token, the hidden states returned too).
+
+`compiled.DecodeGraph` forwards one token per sequence; this graph forwards T per sequence, each of the batch's B
+sequences padded to the same T (its padding queries come after its real ones, so no real query sees them), and is
+compiled by the same machinery (`compiled.CompiledDecoder`: AOTInductor packages on disk, one per batch bucket and
+query bucket). As in the decode step, the KV pool is read and never written inside the graph:
+
+- a sequence's cached keys (positions before its first new token) come from the pool through its block table
+  (paged) or slot (contiguous), and `key_mask` [B, T, width] says which of them each query sees (the sliding window
+  cuts them per query);
+- the T new keys are scored apart, against `new_mask` [B, T, T] (causal for a chain; the tree's mask for a tree);
+- the graph returns every query's fp32 logits and final-normed hidden state, and every layer's new k and v, which
+  the decoder writes into the pool for the real queries after the call.
+
+Attention is written with matmuls in fp32 over the context cast once per layer, for inductor to compile; the eager
+forward (`model.llama`) is the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_core.model.llama import CausalLM
+
+# The most new tokens a sequence forwards through the graph: the last token and the longest chain
+# (spec.decoding.MAX_K drafts). Each count T up to it is a package of its own (`CompiledDecoder.run_queries` takes the
+# smallest one loaded that holds a step, so a chain of k drafts and its shorter drafts share the package of k + 1).
+MAX_QUERIES = 17
+
+
+class QueryGraph(nn.Module):
+    """T new tokens for each of B sequences whose earlier tokens are in the KV cache, as a pure function of its inputs
+    (see the module docstring). `paged` selects how the pool is read."""
+
+    def __init__(self, model: CausalLM, paged: bool, block_size: int):
+        super().__init__()
+        self.model = model
+        self.paged = paged
+        self.block_size = block_size
+
+    def width_dims(self) -> dict[int, int]:
+        """The dimension of each input that is the key width (dynamic in a package): the block table's (paged) and
+        the key mask's."""
+        return {2: 1, 3: 2} if self.paged else {3: 2}
+
+    def forward(self, input_ids, positions, read_index, key_mask, new_mask, k_pool, v_pool):
+        """input_ids, positions: [B, T]; read_index: contiguous [B] slots, paged [B, blocks] int32 block table;
+        key_mask: [B, T, width] bool, True where query t attends cached key j; new_mask: [B, T, T] bool, True where
+        query t attends new key u. k_pool, v_pool: the cache's whole tensors. Returns fp32 logits [B * T, vocab], the
+        final-normed hidden states [B * T, hidden] and the new k, v [layers, B * T, kv_heads, head_dim]."""
+        model = self.model
+        batch, queries = input_ids.shape
+        x = F.embedding(input_ids.reshape(-1), model.embed_tokens.weight)  # [B * T, hidden]
+        cos_table, sin_table = model.rope_tables(x.dtype)
+        flat_positions = positions.reshape(-1)
+        cos, sin = cos_table[flat_positions].unsqueeze(1), sin_table[flat_positions].unsqueeze(1)
+        new_k, new_v = [], []
+        width = key_mask.shape[2]
+        for index, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm.forward(x), cos, sin)
+            new_k.append(k)
+            new_v.append(v)
+            k_ctx, v_ctx = read_context(k_pool[index], v_pool[index], read_index, width, self.paged)
+            out = attend_queries(q.view(batch, queries, *q.shape[1:]), k.view(batch, queries, *k.shape[1:]),
+                                 v.view(batch, queries, *v.shape[1:]), k_ctx, v_ctx, key_mask, new_mask, attn.scale)
+            x = x + attn.o_proj.forward(out.reshape(x.shape[0], attn.q_size).to(x.dtype))
+            x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
+        hidden = model.norm.forward(x)
+        return model.lm_head.forward(hidden).float(), hidden, torch.stack(new_k), torch.stack(new_v)
+
+
+def read_context(k_pool, v_pool, read_index, width: int, paged: bool):
+    """One layer's cached keys and values of each sequence, [B, kv_heads, width, d]: paged, the blocks of each row of
+    the block table `read_index` ([blocks, block_size, kv_heads, d] pool); contiguous, the first `width` positions of
+    each slot in `read_index` ([slots, kv_heads, max_seq_len, d] pool)."""
+    if paged:
+        return (k_pool[read_index].flatten(1, 2).transpose(1, 2), v_pool[read_index].flatten(1, 2).transpose(1, 2))
+    return k_pool[:, :, :width].index_select(0, read_index), v_pool[:, :, :width].index_select(0, read_index)
+
+
+def attend_queries(q, k, v, k_ctx, v_ctx, key_mask, new_mask, scale: float) -> torch.Tensor:
+    """T queries per sequence against its cached keys and its T new keys, with grouped-query heads, in fp32.
+    q: [B, T, heads, d]; k, v: [B, T, kv_heads, d]; k_ctx, v_ctx: [B, kv_heads, width, d]; key_mask: [B, T, width];
+    new_mask: [B, T, T] (each query sees at least its own key). Returns [B, T, heads, d]."""
+    batch, queries, kv_heads, head_dim = k.shape
+    q = q.view(batch, queries, kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4).float()  # [B, kv_heads, group, T, d]
+    k_ctx, v_ctx = k_ctx[:, :, None].float(), v_ctx[:, :, None].float()  # [B, kv_heads, 1, width, d]
+    k_new = k.permute(0, 2, 1, 3)[:, :, None].float()  # [B, kv_heads, 1, T, d]
+    v_new = v.permute(0, 2, 1, 3)[:, :, None].float()
+    cached = (q @ k_ctx.transpose(-1, -2)) * scale  # [B, kv_heads, group, T, width]
+    cached = cached.masked_fill(~key_mask[:, None, None], float("-inf"))
+    new = (q @ k_new.transpose(-1, -2)) * scale  # [B, kv_heads, group, T, T]
+    new = new.masked_fill(~new_mask[:, None, None], float("-inf"))
+    # One softmax over [cached keys, new keys], written out: no concatenation of the two, nor slice at the dynamic
+    # width.
+    top = torch.maximum(cached.amax(-1, keepdim=True), new.amax(-1, keepdim=True))  # finite: the own key is seen
+    cached, new = torch.exp(cached - top), torch.exp(new - top)
+    total = cached.sum(-1, keepdim=True) + new.sum(-1, keepdim=True)
+    out = (cached @ v_ctx + new @ v_new) / total  # [B, kv_heads, group, T, d]
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, queries, -1, head_dim)

@@ -47,6 +47,14 @@ RACE_SETUPS = {
         "grounded-4",
         "The answer copies from the prompt, so prompt lookup's drafts are mostly accepted and lane A emits several "
         "tokens per step; the output stays exactly that of plain decoding (see the lossless check)."),
+    "compiled vs compiled + prompt lookup, grounded prompt": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged", compile=True, spec_method="ngram", spec_k=4),
+         "B": LaneSettings(kv_mode="paged", compile=True)},
+        "grounded-4",
+        "Both lanes decode compiled; lane A also speculates with prompt lookup, and its verifications (the last token "
+        "and 4 drafts) run through a compiled step of their own, so speculation adds to compilation instead of "
+        "falling back to the eager forward. The first time, lane A builds that step before the race starts (a few "
+        "minutes on a 2-core CPU); on this prompt it then emits about four tokens a verification."),
     "speculation: early exit vs prompt lookup, grounded prompt": RaceSetup(
         {"A": LaneSettings(kv_mode="paged", spec_method="early-exit", spec_k=4),
          "B": LaneSettings(kv_mode="paged", spec_method="ngram", spec_k=5)},

@@ -378,17 +378,17 @@ class CompiledDecoder:
             0 < seq.num_computed_tokens and seq.num_computed_tokens + steps - 1 < last for seq in seqs)
 
     def refusal(self, seqs, num_new_tokens: list[int], padded: bool = False) -> str | None:
-        """Why a forward of `num_new_tokens[i]` new tokens for each of `seqs` cannot run compiled, in the decode step
-        or the query step (None: it can). The reasons are what the stats' `fallbacks` count."""
-        if self.backend != "aoti" and any(count != 1 for count in num_new_tokens):
-            return "several tokens a sequence (the torch.compile backend compiles one-token decode steps only)"
+        """Why a forward of `num_new_tokens[i]` new tokens for each of `seqs` that the decode step does not take
+        cannot run in the query step (None: it can). The reasons are what the stats' `fallbacks` count."""
+        if self.backend != "aoti":
+            return "the query step (several tokens a sequence, or hidden states) is the aoti backend's only"
         if padded:
             return "a static batch's padding"
         if len(seqs) > self.buckets[-1]:
             return f"more than {self.buckets[-1]} sequences"
         if max(num_new_tokens) > MAX_QUERIES:
             return f"more than {MAX_QUERIES} new tokens (a prefill chunk)"
-        last = (self.max_width - 1) * self.block_size if self.backend == "aoti" else float("inf")
+        last = (self.max_width - 1) * self.block_size
         if any(seq.num_computed_tokens + count - 1 >= last for seq, count in zip(seqs, num_new_tokens)):
             return "the end of the compiled key width"
         return None

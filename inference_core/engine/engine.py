@@ -655,8 +655,9 @@ class Engine:
         """The query steps (tokens a sequence) a compiled engine runs for requests with `spec`: a chain's longest
         verification, the last token and `max_k` drafts. Shorter ones run in the same package, and so do trained
         heads' plain steps (one token, its hidden state read) and their short prompts. Trees and drafting passes run
-        eager."""
-        if spec is None or not spec.enabled or spec.tree_width > 1:
+        eager, and so does everything but one-token decode steps on CUDA's torch.compile backend so far."""
+        if spec is None or not spec.enabled or spec.tree_width > 1 or self.decoder is None \
+                or self.decoder.backend != "aoti":
             return ()
         return (spec.max_k + 1,)
 

@@ -85,20 +85,23 @@ def read_context(k_pool, v_pool, read_index, width: int, paged: bool):
 def attend_queries(q, k, v, k_ctx, v_ctx, key_mask, new_mask, scale: float) -> torch.Tensor:
     """T queries per sequence against its cached keys and its T new keys, with grouped-query heads, in fp32.
     q: [B, T, heads, d]; k, v: [B, T, kv_heads, d]; k_ctx, v_ctx: [B, kv_heads, width, d]; key_mask: [B, T, width];
-    new_mask: [B, T, T] (each query sees at least its own key). Returns [B, T, heads, d]."""
+    new_mask: [B, T, T] (each query sees at least its own key). Returns [B, T, heads, d].
+
+    A kv head's group of query heads and its T queries are one [group * T] block of rows, so each matmul reads the
+    context as it is (cast to fp32 once), not a copy per query head."""
     batch, queries, kv_heads, head_dim = k.shape
-    q = q.view(batch, queries, kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4).float()  # [B, kv_heads, group, T, d]
-    k_ctx, v_ctx = k_ctx[:, :, None].float(), v_ctx[:, :, None].float()  # [B, kv_heads, 1, width, d]
-    k_new = k.permute(0, 2, 1, 3)[:, :, None].float()  # [B, kv_heads, 1, T, d]
-    v_new = v.permute(0, 2, 1, 3)[:, :, None].float()
-    cached = (q @ k_ctx.transpose(-1, -2)) * scale  # [B, kv_heads, group, T, width]
-    cached = cached.masked_fill(~key_mask[:, None, None], float("-inf"))
-    new = (q @ k_new.transpose(-1, -2)) * scale  # [B, kv_heads, group, T, T]
-    new = new.masked_fill(~new_mask[:, None, None], float("-inf"))
+    group = q.shape[2] // kv_heads
+    rows = q.view(batch, queries, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).float()  # [B, kv, group, T, d]
+    rows = rows.reshape(batch, kv_heads, group * queries, head_dim)
+    k_new, v_new = k.transpose(1, 2).float(), v.transpose(1, 2).float()  # [B, kv_heads, T, d]
+    cached = (rows @ k_ctx.float().transpose(-1, -2)) * scale  # [B, kv_heads, group * T, width]
+    cached = cached.view(batch, kv_heads, group, queries, -1).masked_fill(~key_mask[:, None, None], float("-inf"))
+    new = (rows @ k_new.transpose(-1, -2)) * scale  # [B, kv_heads, group * T, T]
+    new = new.view(batch, kv_heads, group, queries, queries).masked_fill(~new_mask[:, None, None], float("-inf"))
     # One softmax over [cached keys, new keys], written out: no concatenation of the two, nor slice at the dynamic
     # width.
     top = torch.maximum(cached.amax(-1, keepdim=True), new.amax(-1, keepdim=True))  # finite: the own key is seen
     cached, new = torch.exp(cached - top), torch.exp(new - top)
-    total = cached.sum(-1, keepdim=True) + new.sum(-1, keepdim=True)
-    out = (cached @ v_ctx + new @ v_new) / total  # [B, kv_heads, group, T, d]
-    return out.permute(0, 3, 1, 2, 4).reshape(batch, queries, -1, head_dim)
+    total = cached.sum(-1, keepdim=True) + new.sum(-1, keepdim=True)  # [B, kv_heads, group, T, 1]
+    out = (cached.flatten(2, 3) @ v_ctx.float() + new.flatten(2, 3) @ v_new).view(batch, kv_heads, group, queries, -1)
+    return (out / total).permute(0, 3, 1, 2, 4).reshape(batch, queries, -1, head_dim)

@@ -68,7 +68,7 @@ from torch import nn
 
 from inference_core.config import ConfigError
 from inference_core.engine import package_weights, query_graph, triton_attention
-from inference_core.engine.query_graph import MAX_QUERIES, QueryGraph
+from inference_core.engine.query_graph import MAX_QUERIES, QueryGraph, forward_layers
 from inference_core.engine.query_graph import read_context as _read_context
 from inference_core.model import attention_kernel, row_kernel
 from inference_core.model.llama import CausalLM, model_fingerprint
@@ -154,30 +154,21 @@ class DecodeGraph(nn.Module):
         """input_ids, positions: [B]; read_index: contiguous [B] slots, paged [B, blocks] int32 block table;
         key_mask: [B, width] bool, True where a cached key is attended. k_pool, v_pool: the cache's whole tensors.
         Returns fp32 logits [B, vocab] and the new k, v [layers, B, kv_heads, head_dim]."""
-        model = self.model
-        x = F.embedding(input_ids, model.embed_tokens.weight)
-        cos_table, sin_table = model.rope_tables(x.dtype)
-        cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
-        new_k, new_v = [], []
         width = key_mask.shape[1]
-        for index, layer in enumerate(model.layers):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm.forward(x), cos, sin)
-            new_k.append(k)
-            new_v.append(v)
+
+        def attend(index, attn, q, k, v):  # q: [B, heads, d]; k, v: [B, kv_heads, d]
             if self.opaque_attention:
                 dtype = attn.attention_dtype
-                out = decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), k_pool[index], v_pool[index],
-                                       read_index, key_mask, positions, attn.scale, self.paged)
-            elif self.paged and self.our_attention and attention_kernel.takes(q, k, k_pool):
-                out = attention_kernel.attend(q, k, v, k_pool[index], v_pool[index], read_index, key_mask, attn.scale)
-            else:
-                k_ctx, v_ctx = _read_context(k_pool[index], v_pool[index], read_index, width, self.paged)
-                out = _attend_one_fused(q, k, v, k_ctx, v_ctx, key_mask, attn.scale)
-            x = x + attn.o_proj.forward(out.reshape(x.shape[0], attn.q_size).to(x.dtype))
-            x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
-        logits = model.lm_head.forward(model.norm.forward(x)).float()
-        return logits, torch.stack(new_k), torch.stack(new_v)
+                return decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), k_pool[index], v_pool[index],
+                                        read_index, key_mask, positions, attn.scale, self.paged)
+            if self.paged and self.our_attention and attention_kernel.takes(q, k, k_pool):
+                return attention_kernel.attend(q, k, v, k_pool[index], v_pool[index], read_index, key_mask,
+                                               attn.scale)
+            k_ctx, v_ctx = _read_context(k_pool[index], v_pool[index], read_index, width, self.paged)
+            return _attend_one_fused(q, k, v, k_ctx, v_ctx, key_mask, attn.scale)
+
+        x, new_k, new_v = forward_layers(self.model, input_ids, positions, attend)
+        return self.model.lm_head.forward(self.model.norm.forward(x)).float(), new_k, new_v
 
 
 @torch.library.custom_op("inference_core::decode_attention", mutates_args=())

@@ -51,26 +51,37 @@ class QueryGraph(nn.Module):
         key_mask: [B, T, width] bool, True where query t attends cached key j; new_mask: [B, T, T] bool, True where
         query t attends new key u. k_pool, v_pool: the cache's whole tensors. Returns fp32 logits [B * T, vocab], the
         final-normed hidden states [B * T, hidden] and the new k, v [layers, B * T, kv_heads, head_dim]."""
-        model = self.model
         batch, queries = input_ids.shape
-        x = F.embedding(input_ids.reshape(-1), model.embed_tokens.weight)  # [B * T, hidden]
-        cos_table, sin_table = model.rope_tables(x.dtype)
-        flat_positions = positions.reshape(-1)
-        cos, sin = cos_table[flat_positions].unsqueeze(1), sin_table[flat_positions].unsqueeze(1)
-        new_k, new_v = [], []
         width = key_mask.shape[2]
-        for index, layer in enumerate(model.layers):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm.forward(x), cos, sin)
-            new_k.append(k)
-            new_v.append(v)
+
+        def attend(index, attn, q, k, v):  # q: [B * T, heads, d]; k, v: [B * T, kv_heads, d]
             k_ctx, v_ctx = read_context(k_pool[index], v_pool[index], read_index, width, self.paged)
-            out = attend_queries(q.view(batch, queries, *q.shape[1:]), k.view(batch, queries, *k.shape[1:]),
-                                 v.view(batch, queries, *v.shape[1:]), k_ctx, v_ctx, key_mask, new_mask, attn.scale)
-            x = x + attn.o_proj.forward(out.reshape(x.shape[0], attn.q_size).to(x.dtype))
-            x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
-        hidden = model.norm.forward(x)
-        return model.lm_head.forward(hidden).float(), hidden, torch.stack(new_k), torch.stack(new_v)
+            return attend_queries(q.view(batch, queries, *q.shape[1:]), k.view(batch, queries, *k.shape[1:]),
+                                  v.view(batch, queries, *v.shape[1:]), k_ctx, v_ctx, key_mask, new_mask, attn.scale)
+
+        x, new_k, new_v = forward_layers(self.model, input_ids.reshape(-1), positions.reshape(-1), attend)
+        hidden = self.model.norm.forward(x)
+        return self.model.lm_head.forward(hidden).float(), hidden, new_k, new_v
+
+
+def forward_layers(model: CausalLM, input_ids, positions, attend):
+    """The decoder layers over a flat batch of tokens (`input_ids`, `positions`: [tokens]) with attention left to
+    `attend(layer index, attention module, q, k, v)` (q [tokens, heads, d], k and v [tokens, kv_heads, d], already
+    normed and rotated) -> [tokens, heads, d]: the part the compiled steps share. Returns the last layer's output
+    [tokens, hidden] (before the final norm) and every layer's new k and v, [layers, tokens, kv_heads, d]."""
+    x = F.embedding(input_ids, model.embed_tokens.weight)
+    cos_table, sin_table = model.rope_tables(x.dtype)
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+    new_k, new_v = [], []
+    for index, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        q, k, v = attn.project(layer.input_layernorm.forward(x), cos, sin)
+        new_k.append(k)
+        new_v.append(v)
+        out = attend(index, attn, q, k, v)
+        x = x + attn.o_proj.forward(out.reshape(x.shape[0], attn.q_size).to(x.dtype))
+        x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
+    return x, torch.stack(new_k), torch.stack(new_v)
 
 
 def read_context(k_pool, v_pool, read_index, width: int, paged: bool):

@@ -88,8 +88,14 @@ def profile_args(tiny_dir, *extra) -> list[str]:
 
 def test_json_breakdown_sums_to_the_measured_step_and_the_trace_opens(tiny_dir, tmp_path, capsys):
     trace = tmp_path / "trace" / "steps.json"
-    assert main(profile_args(tiny_dir, "--json", "--trace", str(trace))) == 0
-    report = json.loads(capsys.readouterr().out)
+    # The events span at least 90% of the step (below). On a host whose other core compiles (the suite's other
+    # worker), a 4 ms tiny step was once descheduled between events for 18% of it: a busy moment gets two more tries.
+    for _ in range(3):
+        assert main(profile_args(tiny_dir, "--json", "--trace", str(trace))) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["profiled_ms"] <= report["step_ms"]  # never more than the step, whatever the moment
+        if report["profiled_ms"] >= 0.9 * report["step_ms"]:
+            break
     assert {"steps", "step_ms", "breakdown"} <= set(report)
     assert report["steps"] == 6 and report["work"] == {"decode": 6} and report["batch_size"] == 1
     assert all(set(row) == {"category", "ms", "share"} for row in report["breakdown"])

@@ -192,6 +192,9 @@ class EngineConfig:
     # Compiled decode on an AVX-512 CPU: attention over a bf16 paged pool through our kernel
     # (model.attention_kernel); False: the attention inductor compiles (the reference).
     attention_kernel: bool = True
+    # Greedy speculating requests draft only where their speculative steps measured faster than plain ones at the
+    # batch's size (`spec.pays`); False: they draft every step (what spec-bench's --always measures).
+    speculate_when_it_pays: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:

@@ -255,6 +255,23 @@ def test_batch_bench_json_rows(bundled, one_torch_thread, tmp_path, capsys):
     assert "| continuous | 3 |" in capsys.readouterr().out
 
 
+def test_batch_bench_runs_each_mode_again_speculating(bundled, one_torch_thread, tmp_path):
+    """--spec: each mode, then the same mode with every request speculating, on the prompts of --kinds; greedy, so
+    both rows produce the same tokens, and the speculative row's acceptance is its requests' own."""
+    path = tmp_path / "batch.json"
+    assert main(["batch-bench", "--requests", "2", "--max-new-tokens", "12", "--modes", "continuous", "--peers", "",
+                 "--kinds", "grounded", "--spec", "ngram", "--spec-k", "3", *CPU, "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    plain, speculative = report["rows"]
+    assert (plain["name"], speculative["name"]) == ("continuous", "continuous + ngram k=3")
+    assert plain["output_tokens"] == speculative["output_tokens"] == 24
+    entry = report["speculation"]["continuous + ngram k=3"]
+    assert entry["verifications"] > 0 and 0 < entry["acceptance_rate"] <= 1  # a grounded prompt: lookups find drafts
+    assert entry["ratio"] == round(speculative["throughput_tokens_per_s"] / plain["throughput_tokens_per_s"], 3)
+    assert report["arguments"]["spec"] == {"method": "ngram", "k": 3} and report["arguments"]["kinds"] == "grounded"
+    assert set(report["steps"]) == {"continuous", "continuous + ngram k=3"}
+
+
 def test_batch_bench_keeps_the_rows_it_finished(bundled, one_torch_thread, tmp_path, monkeypatch):
     """The JSON is written after each row: a run that stops part-way (here the second mode fails; in the GPU report a
     run stopped at its share of the budget) leaves the rows before it on disk."""

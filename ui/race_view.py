@@ -243,6 +243,11 @@ def race_notes(traces: list[LaneTrace], figures: list[LaneFigures]) -> list[tupl
                               f"its {SPEC_METHOD_LABELS.get(method, method)} drafts were accepted "
                               f"({counts['accepted']} of {counts['drafted']}): every step paid for drafting and "
                               f"verifying yet kept about one token, and {WHY_DRAFTS_FAIL.get(method, '')}."))
+        spec = f.stats.spec if f.ended and f.stats is not None else None
+        if spec and spec.get("plain_steps"):
+            notes.append(("speculation-off", f"Lane {name} drafted in {spec['steps']} of its steps and took "
+                          f"{spec['plain_steps']} without drafting, because {spec['plain_reason']}: the engine "
+                          "measures both kinds of step at each batch size and drafts only where that pays."))
         if (trace.settings.kv_mode == "none" and other.settings.kv_mode != "none" and f.last_step_ms
                 and g.last_step_ms and f.last_step_ms > 2 * g.last_step_ms):
             notes.append(("recompute", f"Lane {name} has {KV_MODE_LABELS['none']}: every new token recomputes the "

@@ -22,6 +22,12 @@ transformers keeps computing them). TPOT, goodput and SLO attainment come from t
 targets --slo-ttft-ms and --slo-tpot-ms (definitions in `inference_core.bench.latency`). `--rates` runs the whole bench
 once per Poisson rate and lists every row at every rate in `sweep`: throughput against p95 latency per mode, the
 frontier on which a person picks a mode and a rate (drawn by `ui.frontier`).
+
+`--spec METHOD` (with `--spec-k`) runs each of our modes a second time with every request speculating
+(`<mode> + METHOD k=K`, a fresh engine too, its query steps compiled before the timed run under --compile), so a batch
+of speculating requests is measured beside the same batch without: the report's `speculation` gives each such row's
+throughput over its mode's and its acceptance. `--kinds` keeps the prompt file's prompts of those kinds (grounded
+prompts, where prompt lookup finds its drafts).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from inference_core.engine.request import FinishEvent, TokenEvent
 from inference_core.model.checkpoint import resolve_model_dir
 from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
 from inference_core.sampling import SamplingParams
+from inference_core.spec.decoding import SPEC_METHODS, SpecConfig
 
 PEERS = ("hf-sequential", "hf-static")
 ROW_KEYS = ("name", "requests", "output_tokens", "throughput_tokens_per_s", "ttft_ms_p50", "ttft_ms_p95",
@@ -95,10 +102,11 @@ def parse_output_lengths(spec: str | None, count: int, max_new_tokens: int, seed
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], offsets: list[float], lengths: list[int] | int,
-               reports: list[StepReport] | None = None):
-    """Submit each request at its arrival time (with its own max_new_tokens, `lengths`) and step the engine until
-    all are done. Returns the timings and the batch size of every engine step that ran work; `reports`, where given,
-    gets those steps' reports."""
+               reports: list[StepReport] | None = None, spec: SpecConfig | None = None):
+    """Submit each request at its arrival time (with its own max_new_tokens, `lengths`; speculating with `spec`)
+    and step the engine until all are done. Returns the timings and the batch size of every engine step that ran
+    work; `reports`, where given, gets those steps' reports; each timing's `spec`, the request's speculative
+    statistics."""
     if isinstance(lengths, int):
         lengths = [lengths] * len(prompts)
     start = time.perf_counter()
@@ -113,6 +121,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], offsets: list[float], l
             elif isinstance(event, FinishEvent):
                 timing.last_token, timing.output_tokens = now, len(event.token_ids)
                 timing.preemptions = event.stats.preemptions
+                timing.spec = event.stats.spec
         return on_event
 
     submitted = 0
@@ -120,7 +129,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], offsets: list[float], l
         # 1. Submit every request whose arrival time has come; after the last one, nothing more is coming.
         while submitted < len(prompts) and timings[submitted].arrival <= time.perf_counter():
             params = SamplingParams(max_new_tokens=lengths[submitted])
-            engine.submit(prompts[submitted], params).listener = listener(timings[submitted])
+            engine.submit(prompts[submitted], params, spec=spec).listener = listener(timings[submitted])
             submitted += 1
             if submitted == len(prompts):
                 engine.drain()
@@ -253,6 +262,11 @@ def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", default="hf-sequential,hf-static",
                         help="transformers rows, comma-separated, from: hf-sequential, hf-static ('' for none)")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="batch size limit (ours and hf-static)")
+    parser.add_argument("--spec", choices=[m for m in SPEC_METHODS if m != "none"],
+                        help="also run each of our modes with every request speculating by this method")
+    parser.add_argument("--spec-k", type=int, default=4, help="draft length of --spec")
+    parser.add_argument("--kinds", help="only the prompt file's prompts of these kinds, comma-separated (e.g. "
+                        "grounded)")
     parser.add_argument("--kv-cache-tokens", type=int,
                         help="paged pool size (default: max-num-seqs requests of the longest prompt)")
     parser.add_argument("--compile", action="store_true", help="our modes decode through the compiled step (CUDA "
@@ -265,6 +279,31 @@ def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", help="a request-rate sweep: the whole bench once per Poisson rate, like "
                         "0.5,1,2,4 (requests/s, arrivals poisson:RATE from --seed); the JSON gets a `sweep` list")
     parser.add_argument("--json", dest="json_path", help="write the results here")
+
+
+def speculative_rows(modes: list[str], spec: SpecConfig | None) -> list[tuple[str, str, SpecConfig | None]]:
+    """Our rows in order as (row name, mode, the requests' speculative settings): each mode, and with `spec` after
+    it the same mode with every request speculating."""
+    rows = []
+    for mode in modes:
+        rows.append((mode, mode, None))
+        if spec is not None:
+            rows.append((f"{mode} + {spec.method} k={spec.k}", mode, spec))
+    return rows
+
+
+def speculation_summary(row: dict, plain: dict | None, timings: list[Timing]) -> dict:
+    """A speculative row against its mode's plain row (None: not run): the throughput ratio, and the acceptance
+    over all its requests (drafted and accepted tokens added up, as spec-bench does)."""
+    stats = [t.spec for t in timings if t.spec]
+    drafted, accepted = sum(s["drafted"] for s in stats), sum(s["accepted"] for s in stats)
+    verifications = sum(s["steps"] for s in stats)
+    return {"ratio": round(row["throughput_tokens_per_s"] / plain["throughput_tokens_per_s"], 3) if plain else None,
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+            "mean_accepted_length": round((accepted + verifications) / verifications, 2) if verifications else 0.0,
+            "verifications": verifications,
+            # request-steps taken without drafting, where plain steps measured faster (`spec.pays`)
+            "plain_steps": sum(s["plain_steps"] for s in stats)}
 
 
 def mode_settings(name: str) -> dict | None:
@@ -297,11 +336,17 @@ def run_batch_bench(args) -> int:
     lengths = parse_output_lengths(args.output_lengths, args.requests, args.max_new_tokens, args.seed)
     targets = LatencyTargets(args.slo_ttft_ms, args.slo_tpot_ms)
     rows = load_prompts(args.prompts or DEFAULT_PROMPTS)  # a bad file fails before the model loads
+    if args.kinds:
+        kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
+        rows = [row for row in rows if row["kind"] in kinds]
+        if not rows:
+            raise ConfigError(f"no prompts of kind {', '.join(kinds)} in {args.prompts or DEFAULT_PROMPTS}.")
+    spec = SpecConfig(method=args.spec, k=args.spec_k) if args.spec else None  # checked before the model loads
     loaded = load_model(args.model, args.device, args.dtype)
     settings = {"arrival": args.arrival, "seed": args.seed, "prompts": str(args.prompts or DEFAULT_PROMPTS),
-                "output_lengths": args.output_lengths}
+                "kinds": args.kinds, "output_lengths": args.output_lengths}
     common = dict(kv_cache_tokens=args.kv_cache_tokens, compile=args.compile, peer_requests=args.peer_requests,
-                  settings=settings, targets=targets)
+                  settings=settings, targets=targets, spec=spec)
     model_dir = resolve_model_dir(args.model)
     if rates is None:
         report = batch_bench(loaded, model_dir, rows, offsets, lengths, modes, peers, args.max_num_seqs, **common,
@@ -338,10 +383,12 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
                 lengths: list[int], modes: list[str], peers: list[str], max_num_seqs: int,
                 kv_cache_tokens: int | None = None, compile: bool = False, peer_requests: int | None = None,
                 settings: dict | None = None, deadline: float = math.inf,
-                targets: LatencyTargets | None = None, json_path: str | None = None) -> dict:
+                targets: LatencyTargets | None = None, json_path: str | None = None,
+                spec: SpecConfig | None = None) -> dict:
     """Every row of one batch-bench run on a loaded model; prints each row as it is measured, and writes the report
     so far to `json_path` after each (a run stopped part-way keeps the rows it finished). A row not started by
-    `deadline` (time.perf_counter) is listed in `left_out`. `targets`: the latency targets goodput counts."""
+    `deadline` (time.perf_counter) is listed in `left_out`. `targets`: the latency targets goodput counts. `spec`:
+    each mode again with every request speculating (`speculative_rows`)."""
     tokenizing = Engine(loaded, EngineConfig(kv_mode="none"))  # holds no KV memory
     distinct = [tokenizing.prompt_ids(row["prompt"], row.get("system"), chat=row["kind"] != "completion")
                 for row in prompt_rows]
@@ -356,28 +403,38 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
     arguments = {**(settings or {}), "requests": len(prompts), "max_new_tokens": max(lengths), "modes": modes,
                  "peers": peers, "peer_requests": peer_count, "max_num_seqs": max_num_seqs,
                  "kv_cache_tokens": kv_cache_tokens, "compile": compile, "model": loaded.name,
+                 "spec": None if spec is None else {"method": spec.method, "k": spec.k},
                  "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
                  "slo_ttft_ms": targets.ttft_ms if targets else None,
                  "slo_tpot_ms": targets.tpot_ms if targets else None}
     report = {"arguments": arguments, "machine": machine, "arrivals_s": [round(s, 4) for s in offsets],
               "prompt_tokens": [len(ids) for ids in prompts], "output_lengths": lengths, "rows": [], "steps": {},
               "left_out": []}
+    if spec is not None:
+        report["speculation"] = {}
     print(format_header(report), flush=True)
-    # 1. Our modes: a fresh engine each (no prefix cache: batching alone is compared), one warm-up, the timed run.
-    for mode in modes:
+    # 1. Our modes: a fresh engine each (no prefix cache: batching alone is compared), one warm-up, the timed run;
+    # with `spec`, each mode again with every request speculating.
+    for name, mode, row_spec in speculative_rows(modes, spec):
         if time.perf_counter() > deadline:
-            report["left_out"].append(mode)
+            report["left_out"].append(name)
             continue
         engine = Engine(loaded, EngineConfig(kv_mode="paged", max_num_seqs=max_num_seqs, **mode_settings(mode),
                                              kv_cache_tokens=kv_cache_tokens, prefix_cache=False, compile=compile))
-        if engine.decoder is not None:  # every bucket's graph compiled (or recorded) before the timed run
-            for bucket in engine.decoder.buckets:
-                engine.decoder.warm_up(bucket)
-        run_engine(engine, *warmup)
+        if engine.decoder is not None:  # every bucket's graphs compiled (or recorded) before the timed run
+            engine.warm_up_compiled(tuple(engine.decoder.buckets), row_spec)
+        run_engine(engine, *warmup, None, row_spec)
         steps: list[StepReport] = []
-        report["rows"].append(summarize(mode, *run_engine(engine, prompts, offsets, lengths, steps), targets))
-        report["steps"][mode] = step_kinds(steps)
+        timings, batch_sizes = run_engine(engine, prompts, offsets, lengths, steps, row_spec)
+        report["rows"].append(summarize(name, timings, batch_sizes, targets))
+        report["steps"][name] = step_kinds(steps)
         print(format_row(report["rows"][-1]), flush=True)
+        if row_spec is not None:
+            plain = next((row for row in report["rows"] if row["name"] == mode), None)
+            report["speculation"][name] = entry = speculation_summary(report["rows"][-1], plain, timings)
+            print(f"{name}: {entry['ratio']}x {mode}'s throughput, acceptance {entry['acceptance_rate']}, "
+                  f"{entry['mean_accepted_length']} tokens a verification, {entry['plain_steps']} request-steps "
+                  "without drafting (plain steps measured faster)", flush=True)
         write_report(report, json_path, quiet=True)
         del engine  # its KV pool goes before the next one is made
     # 2. transformers: one model for both peers, a warm-up per row, the first `peer_count` requests.

@@ -30,6 +30,7 @@ class Timing:
     last_token: float = math.nan
     output_tokens: int = 0
     preemptions: int = 0
+    spec: dict | None = None  # a speculating request's statistics (`SpecStats.as_dict`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,9 @@ draft and so shows the cost of drafting with no gain), `medusa` and `eagle` (tra
 file of your own; --tree-width lists tree widths to verify, 1 being the chain). The JSON also keeps acceptance by
 draft position (for a tree: a position counts as accepted when any of its candidates is).
 
+Speculative runs draft at every step (`EngineConfig(speculate_when_it_pays=False)`): the bench measures what
+speculation itself costs and gains, which is what the engine's own choice (`spec.pays`) weighs at run time.
+
 With --compile both are compiled: plain decoding through the compiled decode step, each verification through the
 compiled query step (`engine.query_graph`), every package built before the first timed run; the JSON keeps the
 compile stats (steps by bucket, and the forwards that ran eager and why).
@@ -113,7 +116,10 @@ def run_spec_bench(args) -> int:
     if "draft" in sources:  # default: the target drafting for itself (every draft accepted, at the full cost)
         draft = load_model(args.draft_model, args.device, loaded.dtype_name) if args.draft_model else loaded
     compiled = bool(getattr(args, "compile", False))
-    engine = Engine(loaded, EngineConfig(kv_mode=args.kv, compile=compiled), draft_model=draft)
+    # Every speculative run drafts at every step: the bench measures speculation itself, setting by setting (an
+    # engine left to choose, `spec.pays`, would measure its rates across all of them).
+    engine = Engine(loaded, EngineConfig(kv_mode=args.kv, compile=compiled, speculate_when_it_pays=False),
+                    draft_model=draft)
     if getattr(args, "draft_heads", None):
         engine.load_draft_heads(next(s for s in sources if s in ("medusa", "eagle")), args.draft_heads)
     layer_counts = [int(n) for n in str(args.draft_layers or "").split(",") if n.strip()] or [None]

@@ -42,6 +42,7 @@ from inference_core.sampling import SamplingParams, sample_batch
 from inference_core.spec.decoding import (MAX_K, ChainDraft, DraftModelDrafter, EarlyExitDrafter, NgramDrafter,
                                           SpecConfig, draft_chain, finish_chain, next_k, tree_speculative_step)
 from inference_core.spec.draft_heads import DraftHeads, EagleDrafter, MedusaDrafter, find_heads, load_heads
+from inference_core.spec.pays import SpeculationPolicy
 from inference_core.structured import Grammars
 
 
@@ -109,6 +110,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache, config.batching, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.chunked_prefill, config.batch_window_ms, config.join_every)
         self.steps_taken = 0
+        self.speculation = SpeculationPolicy()  # whether a step's greedy speculating requests draft (`spec.pays`)
         self._grammars = None
         self.draft_model = draft_model
         self.draft_runner: ModelRunner | None = None  # the draft model's, built by its first request
@@ -435,10 +437,13 @@ class Engine:
     def _run_speculative(self, work: list[ScheduledWork], batch_size: int, finished: list[Request]) -> None:
         """The step's speculating requests: each drafts (`draft_chain`; a tree verifies in a forward of its own),
         then one forward verifies every chain, beside a plain token for each request that drafted nothing, and each
-        request keeps what the target accepted and rolls the rest back (`finish_chain`)."""
+        request keeps what the target accepted and rolls the rest back (`finish_chain`). Where plain steps measured
+        faster for a greedy group of this size (`spec.pays.SpeculationPolicy`), none drafts: one plain token each."""
         requests = [w.request for w in work if not w.request.finished]
         for request in requests:
             self._mark_scheduled(request)
+        plain_reason = self.speculation.plain_reason(len(requests)) if (
+            self.config.speculate_when_it_pays and requests and all(r.params.greedy for r in requests)) else None
         step_start = time.perf_counter()
         compiled_before = self._compile_seconds()  # a query step's first use compiles (or loads) its package
         steps: dict[int, list[tuple]] = {}  # by request index: the tokens of a tree's step
@@ -448,7 +453,10 @@ class Engine:
                 seq = request.seq
                 if request.drafter is None:
                     request.drafter = self._drafter(request.spec)
-                k = self._draft_room(request)
+                k = 0 if plain_reason else self._draft_room(request)
+                if plain_reason:
+                    request.spec_stats.plain_steps += 1
+                    request.spec_stats.plain_reason = plain_reason
                 if k > 0 and request.spec.tree_width > 1:
                     steps[index] = tree_speculative_step(
                         self.runner, seq, request.drafter, k, request.spec.tree_width, request.spec_stats,
@@ -471,6 +479,8 @@ class Engine:
             raise
         step_s = time.perf_counter() - step_start
         compile_s = self._compile_seconds() - compiled_before
+        if not compile_s:  # a step that compiled or loaded a package measures that, not the step
+            self.speculation.record(len(requests), plain_reason is None, sum(map(len, steps.values())), step_s)
         for index, request in enumerate(requests):
             tokens = steps[index]
             if request.spec.adaptive and tokens[0][1] is not None:  # a verification: its acceptance moves k

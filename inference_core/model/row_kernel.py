@@ -16,7 +16,12 @@ the step's 121 weight shapes, 67.9 against 58.1 GB/s for one stream at moments t
 80, +3% at moments it gives about 50; no thread waits for a slower one at the end);
 per input feature, 48 weights widened to fp32 (bf16 by a shift, int8 by a sign extension and a conversion) and one
 fused multiply-add per input row into fp32 accumulators, rounded to bf16 at the end (int8: after the scale). The sums
-are F.linear's (int8: `_weight_int8pack_mm`'s) in another order. Up to `MAX_ROWS` input rows share each pass.
+are F.linear's (int8: `_weight_int8pack_mm`'s) in another order. Up to `MAX_ROWS` input rows share one read of the
+weight from memory: rows past what one pass's registers hold (4 on AVX-512, 1 on AVX2, over two blocks) take turns
+with the first pass over runs of 64 input features, which they then find in L1 (`blocks_rows`). On the 2-vCPU Intel
+host the step's bf16 weights with 5 rows (a speculative chain of 4 drafts verified) then cost 1.3-1.5x one row, where
+a second pass over each block cost 1.7x; past about 10 rows ATen's bf16 matmul (oneDNN), flat at about 2.4x one row up
+to 16 rows there, is the faster (docs/benchmarks.md, "Compiled, each draft length").
 
 How many streams a thread walks (two, or four on AVX-512) and whether the loop asks for each stream's weights some
 bytes ahead (software prefetch) is the host's `tuning`, chosen by measurement once per machine (`measure_tuning`, kept
@@ -104,6 +109,7 @@ inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vset1(float a) { return _mm512_set1_ps(a); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
+inline vec vloadu(const float* p) { return _mm512_loadu_ps(p); }
 inline vec widen(const uint16_t* p) {  // 16 bf16 -> 16 fp32: a bf16 is the top half of an fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -122,6 +128,7 @@ inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vset1(float a) { return _mm256_set1_ps(a); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
+inline vec vloadu(const float* p) { return _mm256_loadu_ps(p); }
 inline vec widen(const uint16_t* p) {  // 8 bf16 -> 8 fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
@@ -130,6 +137,9 @@ inline vec widen(const int8_t* p) {  // 8 int8 -> 8 fp32
 }
 #endif
 constexpr int NV = BLOCK / LANES;  // vectors a block's row of 48 output features is
+// Input features a run of `blocks_rows` covers when several passes share the blocks: 64 rows of a block are 6 KB
+// (bf16), two streams' 12 KB, well inside L1.
+constexpr int64_t CARRY_RUN = 64;
 
 // The host's tuning (`row_kernel.tuning`, chosen by measurement once per machine) for each form of the loop (0: bf16
 // and int8 weights, 1: int4): streams from memory per thread for one row (2, or 4 where MAX_STREAMS allows), and how
@@ -141,14 +151,18 @@ std::atomic<int64_t> g_prefetch[2] = {0, 0};
 // R input rows against S blocks at once (S streams of the weight in flight per thread: at moments the host's memory
 // gives more, two streams read 91-96 GB/s where one read 66-79, measured on one 270 MB weight). T: the weight's
 // elements, bf16 (as uint16_t) or int8; `scales` (int8: one per output feature, applied to the sums; bf16: null).
+// Over input features [k0, k1): with `carry` (the rows' sums [S][R][BLOCK] between runs of k, when more rows than
+// one pass holds take turns over the blocks: `blocks_rows`) the sums start from it after the first run and go back to
+// it before the last; the last run (k1 = K) writes the output.
 template <int R, int S, bool PF, typename T>
-void block_rows(const float* x, int64_t K, const T* const* w, const float* scales, at::BFloat16* out, int64_t N,
-                const int64_t* n0, int64_t pf) {
+void block_rows(const float* x, int64_t K, int64_t k0, int64_t k1, const T* const* w, const float* scales,
+                at::BFloat16* out, int64_t N, const int64_t* n0, int64_t pf, float* carry) {
   vec acc[S][R][NV];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NV; ++j) acc[s][r][j] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
+      for (int j = 0; j < NV; ++j)
+        acc[s][r][j] = carry && k0 ? vloadu(carry + (s * R + r) * BLOCK + LANES * j) : vzero();
+  for (int64_t k = k0; k < k1; ++k) {
     vec a[R];
     for (int r = 0; r < R; ++r) a[r] = vset1(x[r * K + k]);
     for (int s = 0; s < S; ++s) {
@@ -162,6 +176,12 @@ void block_rows(const float* x, int64_t K, const T* const* w, const float* scale
         for (int r = 0; r < R; ++r) acc[s][r][j] = vfma(a[r], wj, acc[s][r][j]);
       }
     }
+  }
+  if (carry && k1 < K) {
+    for (int s = 0; s < S; ++s)
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NV; ++j) vstore(carry + (s * R + r) * BLOCK + LANES * j, acc[s][r][j]);
+    return;
   }
   for (int s = 0; s < S; ++s) {
     const int64_t cols = std::min<int64_t>(BLOCK, N - n0[s]);
@@ -196,9 +216,29 @@ template <int S, typename T>
 void blocks_rows(const float* x, int64_t M, int64_t K, const T* const* w, const float* scales, at::BFloat16* out,
                  int64_t N, const int64_t* n0, int64_t pf) {
   constexpr int ROWS = S == 4 ? ROWS_FOUR : S == 2 ? ROWS_TWO : ROWS_ONE;
-  row_passes<ROWS>(M, pf, [&](int64_t m, auto rows, auto prefetch) {
-    block_rows<decltype(rows)::value, S, decltype(prefetch)::value>(x + m * K, K, w, scales, out + m * N, N, n0, pf);
-  });
+  if (M <= ROWS) {
+    row_passes<ROWS>(M, pf, [&](int64_t m, auto rows, auto prefetch) {
+      block_rows<decltype(rows)::value, S, decltype(prefetch)::value>(x + m * K, K, 0, K, w, scales, out + m * N, N,
+                                                                      n0, pf, nullptr);
+    });
+    return;
+  }
+  // More rows than a pass's registers hold: the passes take turns over runs of CARRY_RUN input features, so that
+  // the blocks come from memory once (the first pass's; the others find the run in L1) instead of once a pass. Each
+  // sum still runs over k in order, carried in fp32 between runs: the same bits as whole passes (what it saves: the
+  // module docstring).
+  std::vector<float> carry(M * S * BLOCK);
+  for (int64_t k0 = 0; k0 < K; k0 += CARRY_RUN) {
+    const int64_t k1 = std::min(K, k0 + CARRY_RUN);
+    row_passes<ROWS>(M, pf, [&](int64_t m, auto rows, auto prefetch) {
+      constexpr int R = decltype(rows)::value;
+      float* sums = carry.data() + m * S * BLOCK;
+      if (m == 0)  // the run's first pass reads it from memory: it alone asks for what comes next
+        block_rows<R, S, decltype(prefetch)::value>(x + m * K, K, k0, k1, w, scales, out + m * N, N, n0, pf, sums);
+      else
+        block_rows<R, S, false>(x + m * K, K, k0, k1, w, scales, out + m * N, N, n0, pf, sums);
+    });
+  }
 }
 
 // Walks a weight's blocks over the threads: `run(S, b)` computes every row against blocks b[0..S) (S streams of the

@@ -256,6 +256,10 @@ class SpecStats:
     accepted: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    # Steps this request took plain because plain steps measured faster for its batch (`spec.pays`), and the last
+    # reason given.
+    plain_steps: int = 0
+    plain_reason: str | None = None
     accepted_by_position: list[int] = field(default_factory=list)  # drafts accepted at position i (0-based)
     drafted_by_position: list[int] = field(default_factory=list)  # drafts proposed at position i
 
@@ -289,6 +293,7 @@ class SpecStats:
             "accepted_by_position": list(self.accepted_by_position),
             "drafted_by_position": list(self.drafted_by_position),
             "draft_ms": self.draft_ms, "verify_ms": self.verify_ms,
+            "plain_steps": self.plain_steps, "plain_reason": self.plain_reason,
         }
 
 

@@ -116,7 +116,8 @@ def test_speculating_requests_verify_together_in_one_compiled_step(tiny, compile
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     prompts = repeating_prompts()[:2]
     want = [eager.complete(ids, params).token_ids for ids in prompts]
-    engine = Engine(tiny, EngineConfig(**dict(SETTINGS, max_num_seqs=2), compile=True))
+    # Every step drafts (the engine left to choose could take plain steps at batch 2: `spec.pays`).
+    engine = Engine(tiny, EngineConfig(**dict(SETTINGS, max_num_seqs=2), compile=True, speculate_when_it_pays=False))
     engine.warm_up_compiled((1, 2), LOOKUP)
     requests = [engine.submit(ids, params, spec=LOOKUP) for ids in prompts]
     while engine.has_work():

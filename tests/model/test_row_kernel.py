@@ -23,7 +23,7 @@ from inference_core.quant.linear import QuantLinear, round_int4
 needs_int4_form = pytest.mark.skipif(not row_kernel.int4_capable(), reason="the int4 form needs AVX-512 with BF16")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 40), (577, 576), (7, 1536)])
 def test_the_op_equals_an_fp32_matmul_rounded_to_bf16(our_ops, rows, out_features, in_features):
     """Every row count it takes, output features that fill no whole block of 48, any input width: the fp32 sums of
@@ -39,7 +39,7 @@ def test_the_op_equals_an_fp32_matmul_rounded_to_bf16(our_ops, rows, out_feature
     assert torch.allclose(got.float(), F.linear(x, weight).float(), rtol=2 ** -7, atol=1e-4 * in_features ** 0.5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8])
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (577, 576), (7, 1536)])
 def test_the_int8_op_equals_an_fp32_matmul_of_the_dequantized_weight(our_ops, rows, out_features, in_features):
     """int8 weights, a scale per output feature (QuantLinear's int8 scheme, its bf16 scales): the fp32 sums of x q

@@ -307,3 +307,17 @@ def test_header_names_the_model_and_cached_blocks_keep_their_text_private(pool):
                    {"id": 1, "ref_count": 0, "num_filled": 0, "owners": [], "state": "free", "token_ids": []}]}
     page = render_pool(snapshot, lambda ids: "secret", "pool")
     assert "secret" not in page and "9, 8, 7, 6" not in page and "may be another visitor" in page
+
+
+def test_a_note_says_when_the_engine_stopped_drafting_and_why(pool):
+    """A lane whose engine took steps without drafting (`spec.pays`: plain steps measured faster at its batch size)
+    says how many and the engine's reason."""
+    settings = LaneSettings("paged", spec_method="eagle", spec_k=3)
+    lane = _finished(pool, "A", settings, tokens=30, spec_steps=[(3, 1)] * 4)
+    lane.stats.spec.update(plain_steps=22, plain_reason="at batch 1 plain steps produce 80.0 tokens/s, "
+                           "speculative ones 60.0 (the median of their last 8 steps each)")
+    plain = _finished(pool, "B", LaneSettings("paged"))
+    notes = dict(re.findall(r'data-note="([\w-]+)">(.*?)</li>', summary_notes_html([lane, plain])))
+    assert notes["speculation-off"].startswith("Lane A drafted in 4 of its steps and took 22 without drafting, "
+                                               "because at batch 1 plain steps produce 80.0 tokens/s")
+    assert 'data-note="speculation-off"' not in summary_notes_html([plain, plain])

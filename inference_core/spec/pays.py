@@ -1,0 +1,64 @@
+"""Speculation where it pays: whether a step's speculating requests draft, from what the engine measured.
+
+A verification forwards k + 1 tokens for each speculating request where a plain step forwards one. At batch 1 on a
+CPU that costs little more than a plain step (the weights are read once either way), but as the batch grows the
+forward turns compute-bound, and a verification then costs about what its tokens cost: speculation gives back less
+than it spends (vLLM turns it off above a batch size it is told, `disable_by_batch_size`). Here the engine measures
+instead of being told. For each size of the group of speculating requests it keeps the rate of its last
+`SAMPLES` steps of each kind, tokens produced over the step's wall time (drafting, verification and rollback
+included for a speculative step), and a group drafts in a step unless its plain steps' median rate is higher than its
+speculative steps'. A kind not yet measured at that size runs first (speculation before plain steps, as the user
+asked for it), and the losing kind runs again every `EXPLORE_EVERY` steps, so that a batch whose prompts or lengths
+change can win back what it lost. Steps that compiled or loaded a package are not measured.
+
+Only groups of at least `MIN_BATCH` greedy requests are decided so. Greedy speculation yields exactly plain greedy's
+tokens, so the choice changes speed alone; a group with a sampling request always drafts, so that its seeded draws
+stay the same from run to run, whatever the host's timings. A lone request drafts as it asked: at batch 1 a
+verification costs about a plain step on a CPU, and what speculation gains or loses there is what the playground's
+race shows (with a note where few drafts are accepted).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+SAMPLES = 8  # the steps of one kind and batch size whose median rate is that kind's rate
+EXPLORE_EVERY = 32  # a decided batch size runs the losing kind once in this many steps
+MIN_BATCH = 2  # the fewest speculating requests in a step whose drafting is decided by measurement
+
+
+class SpeculationPolicy:
+    """Measured token rates of plain and speculative steps by the size of the speculating group (`record`), and the
+    choice between them (`plain_reason`)."""
+
+    def __init__(self) -> None:
+        self._rates: dict[tuple[int, bool], deque[float]] = {}
+        self._decided_steps: dict[int, int] = {}
+
+    def rate(self, batch: int, speculative: bool) -> float | None:
+        """Tokens per second of `batch` requests' recent steps of one kind (the median over them; None before any)."""
+        rates = self._rates.get((batch, speculative))
+        return statistics.median(rates) if rates else None
+
+    def record(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """One step of `batch` speculating requests: whether they drafted, the tokens it produced and its wall time."""
+        if seconds > 0:
+            self._rates.setdefault((batch, speculative), deque(maxlen=SAMPLES)).append(tokens / seconds)
+
+    def plain_reason(self, batch: int) -> str | None:
+        """Why `batch` greedy speculating requests take a plain step this time (None: they draft)."""
+        drafting, plain = self.rate(batch, True), self.rate(batch, False)
+        if batch < MIN_BATCH or drafting is None:
+            return None  # speculation, as asked, until it is measured
+        step = self._decided_steps[batch] = self._decided_steps.get(batch, 0) + 1
+        if plain is None:
+            return (f"measuring plain steps at batch {batch} against speculative ones ({drafting:.1f} tokens/s so "
+                    f"far)")
+        explore = step % EXPLORE_EVERY == 0  # the losing kind once in a while: what it measured may be stale
+        if plain > drafting and not explore:
+            return (f"at batch {batch} plain steps produce {plain:.1f} tokens/s, speculative ones {drafting:.1f} "
+                    f"(the median of their last {SAMPLES} steps each)")
+        if plain <= drafting and explore:
+            return f"measuring plain steps at batch {batch} again (speculative ones lead: {drafting:.1f} tokens/s)"
+        return None

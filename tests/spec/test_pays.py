@@ -1,0 +1,74 @@
+"""Speculation where it pays (`spec.pays`): the choice from measured rates, and the engine following it."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference_core import Engine, EngineConfig, SamplingParams
+from inference_core.spec.decoding import SpecConfig
+from inference_core.spec.pays import EXPLORE_EVERY, SAMPLES, SpeculationPolicy
+
+from conftest import assert_nothing_held
+from tiny_models import build_tiny, run_to_end
+
+
+def test_speculation_runs_first_then_plain_steps_are_measured_then_the_faster_kind_wins():
+    policy = SpeculationPolicy()
+    assert policy.plain_reason(4) is None  # nothing measured: speculate, as asked
+    policy.record(4, True, tokens=8, seconds=0.1)  # 80 tokens/s speculating
+    assert "measuring plain steps at batch 4" in policy.plain_reason(4)
+    policy.record(4, False, tokens=4, seconds=0.02)  # 200 tokens/s plain
+    reasons = [policy.plain_reason(4) for _ in range(2 * EXPLORE_EVERY)]
+    assert reasons[0].startswith("at batch 4 plain steps produce 200.0 tokens/s, speculative ones 80.0")
+    # The losing kind (speculation) once in EXPLORE_EVERY steps, so a stale measurement can be won back.
+    assert sum(reason is None for reason in reasons) == 2
+    assert policy.plain_reason(2) is None  # another batch size is measured on its own
+    policy.record(1, True, tokens=1, seconds=1.0)
+    policy.record(1, False, tokens=1, seconds=0.001)
+    assert policy.plain_reason(1) is None  # a lone request drafts as it asked
+
+
+def test_a_rate_is_the_median_of_the_last_steps():
+    policy = SpeculationPolicy()
+    for seconds in [1.0] * SAMPLES + [0.01]:  # one quick outlier does not move the median
+        policy.record(1, False, tokens=10, seconds=seconds)
+    assert policy.rate(1, False) == 10.0
+    policy.record(1, True, tokens=5, seconds=0.0)  # a zero-length step measures nothing
+    assert policy.rate(1, True) is None
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("target"), seed=0, initializer_range=0.3)
+
+
+def test_greedy_requests_take_plain_steps_where_those_measured_faster_and_keep_their_tokens(tiny):
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=2, max_num_seqs=4))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    spec = SpecConfig("ngram", k=3, ngram_min=1)
+    prompts = [[3 + (i * 5 + j * 3) % 13 for j in range(6 + i)] * 2 for i in range(2)]
+    want = [engine.complete(ids, params).token_ids for ids in prompts]
+    engine.speculation.record(2, True, tokens=2, seconds=1.0)  # as if speculating at batch 2 were slow
+    engine.speculation.record(2, False, tokens=2, seconds=0.001)
+    requests = [engine.submit(ids, params, spec=spec) for ids in prompts]
+    run_to_end(engine)
+    assert [request.events[-1].token_ids for request in requests] == want
+    stats = [request.events[-1].stats.spec for request in requests]
+    assert all(s["plain_steps"] > 0 and "plain steps produce" in s["plain_reason"] for s in stats)
+    assert_nothing_held(engine)
+
+
+def test_sampling_requests_always_draft_and_the_switch_turns_the_choice_off(tiny):
+    spec = SpecConfig("ngram", k=3, ngram_min=1)
+    prompts = [[3, 5, 7, 3, 5, 7, 3, 5, 7, 3, 5], [4, 6, 8, 4, 6, 8, 4, 6, 8, 4, 6]]
+    for config, params in [(EngineConfig(kv_mode="paged"), SamplingParams(max_new_tokens=16, temperature=0.8,
+                                                                           seed=1, ignore_eos=True)),
+                           (EngineConfig(kv_mode="paged", speculate_when_it_pays=False),
+                            SamplingParams(max_new_tokens=16, ignore_eos=True))]:
+        engine = Engine(tiny, config)
+        engine.speculation.record(2, True, tokens=2, seconds=1.0)
+        engine.speculation.record(2, False, tokens=2, seconds=0.001)
+        requests = [engine.submit(prompt, params, spec=spec) for prompt in prompts]
+        run_to_end(engine)
+        assert [request.events[-1].stats.spec["plain_steps"] for request in requests] == [0, 0]
+        assert all(request.events[-1].stats.spec["drafted"] > 0 for request in requests)

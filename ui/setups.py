@@ -55,6 +55,17 @@ RACE_SETUPS = {
         "and 4 drafts) run through a compiled step of their own, so speculation adds to compilation instead of "
         "falling back to the eager forward. The first time, lane A builds that step before the race starts (a few "
         "minutes on a 2-core CPU); on this prompt it then emits about four tokens a verification."),
+    "compiled vs compiled + EAGLE (k=1), chat prompt": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged", compile=True, spec_method="eagle", spec_k=1),
+         "B": LaneSettings(kv_mode="paged", compile=True)},
+        "chat-med-3",
+        "Both lanes decode compiled; lane A also drafts a token each step with the trained EAGLE layer and verifies it "
+        "beside the step's last token through a compiled step of its own, which also returns the hidden states the "
+        "layer reads for its next draft. One draft a step is the length that measured best for these heads on a "
+        "2-core CPU, and there it still ran at about 0.9x compiled plain decoding on chat prompts: the layer's first "
+        "draft is accepted about 4 times in 10, and the draft itself runs eagerly (docs/benchmarks.md). The first "
+        "time, lane A builds its step before the race starts. The texts match, except where the top two tokens were "
+        "near-tied (a two-row verification sums in another order than a one-row step)."),
     "speculation: early exit vs prompt lookup, grounded prompt": RaceSetup(
         {"A": LaneSettings(kv_mode="paged", spec_method="early-exit", spec_k=4),
          "B": LaneSettings(kv_mode="paged", spec_method="ngram", spec_k=5)},

@@ -291,7 +291,8 @@ class CompiledDecoder:
         model.rope_tables(model.embed_tokens.weight.dtype)  # built now: a graph traced before would be rebuilt after
         self.step = DecodeGraph(model, self.paged, self.block_size, opaque_attention=self.backend == "torch.compile",
                                 our_attention="attention_kernel" in self.options).eval()
-        self.query_step = QueryGraph(model, self.paged, self.block_size).eval()  # several tokens a sequence
+        self.query_step = QueryGraph(model, self.paged, self.block_size,  # several tokens a sequence
+                                     our_attention="attention_kernel" in self.options).eval()
         # Inductor options are applied as a config patch around each call, not through torch.compile(options=...):
         # freezing (weights as constants, prepacked for oneDNN) is decided outside what `options` patches, and
         # measured no faster than no freezing when passed that way.

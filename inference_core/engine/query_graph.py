@@ -13,8 +13,10 @@ query bucket). As in the decode step, the KV pool is read and never written insi
 - the graph returns every query's fp32 logits and final-normed hidden state, and every layer's new k and v, which
   the decoder writes into the pool for the real queries after the call.
 
-Attention is written with matmuls in fp32 over the context cast once per layer, for inductor to compile; the eager
-forward (`model.llama`) is the reference it is tested against.
+Attention over a bf16 paged pool runs through our CPU kernel (`model.attention_kernel`, its queries op: each cached
+key read once for all of a sequence's queries) where `our_attention` asks for it and it takes the layer; otherwise it
+is written with matmuls in fp32 over the context cast once per layer, for inductor to compile. The eager forward
+(`model.llama`) is the reference both are tested against.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_core.model import attention_kernel
 from inference_core.model.llama import CausalLM
 
 # The most new tokens a sequence forwards through the graph: the last token and the longest chain
@@ -35,11 +38,12 @@ class QueryGraph(nn.Module):
     """T new tokens for each of B sequences whose earlier tokens are in the KV cache, as a pure function of its inputs
     (see the module docstring). `paged` selects how the pool is read."""
 
-    def __init__(self, model: CausalLM, paged: bool, block_size: int):
+    def __init__(self, model: CausalLM, paged: bool, block_size: int, our_attention: bool = False):
         super().__init__()
         self.model = model
         self.paged = paged
         self.block_size = block_size
+        self.our_attention = our_attention  # our CPU kernel where it takes a layer (`model.attention_kernel`)
 
     def width_dims(self) -> dict[int, int]:
         """The dimension of each input that is the key width (dynamic in a package): the block table's (paged) and
@@ -55,9 +59,12 @@ class QueryGraph(nn.Module):
         width = key_mask.shape[2]
 
         def attend(index, attn, q, k, v):  # q: [B * T, heads, d]; k, v: [B * T, kv_heads, d]
+            q, k, v = (x.view(batch, queries, *x.shape[1:]) for x in (q, k, v))
+            if self.paged and self.our_attention and attention_kernel.takes(q[:, 0], k[:, 0], k_pool):
+                return attention_kernel.attend_queries(q, k, v, k_pool[index], v_pool[index], read_index, key_mask,
+                                                       new_mask, attn.scale)
             k_ctx, v_ctx = read_context(k_pool[index], v_pool[index], read_index, width, self.paged)
-            return attend_queries(q.view(batch, queries, *q.shape[1:]), k.view(batch, queries, *k.shape[1:]),
-                                  v.view(batch, queries, *v.shape[1:]), k_ctx, v_ctx, key_mask, new_mask, attn.scale)
+            return attend_queries(q, k, v, k_ctx, v_ctx, key_mask, new_mask, attn.scale)
 
         x, new_k, new_v = forward_layers(self.model, input_ids.reshape(-1), positions.reshape(-1), attend)
         hidden = self.model.norm.forward(x)

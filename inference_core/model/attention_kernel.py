@@ -88,7 +88,22 @@ inline vec exp_neg(vec x) {
 }
 
 constexpr int MAXG = 8;
+constexpr int MAXQ = 64;  // new tokens a sequence the op takes (query_graph.MAX_QUERIES and more)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+constexpr int VREGS = 32;
+inline vec keep_seen(vec e, vec s) {  // e where s is a score (not -inf, a key the query does not see), else 0
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, vset1(NEG_INF), _CMP_NEQ_OQ), e);
+}
+#else
+constexpr int VREGS = 16;
+inline vec keep_seen(vec e, vec s) { return _mm256_and_ps(e, _mm256_cmp_ps(s, vset1(NEG_INF), _CMP_NEQ_OQ)); }
+#endif
+
+// Query rows a KV head's loops hold in registers at once, each C vectors: as many as leave room for a key's C vectors
+// and a few more (the bundled model's 3 heads a KV head, head_dim 64 on AVX-512: one pass for a decode).
+template <int C>
+constexpr int rows_at_once() { return std::max(1, std::min(MAXG, (VREGS - C - 4) / C)); }
 
 // Software prefetch of one block of the pool into L2: the block table sends each block's read to an address the
 // hardware prefetcher cannot guess, so the thread asks for its keys' and values' blocks PREFETCH_BLOCKS ahead of the
@@ -99,18 +114,23 @@ inline void prefetch_block(const uint16_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
-// One sequence's cached keys in the blocks [b0, b1) for every KV head: for each query head h*G+g, part = {max, sum,
-// acc[D]}, the maximum score, the sum of exp(score - max) and the sum of exp(score - max) * value. Each block (BS
-// positions of every KV head, one contiguous run) is read once for all heads.
+// One sequence's T queries against its cached keys in the blocks [b0, b1) for every KV head. q: [T, H, D]; mask:
+// [T, W], which cached keys each query sees. A KV head h has R = T * G query rows, r = t * G + g for query t's head
+// h * G + g; for each, part[(h * R + r) * (D + 2) ...] = {max, sum, acc[D]}: the maximum score, the sum of
+// exp(score - max) and the sum of exp(score - max) * value. Each block (BS positions of every KV head, one contiguous
+// run) is read from memory once for all heads and queries.
 template <int D>
-void attend_range(const float* q, int64_t KVH, int64_t G, const uint16_t* kp, const uint16_t* vp, int64_t BS,
-                  const int32_t* table, const bool* mask, int64_t W, int64_t b0, int64_t b1, float scale, float* part,
-                  std::vector<float>& scores) {
-  constexpr int C = D / LANES;
-  const int64_t H = KVH * G, j0 = b0 * BS, j1 = std::min(W, b1 * BS), n = std::max<int64_t>(0, j1 - j0);
+void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const uint16_t* kp, const uint16_t* vp,
+                  int64_t BS, const int32_t* table, const bool* mask, int64_t W, int64_t b0, int64_t b1, float scale,
+                  float* part, std::vector<float>& scores, std::vector<char>& seen) {
+  constexpr int C = D / LANES, CH = rows_at_once<C>();
+  const int64_t H = KVH * G, R = T * G, j0 = b0 * BS, j1 = std::min(W, b1 * BS), n = std::max<int64_t>(0, j1 - j0);
   const int64_t row = KVH * D, block_stride = BS * row, block_bytes = block_stride * 2;
-  scores.resize(std::max<int64_t>(1, H * n));
-  std::vector<float> mx(H, NEG_INF);
+  scores.resize(std::max<int64_t>(1, KVH * R * n));
+  seen.assign(std::max<int64_t>(1, n), 0);  // whether any of the queries sees cached key j0 + i
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < n; ++i) seen[i] |= mask[t * W + j0 + i];
+  std::vector<float> mx(KVH * R, NEG_INF);
   auto prefetch = [&](int64_t b) {
     if (b < b1) {
       prefetch_block(kp + table[b] * block_stride, block_bytes);
@@ -123,39 +143,54 @@ void attend_range(const float* q, int64_t KVH, int64_t G, const uint16_t* kp, co
     prefetch(b + PREFETCH_BLOCKS);
     const int64_t jb = b * BS, je = std::min(j1, jb + BS);
     for (int64_t h = 0; h < KVH; ++h) {
-      vec qv[MAXG][C];
-      for (int64_t g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) qv[g][c] = vmul(vload(q + (h * G + g) * D + LANES * c), vset1(scale));
-      for (int64_t j = jb; j < je; ++j) {
-        float* s = scores.data() + h * G * n + (j - j0);
-        if (!mask[j]) {
-          for (int64_t g = 0; g < G; ++g) s[g * n] = NEG_INF;
-          continue;
+      for (int64_t r0 = 0; r0 < R; r0 += CH) {
+        const int64_t rows = std::min<int64_t>(CH, R - r0);
+        vec qv[CH][C];
+        const bool* sees[CH];
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t t = (r0 + i) / G, g = (r0 + i) % G;
+          sees[i] = mask + t * W;
+          for (int c = 0; c < C; ++c) qv[i][c] = vmul(vload(q + (t * H + h * G + g) * D + LANES * c), vset1(scale));
         }
-        const uint16_t* k = kb + (j - jb) * row + h * D;
-        vec kv[C];
-        for (int c = 0; c < C; ++c) kv[c] = widen(k + LANES * c);
-        for (int64_t g = 0; g < G; ++g) {
-          vec a = vmul(qv[g][0], kv[0]);
-          for (int c = 1; c < C; ++c) a = vfma(qv[g][c], kv[c], a);
-          s[g * n] = vsum(a);
-          mx[h * G + g] = std::max(mx[h * G + g], s[g * n]);
+        for (int64_t j = jb; j < je; ++j) {
+          float* s = scores.data() + (h * R + r0) * n + (j - j0);
+          if (!seen[j - j0]) {
+            for (int64_t i = 0; i < rows; ++i) s[i * n] = NEG_INF;
+            continue;
+          }
+          const uint16_t* k = kb + (j - jb) * row + h * D;
+          vec kv[C];
+          for (int c = 0; c < C; ++c) kv[c] = widen(k + LANES * c);
+          for (int64_t i = 0; i < rows; ++i) {
+            if (!sees[i][j]) {
+              s[i * n] = NEG_INF;
+              continue;
+            }
+            vec a = vmul(qv[i][0], kv[0]);
+            for (int c = 1; c < C; ++c) a = vfma(qv[i][c], kv[c], a);
+            s[i * n] = vsum(a);
+            mx[h * R + r0 + i] = std::max(mx[h * R + r0 + i], s[i * n]);
+          }
         }
       }
     }
   }
-  for (int64_t hg = 0; hg < H; ++hg) {  // 2. their exponentials and sums, a vector at a time
-    float* s = scores.data() + hg * n;
-    float* out = part + hg * (D + 2);
-    out[0] = mx[hg];
+  for (int64_t hr = 0; hr < KVH * R; ++hr) {  // 2. their exponentials and sums, a vector at a time
+    float* s = scores.data() + hr * n;
+    float* out = part + hr * (D + 2);
+    out[0] = mx[hr];
     out[1] = 0.f;
     std::fill(out + 2, out + 2 + D, 0.f);
-    if (mx[hg] == NEG_INF) continue;  // nothing cached in this range
-    const vec m = vset1(mx[hg]);
+    if (mx[hr] == NEG_INF) {  // nothing this query sees in this range: no weight for any value
+      std::fill(s, s + n, 0.f);
+      continue;
+    }
+    const vec m = vset1(mx[hr]);
     vec sum = vzero();
     for (int64_t j = 0; j < n; j += LANES) {
       const int64_t count = std::min<int64_t>(LANES, n - j);
-      const vec e = keep_first(exp_neg(vsub(load_first(s + j, count), m)), count);
+      const vec x = load_first(s + j, count);
+      const vec e = keep_first(keep_seen(exp_neg(vsub(x, m)), x), count);
       store_first(s + j, e, count);
       sum = vadd(sum, e);
     }
@@ -165,21 +200,25 @@ void attend_range(const float* q, int64_t KVH, int64_t G, const uint16_t* kp, co
     const uint16_t* vb = vp + table[b] * block_stride;
     const int64_t jb = b * BS, je = std::min(j1, jb + BS);
     for (int64_t h = 0; h < KVH; ++h) {
-      vec acc[MAXG][C];
-      for (int64_t g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) acc[g][c] = vload(part + (h * G + g) * (D + 2) + 2 + LANES * c);
-      for (int64_t j = jb; j < je; ++j) {
-        if (!mask[j]) continue;
-        const uint16_t* v = vb + (j - jb) * row + h * D;
-        vec vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = widen(v + LANES * c);
-        for (int64_t g = 0; g < G; ++g) {
-          const vec p = vset1(scores[(h * G + g) * n + (j - j0)]);
-          for (int c = 0; c < C; ++c) acc[g][c] = vfma(p, vv[c], acc[g][c]);
+      for (int64_t r0 = 0; r0 < R; r0 += CH) {
+        const int64_t rows = std::min<int64_t>(CH, R - r0);
+        float* acc_at = part + (h * R + r0) * (D + 2) + 2;
+        vec acc[CH][C];
+        for (int64_t i = 0; i < rows; ++i)
+          for (int c = 0; c < C; ++c) acc[i][c] = vload(acc_at + i * (D + 2) + LANES * c);
+        for (int64_t j = jb; j < je; ++j) {
+          if (!seen[j - j0]) continue;
+          const uint16_t* v = vb + (j - jb) * row + h * D;
+          vec vv[C];
+          for (int c = 0; c < C; ++c) vv[c] = widen(v + LANES * c);
+          for (int64_t i = 0; i < rows; ++i) {
+            const vec p = vset1(scores[(h * R + r0 + i) * n + (j - j0)]);
+            for (int c = 0; c < C; ++c) acc[i][c] = vfma(p, vv[c], acc[i][c]);
+          }
         }
+        for (int64_t i = 0; i < rows; ++i)
+          for (int c = 0; c < C; ++c) vstoreu(acc_at + i * (D + 2) + LANES * c, acc[i][c]);
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) vstoreu(part + (h * G + g) * (D + 2) + 2 + LANES * c, acc[g][c]);
     }
   }
 }
@@ -197,76 +236,142 @@ inline void to_floats(const at::Tensor& t, float* out) {
   }
 }
 
-// q [B, H, D], k, v [B, KVH, D] (the step's own keys), k_pool, v_pool [blocks, BS, KVH, D] bf16 (one layer's),
-// table [B, blocks] int32, key_mask [B, keys] bool. Returns fp32 [B, KVH, H / KVH, D].
+template <int D>
+inline float dot(const float* a, const float* b) {
+  vec s = vmul(vload(a), vload(b));
+  for (int c = 1; c < D / LANES; ++c) s = vfma(vload(a + LANES * c), vload(b + LANES * c), s);
+  return vsum(s);
+}
+
+template <int D>
+inline void add_scaled(float* out, float w, const float* x) {  // out += w * x
+  for (int c = 0; c < D / LANES; ++c) vstoreu(out + LANES * c, vfma(vset1(w), vload(x + LANES * c), vload(out + LANES * c)));
+}
+
+// B sequences of T new tokens each: q [B, T, H, D], k, v [B, T, KVH, D] (the new tokens' keys, not in the pool),
+// k_pool, v_pool [blocks, BS, KVH, D] bf16 (one layer's), table [B, blocks] int32, key_mask [B, T, keys] bool (the
+// cached keys each query sees), new_mask [B, T, T] bool (the new keys each query sees; null: its own alone). Returns
+// fp32 of `sizes`, laid out [B, T, H, D].
 template <int D>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
-                  const at::Tensor& v_pool, const at::Tensor& table, const at::Tensor& key_mask, double scale) {
-  const int64_t B = k.size(0), KVH = k.size(1), H = q.size(1), G = H / KVH, BS = k_pool.size(1), W = key_mask.size(1);
+                  const at::Tensor& v_pool, const at::Tensor& table, const at::Tensor& key_mask, const bool* new_mask,
+                  int64_t B, int64_t T, double scale, at::IntArrayRef sizes) {
+  const int64_t KVH = k_pool.size(2), H = q.numel() / (B * T * D), G = H / KVH, R = T * G, BS = k_pool.size(1);
+  const int64_t W = key_mask.size(-1);
   // q, k and v in fp32, in one buffer (no ATen op in the kernel: each would cost a dispatch a layer).
-  std::vector<float> buffer((B * H + 2 * B * KVH) * D);
+  std::vector<float> buffer((B * T * H + 2 * B * T * KVH) * D);
   float* qf = buffer.data();
-  float* kf = qf + B * H * D;
-  float* vf = kf + B * KVH * D;
+  float* kf = qf + B * T * H * D;
+  float* vf = kf + B * T * KVH * D;
   to_floats(q, qf);
   to_floats(k, kf);
   to_floats(v, vf);
   const auto tc = table.contiguous();
   const auto mc = key_mask.contiguous();
-  const int64_t blocks = (W + BS - 1) / BS, T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
-  std::vector<float> parts(B * T * H * (D + 2));
+  const int64_t blocks = (W + BS - 1) / BS, NT = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  const int64_t part_size = KVH * R * (D + 2);
+  std::vector<float> parts(B * NT * part_size);
   const auto* kp = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
-  at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {  // each (sequence, range of key blocks)
+  at::parallel_for(0, B * NT, 1, [&](int64_t begin, int64_t end) {  // each (sequence, range of key blocks)
     std::vector<float> scores;
+    std::vector<char> seen;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / T, t = item % T;
-      attend_range<D>(qf + b * H * D, KVH, G, kp, vp, BS, tc.data_ptr<int32_t>() + b * tc.size(1),
-                      mc.data_ptr<bool>() + b * W, W, blocks * t / T, blocks * (t + 1) / T, (float)scale,
-                      parts.data() + item * H * (D + 2), scores);
+      const int64_t b = item / NT, t = item % NT;
+      attend_range<D>(qf + b * T * H * D, T, KVH, G, kp, vp, BS, tc.data_ptr<int32_t>() + b * tc.size(1),
+                      mc.data_ptr<bool>() + b * T * W, W, blocks * t / NT, blocks * (t + 1) / NT, (float)scale,
+                      parts.data() + item * part_size, scores, seen);
     }
   });
-  auto out = at::empty({B, KVH, G, D}, q.options().dtype(at::kFloat));
+  auto out = at::empty(sizes, q.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {  // the ranges' partial softmaxes and the own key, in fp32
-    for (int64_t hg = 0; hg < H; ++hg) {
-      const float* qh = qf + (b * H + hg) * D;
-      const float* kh = kf + (b * KVH + hg / G) * D;
-      const float* vh = vf + (b * KVH + hg / G) * D;
-      float own = 0.f;
-      for (int d = 0; d < D; ++d) own += qh[d] * kh[d];
-      own *= (float)scale;
-      float m = own;
-      for (int64_t t = 0; t < T; ++t) m = std::max(m, parts[((b * T + t) * H + hg) * (D + 2)]);
-      float total = std::exp(own - m);
-      float* oh = o + (b * H + hg) * D;
-      for (int d = 0; d < D; ++d) oh[d] = total * vh[d];
-      for (int64_t t = 0; t < T; ++t) {
-        const float* p = parts.data() + ((b * T + t) * H + hg) * (D + 2);
-        if (p[1] == 0.f) continue;
-        const float w = std::exp(p[0] - m);
-        total += w * p[1];
-        for (int d = 0; d < D; ++d) oh[d] += w * p[2 + d];
+  // Each query's ranges' partial softmaxes and the new keys it sees, in fp32.
+  at::parallel_for(0, B * T, 16, [&](int64_t begin, int64_t end) {
+    float own[MAXQ];
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T, t = bt % T;
+      const bool* sees = new_mask == nullptr ? nullptr : new_mask + bt * T;
+      for (int64_t hg = 0; hg < H; ++hg) {
+        const int64_t h = hg / G, r = t * G + hg % G;
+        const float* qh = qf + (bt * H + hg) * D;
+        float m = NEG_INF;
+        for (int64_t u = 0; u < T; ++u) {
+          own[u] = NEG_INF;
+          if (sees == nullptr ? u == t : sees[u]) {
+            own[u] = dot<D>(qh, kf + ((b * T + u) * KVH + h) * D) * (float)scale;
+            m = std::max(m, own[u]);
+          }
+        }
+        for (int64_t th = 0; th < NT; ++th) m = std::max(m, parts[(b * NT + th) * part_size + (h * R + r) * (D + 2)]);
+        float* oh = o + (bt * H + hg) * D;
+        std::fill(oh, oh + D, 0.f);
+        if (m == NEG_INF) continue;  // a query that sees no key (none the graph makes)
+        float total = 0.f;
+        for (int64_t u = 0; u < T; ++u) {
+          if (own[u] == NEG_INF) continue;
+          const float w = std::exp(own[u] - m);
+          total += w;
+          add_scaled<D>(oh, w, vf + ((b * T + u) * KVH + h) * D);
+        }
+        for (int64_t th = 0; th < NT; ++th) {
+          const float* p = parts.data() + (b * NT + th) * part_size + (h * R + r) * (D + 2);
+          if (p[1] == 0.f) continue;
+          const float w = std::exp(p[0] - m);
+          total += w * p[1];
+          add_scaled<D>(oh, w, p + 2);
+        }
+        const float inverse = 1.f / total;
+        for (int d = 0; d < D; ++d) oh[d] *= inverse;
       }
-      for (int d = 0; d < D; ++d) oh[d] /= total;
     }
-  }
+  });
   return out;
 }
 
+void check_pools(const char* op, const at::Tensor& k, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 const at::Tensor& table, const at::Tensor& key_mask) {
+  TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16 && k_pool.dim() == 4 &&
+              k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == k.size(-2) && k_pool.size(3) == k.size(-1) &&
+              k_pool.is_contiguous() && v_pool.is_contiguous() && table.scalar_type() == at::kInt &&
+              key_mask.scalar_type() == at::kBool, op, ": bf16 pools [blocks, block, KVH, D], int32 table");
+  TORCH_CHECK(k.size(-1) == 64 || k.size(-1) == 128, op, ": head_dim 64 or 128");
+}
+
+template <typename... Args>
+at::Tensor by_head_dim(int64_t D, Args&&... args) {
+  return D == 64 ? attend<64>(std::forward<Args>(args)...) : attend<128>(std::forward<Args>(args)...);
+}
+
+// The decode step's: one query per sequence, q [B, H, D], k, v [B, KVH, D], key_mask [B, keys]. Returns fp32
+// [B, KVH, H / KVH, D].
 at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
                         const at::Tensor& v_pool, const at::Tensor& table, const at::Tensor& key_mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(1) % k.size(1) == 0 && q.size(1) / k.size(1) <= MAXG,
               "attend_paged: q [B, H, D] and k [B, KVH, D] with at most 8 query heads a KV head");
-  TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16 && k_pool.dim() == 4 &&
-              k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == k.size(1) && k_pool.size(3) == k.size(2) &&
-              k_pool.is_contiguous() && v_pool.is_contiguous() && table.scalar_type() == at::kInt &&
-              key_mask.scalar_type() == at::kBool, "attend_paged: bf16 pools [blocks, block, KVH, D], int32 table");
-  switch (k.size(2)) {
-    case 64: return attend<64>(q, k, v, k_pool, v_pool, table, key_mask, scale);
-    case 128: return attend<128>(q, k, v, k_pool, v_pool, table, key_mask, scale);
-    default: TORCH_CHECK(false, "attend_paged: head_dim 64 or 128");
-  }
+  check_pools("attend_paged", k, k_pool, v_pool, table, key_mask);
+  const int64_t B = k.size(0), KVH = k.size(1), D = k.size(2);
+  return by_head_dim(D, q, k, v, k_pool, v_pool, table, key_mask, nullptr, B, 1, scale,
+                     at::IntArrayRef{B, KVH, q.size(1) / KVH, D});
+}
+
+// The query step's: T new tokens per sequence, q [B, T, H, D], k, v [B, T, KVH, D], key_mask [B, T, keys],
+// new_mask [B, T, T]. Returns fp32 [B, T, H, D].
+at::Tensor attend_paged_queries(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
+                                const at::Tensor& v_pool, const at::Tensor& table, const at::Tensor& key_mask,
+                                const at::Tensor& new_mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.size(0) == k.size(0) && q.size(1) == k.size(1) &&
+              q.size(2) % k.size(2) == 0 && q.size(2) / k.size(2) <= MAXG && q.size(1) <= MAXQ,
+              "attend_paged_queries: q [B, T, H, D] and k [B, T, KVH, D] with at most 8 query heads a KV head and 64 "
+              "queries a sequence");
+  check_pools("attend_paged_queries", k, k_pool, v_pool, table, key_mask);
+  const int64_t B = k.size(0), T = k.size(1), D = k.size(3);
+  TORCH_CHECK(key_mask.dim() == 3 && key_mask.size(0) == B && key_mask.size(1) == T &&
+              new_mask.scalar_type() == at::kBool && new_mask.dim() == 3 && new_mask.size(0) == B &&
+              new_mask.size(1) == T && new_mask.size(2) == T,
+              "attend_paged_queries: key_mask [B, T, keys] and new_mask [B, T, T], bool");
+  const at::Tensor nc = new_mask.contiguous();
+  return by_head_dim(D, q, k, v, k_pool, v_pool, table, key_mask, nc.data_ptr<bool>(), B, T, scale,
+                     at::IntArrayRef{B, T, q.size(2), D});
 }
 
 }  // namespace attention
@@ -274,19 +379,29 @@ at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
 TORCH_LIBRARY_FRAGMENT(inference_core, m) {
   m.def("attend_paged(Tensor q, Tensor k, Tensor v, Tensor k_pool, Tensor v_pool, Tensor table, Tensor key_mask, "
         "float scale) -> Tensor");
+  m.def("attend_paged_queries(Tensor q, Tensor k, Tensor v, Tensor k_pool, Tensor v_pool, Tensor table, "
+        "Tensor key_mask, Tensor new_mask, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(inference_core, CPU, m) { m.impl("attend_paged", attention::attend_paged); }
+TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
+  m.impl("attend_paged", attention::attend_paged);
+  m.impl("attend_paged_queries", attention::attend_paged_queries);
+}
 """
 
 
 def register_fake() -> None:
-    """The op's output shape for export (called once the extension is built)."""
+    """The ops' output shapes for export (called once the extension is built)."""
     torch.library.register_fake("inference_core::attend_paged")(_fake)
+    torch.library.register_fake("inference_core::attend_paged_queries")(_fake_queries)
 
 
 def _fake(q, k, v, k_pool, v_pool, table, key_mask, scale):
     batch, kv_heads, head_dim = k.shape
     return q.new_empty(batch, kv_heads, q.shape[1] // kv_heads, head_dim, dtype=torch.float32)
+
+
+def _fake_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale):
+    return q.new_empty(q.shape, dtype=torch.float32)
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, k_pool: torch.Tensor) -> bool:
@@ -305,3 +420,10 @@ def attend(q, k, v, k_pool, v_pool, table, key_mask, scale: float) -> torch.Tens
     fp32 [B, KVH, group, D]."""
     return torch.ops.inference_core.attend_paged(q.reshape(q.shape[0], -1, k.shape[-1]), k, v, k_pool, v_pool, table,
                                                  key_mask, scale)
+
+
+def attend_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale: float) -> torch.Tensor:
+    """`engine.query_graph.attend_queries` over the paged context, through the op: T new tokens per sequence, q
+    [B, T, heads, D]; k, v [B, T, KVH, D]; k_pool, v_pool one layer's [blocks, block, KVH, D]; table [B, blocks];
+    key_mask [B, T, keys]; new_mask [B, T, T]. Returns fp32 [B, T, heads, D]."""
+    return torch.ops.inference_core.attend_paged_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale)

@@ -514,6 +514,17 @@ AOTITorchError aoti_torch_cpu_attend_paged(AtenTensorHandle q, AtenTensorHandle 
         tensor(q), tensor(k), tensor(v), tensor(k_pool), tensor(v_pool), tensor(table), tensor(key_mask), scale));
   });
 }
+AOTITorchError aoti_torch_cpu_attend_paged_queries(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                   AtenTensorHandle k_pool, AtenTensorHandle v_pool,
+                                                   AtenTensorHandle table, AtenTensorHandle key_mask,
+                                                   AtenTensorHandle new_mask, double scale, AtenTensorHandle* out) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    RECORD_FUNCTION("inference_core::attend_paged_queries", std::vector<c10::IValue>());
+    *out = torch::aot_inductor::new_tensor_handle(attention::attend_paged_queries(
+        tensor(q), tensor(k), tensor(v), tensor(k_pool), tensor(v_pool), tensor(table), tensor(key_mask),
+        tensor(new_mask), scale));
+  });
+}
 }
 """
 
@@ -721,8 +732,10 @@ def c_shims() -> dict:
     bf16 = "AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*"
     int8 = "AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*"
     attention = ", ".join(["AtenTensorHandle"] * 7 + ["double", "AtenTensorHandle*"])
+    queries = ", ".join(["AtenTensorHandle"] * 8 + ["double", "AtenTensorHandle*"])
     int4 = "AtenTensorHandle, AtenTensorHandle, int64_t, int64_t, AtenTensorHandle*"
-    arguments = {"linear_rows": bf16, "linear_rows_int8": int8, "linear_rows_int4": int4, "attend_paged": attention}
+    arguments = {"linear_rows": bf16, "linear_rows_int8": int8, "linear_rows_int4": int4, "attend_paged": attention,
+                 "attend_paged_queries": queries}
     return {getattr(torch.ops.inference_core, name).default: [f"AOTITorchError aoti_torch_cpu_{name}({types})"]
             for name, types in arguments.items()}
 

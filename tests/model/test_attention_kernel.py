@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import inference_core
 from inference_core.engine.compiled import DecodeGraph, _attend_one_fused, _read_context
+from inference_core.engine.query_graph import QueryGraph, attend_queries, read_context
 from inference_core.model import attention_kernel
 
 
@@ -92,5 +93,58 @@ def test_an_exported_step_calls_it_only_where_asked(our_ops, wide_heads):
         with torch.no_grad():
             program = torch.export.export(step, args)
         assert ("attend_paged" in str(program.graph)) == ours
+        outputs[ours] = program.module()(*args)
+    torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=2e-2, atol=2e-2)  # logits, bf16 projections
+
+
+def queries_case(batch: int, queries: int, blocks: int, kv_heads: int, group: int, head_dim: int, seed: int):
+    """`paged_case`'s pools and table with T new tokens a sequence: each query's cached keys cut by a sliding window
+    of its own (the later queries see fewer of the first keys), a tree's mask over the new keys (each sees itself
+    and a random set of the earlier ones), and a row whose queries see no cached key."""
+    _, _, _, k_pool, v_pool, table, mask = paged_case(batch, blocks, kv_heads, group, head_dim, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    key_mask = mask[:, None, :].repeat(1, queries, 1)
+    for t in range(queries):
+        key_mask[0, t, : 2 * t] = False  # the window moves on by two cached keys a query
+    new_mask = torch.rand(batch, queries, queries, generator=generator) < 0.5
+    new_mask = (new_mask & torch.ones(queries, queries, dtype=torch.bool).tril()) | torch.eye(queries, dtype=torch.bool)
+    q = torch.randn(batch, queries, kv_heads * group, head_dim, generator=generator).bfloat16()
+    k = torch.randn(batch, queries, kv_heads, head_dim, generator=generator).bfloat16()
+    v = torch.randn(batch, queries, kv_heads, head_dim, generator=generator).bfloat16()
+    return q, k, v, k_pool, v_pool, table, key_mask, new_mask
+
+
+@pytest.mark.parametrize("batch, queries, blocks, kv_heads, group, head_dim", [
+    (1, 5, 9, 3, 3, 64),  # the bundled model verifying 4 drafts at 144 keys
+    (2, 2, 32, 3, 3, 64),
+    (3, 17, 3, 2, 4, 128),  # the most queries the graph takes
+    (2, 4, 5, 1, 8, 64),
+    (1, 3, 1, 8, 2, 128),
+    (2, 1, 4, 3, 3, 64),  # one query: the decode op's case through the other
+])
+def test_the_queries_op_equals_the_attention_inductor_compiles(our_ops, batch, queries, blocks, kv_heads, group,
+                                                               head_dim):
+    q, k, v, k_pool, v_pool, table, key_mask, new_mask = queries_case(batch, queries, blocks, kv_heads, group,
+                                                                      head_dim, seed=blocks + queries)
+    k_ctx, v_ctx = read_context(k_pool, v_pool, table, blocks * 16, paged=True)
+    want = attend_queries(q, k, v, k_ctx, v_ctx, key_mask, new_mask, head_dim**-0.5)
+    got = attention_kernel.attend_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, head_dim**-0.5)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_an_exported_query_step_calls_it_only_where_asked(our_ops, wide_heads):
+    pool = torch.randn(1, 8, 16, 2, 64).bfloat16()
+    lengths = torch.tensor([[40], [3]])
+    key_mask = (torch.arange(48)[None, :] < lengths)[:, None, :].repeat(1, 3, 1)  # [B, T, width]
+    args = (torch.tensor([[5, 7, 9], [7, 1, 0]]), lengths + torch.arange(3), torch.tensor([[1, 2, 3], [4, 0, 0]],
+            dtype=torch.int32), key_mask, torch.ones(3, 3, dtype=torch.bool).tril().expand(2, 3, 3).clone(), pool,
+            pool.clone())
+    outputs = {}
+    for ours in (True, False):
+        step = QueryGraph(wide_heads.model, paged=True, block_size=16, our_attention=ours).eval()
+        with torch.no_grad():
+            program = torch.export.export(step, args)
+        assert ("attend_paged_queries" in str(program.graph)) == ours
         outputs[ours] = program.module()(*args)
     torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=2e-2, atol=2e-2)  # logits, bf16 projections

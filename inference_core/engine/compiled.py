@@ -35,9 +35,10 @@ Two ways to compile it (`CompiledDecoder(backend=...)`):
 - `aoti` (the CPU's default): `torch.export` of the step, with the key width as a dynamic dimension, compiled ahead
   of time by AOTInductor with the same inductor options (freezing, max-autotune) into a package on disk
   (`compile_cache_dir()`), one per model, dtype, KV layout and batch bucket. With the options `row_kernel` and
-  `attention_kernel` (the default for a bf16 model on an AVX-512 CPU), the bf16 projections of buckets up to
-  `row_kernel.MAX_ROWS` run through our kernel (`model.row_kernel`) instead of the matmul inductor picks, and the
-  attention over a bf16 paged pool through our attention kernel (`model.attention_kernel`). A second start loads the
+  `attention_kernel` (the default for a bf16 model on an AVX-512 CPU), the bf16 projections of steps of up to
+  `row_kernel.max_rows` rows (8, or 16 where its AMX form runs) run through our kernel (`model.row_kernel`) instead of
+  the matmul inductor picks, and the attention over a bf16 paged pool (the decode step's and the query step's) through
+  our attention kernel (`model.attention_kernel`). A second start loads the
   package in a few seconds instead of compiling again: `torch.compile` cannot keep a frozen graph in its own caches
   (its prepacked oneDNN weights do not pickle), so it rebuilt the graph each start (about 70% of a first compile).
   Measured on the bundled model, fp32, batch 1: the same step time as `torch.compile` with those options (23.7 vs
@@ -697,7 +698,7 @@ class CompiledDecoder:
         digest = hashlib.blake2b(digest_size=12)
         for part in (type(graph).__name__, model_fingerprint(self.model), _CODE_FINGERPRINT, torch.__version__,
                      self.device.type, torch.backends.cpu.get_cpu_capability(), row_kernel.int8_form(),
-                     row_kernel.int4_form(),
+                     row_kernel.int4_form(), row_kernel.pairs_form(), row_kernel.amx_rows(),
                      self.paged, self.block_size, self.max_width, sorted(self.options.items()), shapes):
             digest.update(repr(part).encode())
         return digest.hexdigest()

@@ -1,19 +1,26 @@
-"""Our kernel for the compiled decode step's paged attention on an AVX-512 or AVX2 CPU: one query per sequence against
-its cached keys, read through the block table from the bf16 pool in place, and its own new key.
+"""Our kernel for the compiled steps' paged attention on an AVX-512 or AVX2 CPU: each sequence's new queries (one in a
+decode step, several in the query step: a speculative chain's or tree's verification) against its cached keys, read
+through the block table from the bf16 pool in place, and its new keys.
 
 What inductor generates for `_attend_one_fused` (in `engine.compiled`) reads each cached key once per query head,
 reduces every dot product on its own, and runs the mask and the softmax on one thread between its parallel loops: on
 the 2-core Zen 5 host the compiled step took 2.4 us more a cached key (for all 30 layers of the bundled model), about
 10 GB/s of the cache read. Here each thread takes a contiguous range of the key blocks; per KV head it reads each
-cached key once for the group's query heads (fp32 sums of bf16 values widened by a shift), stores the scores, takes
-their exponentials a vector at a time (`exp_neg`, a polynomial), and sums the values weighted by them. The threads'
-partial softmaxes (the maximum, the sum, the weighted values) and the own key are then combined in fp32. Its outputs
-equal `_attend_one_fused`'s to fp32 rounding (`tests/model/test_attention_kernel.py`), with AVX-512's vectors or
-AVX2's (the build's flags choose: `model.row_kernel.FLAGS`).
+cached key once for all of the sequence's query rows (its queries times the group's query heads, as many at once as
+the registers hold: fp32 sums of bf16 values widened by a shift), stores the scores, takes their exponentials a vector
+at a time (`exp_neg`, a polynomial), and sums the values weighted by them. The threads' partial softmaxes (the
+maximum, the sum, the weighted values) and the new keys each query sees (`new_mask`: causal for a chain, the tree's
+mask for a tree) are then combined in fp32. A mask per query over the cached keys carries a sliding window. Its
+outputs equal `_attend_one_fused`'s and `query_graph.attend_queries`'s to fp32 rounding
+(`tests/model/test_attention_kernel.py`), with AVX-512's vectors or AVX2's (the build's flags choose:
+`model.row_kernel.FLAGS`). For the query step it replaced inductor's fp32 matmuls over the context cast per layer:
+the bundled model's 5-token step then spent 5.6x the decode step's attention time, and its package compiled in about
+190 s instead of 40.
 
-It is built into the same extension as the projection kernel (`model.row_kernel`, which owns the build) and called
-from the compiled step where `takes` says so while exporting: paged, bf16 pool, head_dim 64 or 128, at most 8 query
-heads a KV head.
+Two ops: `attend_paged` (the decode step's: q [B, H, D]) and `attend_paged_queries` (the query step's: q
+[B, T, H, D], a mask per query), the first the second's case T = 1. They are built into the same extension as the
+projection kernel (`model.row_kernel`, which owns the build) and called from the compiled steps where `takes` says so
+while exporting: paged, bf16 pool, head_dim 64 or 128, at most 8 query heads a KV head.
 """
 
 from __future__ import annotations
@@ -223,17 +230,36 @@ void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const uint1
   }
 }
 
-// A bf16 or fp32 tensor's values, in order, as fp32.
-inline void to_floats(const at::Tensor& t, float* out) {
-  const at::Tensor c = t.is_contiguous() ? t : t.contiguous();
-  const int64_t count = c.numel();
-  if (c.scalar_type() == at::kFloat) {
-    std::copy(c.data_ptr<float>(), c.data_ptr<float>() + count, out);
-  } else {
-    TORCH_CHECK(c.scalar_type() == at::kBFloat16, "attend_paged: q, k and v in bf16 or fp32");
-    const at::BFloat16* p = c.data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(p[i]);
+// A bf16 or fp32 tensor's values, in order, as fp32: read through its strides where it is a view of at most 4
+// dimensions (the query step's q, k and v are views of the projections' outputs), with no ATen op (a copy's dispatch
+// cost about 10 us, three a layer).
+template <typename T>
+void strided_floats(const T* p, at::IntArrayRef sizes, at::IntArrayRef strides, float* out) {
+  int64_t size[4] = {1, 1, 1, 1}, stride[4] = {0, 0, 0, 0};
+  const int64_t pad = 4 - static_cast<int64_t>(sizes.size());
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    size[pad + d] = sizes[d];
+    stride[pad + d] = strides[d];
   }
+  for (int64_t a = 0; a < size[0]; ++a)
+    for (int64_t b = 0; b < size[1]; ++b)
+      for (int64_t c = 0; c < size[2]; ++c) {
+        const T* row = p + a * stride[0] + b * stride[1] + c * stride[2];
+        for (int64_t d = 0; d < size[3]; ++d) *out++ = static_cast<float>(row[d * stride[3]]);
+      }
+}
+
+inline void to_floats(const at::Tensor& t, float* out) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+              "attend_paged: q, k and v in bf16 or fp32");
+  if (t.dim() > 4) {
+    to_floats(t.contiguous(), out);
+    return;
+  }
+  if (t.scalar_type() == at::kFloat)
+    strided_floats(t.data_ptr<float>(), t.sizes(), t.strides(), out);
+  else
+    strided_floats(t.data_ptr<at::BFloat16>(), t.sizes(), t.strides(), out);
 }
 
 template <int D>

@@ -23,6 +23,17 @@ host the step's bf16 weights with 5 rows (a speculative chain of 4 drafts verifi
 a second pass over each block cost 1.7x; past about 10 rows ATen's bf16 matmul (oneDNN), flat at about 2.4x one row up
 to 16 rows there, is the faster (docs/benchmarks.md, "Compiled, each draft length").
 
+Where the CPU has AVX-512 with BF16 (`pairs_form`), bf16 weights are packed in pairs instead (`pack_pairs`: [blocks,
+in / 2, 96], each output feature's weights for two neighbouring input features side by side), the layout of BF16 dot
+products: the loop then multiplies 16 output features' pairs by a pair of x in one vdpbf16ps, and, where the CPU also
+has AMX and the kernel grants this process its tiles, rows from `amx_rows` up (measured per machine: `measure_amx`)
+run as AMX tiles, [rows, 32] of x by [32, 16] of the weight in one tdpbf16ps, read straight from the same layout. Up
+to 16 rows then cost about what one does (the weights' read from memory): on the 2-vCPU Intel host over the step's
+121 weight shapes, 5 rows 0.99-1.12x one row's time and 16 rows 1.19x, against 1.39-1.51x and 3.6x for the loop and
+2.5-2.9x for oneDNN; the compiled 5-token verification step took 14.6 ms against the loop's 17.3 and the decode
+step's 10.0 (docs/benchmarks.md, "AMX for a verification's rows"). So there the op takes up to AMX_MAX_ROWS rows
+(`max_rows`).
+
 How many streams a thread walks (two, or four on AVX-512) and whether the loop asks for each stream's weights some
 bytes ahead (software prefetch) is the host's `tuning`, chosen by measurement once per machine (`measure_tuning`, kept
 beside the build) and changing no bit of any result: on a 2-vCPU Intel host with AMX, where one core reads at most
@@ -76,12 +87,16 @@ from inference_core.model.paths import cache_root
 
 BLOCK = 48  # output features per packed block (three 16-lane fp32 vectors, or six 8-lane ones)
 MAX_ROWS = 8  # input rows the op takes; a batch above it uses inductor's matmul (compute, not memory, then matters)
+AMX_MAX_ROWS = 16  # ... where the AMX form runs (`max_rows`): the rows one tile holds
+AMX_CANDIDATE_ROWS = (2, 3, 4, 6, 8)  # row counts `measure_amx` times both forms at
 
 SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -212,33 +227,41 @@ void row_passes(int64_t M, bool pf, const Pass& pass) {
   }
 }
 
+// Every row of M against one set of S blocks: `pass(m, rows, prefetch, k0, k1, carry)` for the rows from m over the
+// input positions [k0, k1) of K (rows and prefetch compile-time constants, as `row_passes` gives them). More rows than
+// a pass's registers hold (ROWS): the passes take turns over runs of `run` positions, so that the blocks come from
+// memory once (the first pass's; the others find the run in L1) instead of once a pass. Each sum still runs over k in
+// order, carried in fp32 between runs: the same bits as whole passes (what it saves: the module docstring).
+template <int ROWS, class Pass>
+void take_rows(int64_t M, int64_t K, int64_t run, int64_t S, bool pf, const Pass& pass) {
+  if (M <= ROWS) {
+    row_passes<ROWS>(M, pf, [&](int64_t m, auto rows, auto prefetch) { pass(m, rows, prefetch, 0, K, nullptr); });
+    return;
+  }
+  std::vector<float> carry(M * S * BLOCK);
+  for (int64_t k0 = 0; k0 < K; k0 += run) {
+    const int64_t k1 = std::min(K, k0 + run);
+    row_passes<ROWS>(M, pf, [&](int64_t m, auto rows, auto prefetch) {
+      float* sums = carry.data() + m * S * BLOCK;
+      if (m == 0)  // the run's first pass reads it from memory: it alone asks for what comes next
+        pass(m, rows, prefetch, k0, k1, sums);
+      else
+        pass(m, rows, std::false_type(), k0, k1, sums);
+    });
+  }
+}
+
+template <int S>
+constexpr int rows_a_pass() { return S == 4 ? ROWS_FOUR : S == 2 ? ROWS_TWO : ROWS_ONE; }
+
 template <int S, typename T>
 void blocks_rows(const float* x, int64_t M, int64_t K, const T* const* w, const float* scales, at::BFloat16* out,
                  int64_t N, const int64_t* n0, int64_t pf) {
-  constexpr int ROWS = S == 4 ? ROWS_FOUR : S == 2 ? ROWS_TWO : ROWS_ONE;
-  if (M <= ROWS) {
-    row_passes<ROWS>(M, pf, [&](int64_t m, auto rows, auto prefetch) {
-      block_rows<decltype(rows)::value, S, decltype(prefetch)::value>(x + m * K, K, 0, K, w, scales, out + m * N, N,
-                                                                      n0, pf, nullptr);
-    });
-    return;
-  }
-  // More rows than a pass's registers hold: the passes take turns over runs of CARRY_RUN input features, so that
-  // the blocks come from memory once (the first pass's; the others find the run in L1) instead of once a pass. Each
-  // sum still runs over k in order, carried in fp32 between runs: the same bits as whole passes (what it saves: the
-  // module docstring).
-  std::vector<float> carry(M * S * BLOCK);
-  for (int64_t k0 = 0; k0 < K; k0 += CARRY_RUN) {
-    const int64_t k1 = std::min(K, k0 + CARRY_RUN);
-    row_passes<ROWS>(M, pf, [&](int64_t m, auto rows, auto prefetch) {
-      constexpr int R = decltype(rows)::value;
-      float* sums = carry.data() + m * S * BLOCK;
-      if (m == 0)  // the run's first pass reads it from memory: it alone asks for what comes next
-        block_rows<R, S, decltype(prefetch)::value>(x + m * K, K, k0, k1, w, scales, out + m * N, N, n0, pf, sums);
-      else
-        block_rows<R, S, false>(x + m * K, K, k0, k1, w, scales, out + m * N, N, n0, pf, sums);
-    });
-  }
+  take_rows<rows_a_pass<S>()>(M, K, CARRY_RUN, S, pf, [&](int64_t m, auto rows, auto prefetch, int64_t k0,
+                                                          int64_t k1, float* carry) {
+    block_rows<decltype(rows)::value, S, decltype(prefetch)::value>(x + m * K, K, k0, k1, w, scales, out + m * N, N,
+                                                                    n0, pf, carry);
+  });
 }
 
 // Walks a weight's blocks over the threads: `run(S, b)` computes every row against blocks b[0..S) (S streams of the
@@ -322,6 +345,158 @@ at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales,
 #if defined(__AVX512F__)
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
+// bf16 weights in pairs (`pack_pairs`: [blocks, K / 2, 96], each output feature's weights for input features 2p and
+// 2p + 1 side by side), where the CPU has BF16 dot products: one vdpbf16ps multiplies 16 output features' pairs by a
+// pair of x (bf16, as the activations are: exact products, fp32 sums), where the widening form spends a shift and two
+// fused multiply-adds. Half the instructions a row, which is what each row past the first costs once the weights
+// come from memory anyway (a verification's rows: the module docstring).
+template <int R, int S, bool PF>
+void pair_block_rows(const uint32_t* x, int64_t K2, int64_t p0, int64_t p1, const uint16_t* const* w,
+                     at::BFloat16* out, int64_t N, const int64_t* n0, int64_t pf, float* carry) {
+  __m512 acc[S][R][NV];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NV; ++j)
+        acc[s][r][j] = carry && p0 ? vloadu(carry + (s * R + r) * BLOCK + LANES * j) : vzero();
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_set1_epi32(static_cast<int32_t>(x[r * K2 + p]));
+    for (int s = 0; s < S; ++s) {
+      const uint16_t* row = w[s] + p * 2 * BLOCK;
+      if constexpr (PF) {
+        const char* c = reinterpret_cast<const char*>(row) + pf;
+        _mm_prefetch(c, _MM_HINT_T0);
+        _mm_prefetch(c + 64, _MM_HINT_T0);
+        _mm_prefetch(c + 128, _MM_HINT_T0);
+      }
+      for (int j = 0; j < NV; ++j) {
+        const __m512bh wj = (__m512bh)_mm512_loadu_si512(row + 32 * j);
+        for (int r = 0; r < R; ++r) acc[s][r][j] = _mm512_dpbf16_ps(acc[s][r][j], (__m512bh)a[r], wj);
+      }
+    }
+  }
+  if (carry && p1 < K2) {
+    for (int s = 0; s < S; ++s)
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NV; ++j) vstore(carry + (s * R + r) * BLOCK + LANES * j, acc[s][r][j]);
+    return;
+  }
+  for (int s = 0; s < S; ++s) {
+    const int64_t cols = std::min<int64_t>(BLOCK, N - n0[s]);
+    for (int r = 0; r < R; ++r) {
+      alignas(64) float sums[BLOCK];
+      for (int j = 0; j < NV; ++j) vstore(sums + LANES * j, acc[s][r][j]);
+      for (int64_t c = 0; c < cols; ++c) out[r * N + n0[s] + c] = at::BFloat16(sums[c]);
+    }
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+// The same layout through AMX, where the CPU has it and the kernel lets this process use it (`amx_usable`): per 32
+// input features one tile of x's rows (A, [M, 32] bf16) and, per 16 output features, one of the weights (B: the
+// pairs of 16 consecutive p, a 64-byte run every 192 bytes), multiplied into fp32 tiles (C, [M, 16]) by one
+// tdpbf16ps each. One tdpbf16ps does the work of 16 vdpbf16ps a row, so up to 16 rows cost about what one does: the
+// time is the weights' read from memory. Tiles: C for each (stream, vector) in 0..5, A in 6, B in 7 (S <= 2).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_a_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_usable() {  // the CPU's AMX with BF16, and the kernel's permission for this process's tile data
+  static const bool usable = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+                             syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return usable;
+}
+
+template <int S, bool PF>
+void amx_block_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t* const* w, at::BFloat16* out,
+                    int64_t N, const int64_t* n0, int64_t pf) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = t == 7 ? 16 : static_cast<uint8_t>(M);
+    config.bytes_a_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2);
+  if constexpr (S == 2) { _tile_zero(3); _tile_zero(4); _tile_zero(5); }
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(6, x + k, K * 2);
+    const uint16_t* b0 = w[0] + k * BLOCK;  // pair k / 2 of the block: 96 bf16 a pair
+    if constexpr (PF) {
+      for (int64_t off = 0; off < 16 * 192; off += 64) _mm_prefetch(reinterpret_cast<const char*>(b0) + pf + off,
+                                                                     _MM_HINT_T0);
+    }
+    _tile_loadd(7, b0, 192); _tile_dpbf16ps(0, 6, 7);
+    _tile_loadd(7, b0 + 32, 192); _tile_dpbf16ps(1, 6, 7);
+    _tile_loadd(7, b0 + 64, 192); _tile_dpbf16ps(2, 6, 7);
+    if constexpr (S == 2) {
+      const uint16_t* b1 = w[1] + k * BLOCK;
+      if constexpr (PF) {
+        for (int64_t off = 0; off < 16 * 192; off += 64) _mm_prefetch(reinterpret_cast<const char*>(b1) + pf + off,
+                                                                       _MM_HINT_T0);
+      }
+      _tile_loadd(7, b1, 192); _tile_dpbf16ps(3, 6, 7);
+      _tile_loadd(7, b1 + 32, 192); _tile_dpbf16ps(4, 6, 7);
+      _tile_loadd(7, b1 + 64, 192); _tile_dpbf16ps(5, 6, 7);
+    }
+  }
+  alignas(64) float sums[2][16][BLOCK];  // [stream][row][output feature]
+  _tile_stored(0, &sums[0][0][0], BLOCK * 4); _tile_stored(1, &sums[0][0][16], BLOCK * 4);
+  _tile_stored(2, &sums[0][0][32], BLOCK * 4);
+  if constexpr (S == 2) {
+    _tile_stored(3, &sums[1][0][0], BLOCK * 4); _tile_stored(4, &sums[1][0][16], BLOCK * 4);
+    _tile_stored(5, &sums[1][0][32], BLOCK * 4);
+  }
+  _tile_release();
+  for (int s = 0; s < S; ++s) {
+    const int64_t cols = std::min<int64_t>(BLOCK, N - n0[s]);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < cols; ++c) out[r * N + n0[s] + c] = at::BFloat16(sums[s][r][c]);
+  }
+}
+#pragma GCC pop_options
+
+std::atomic<int64_t> g_amx_from{2};  // the fewest rows that take the AMX form where it is usable (0: never)
+
+// x [M, K] bf16 by the pair-packed weight [blocks, K / 2, 96] -> [M, N] bf16.
+at::Tensor pair_rows_by_blocks(const at::Tensor& x, const uint16_t* wp, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), K2 = K / 2;
+  const auto xc = x.contiguous();
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
+  auto out = at::empty({M, N}, x.options());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t pf = g_prefetch[0].load(std::memory_order_relaxed);
+  const int64_t amx_from = g_amx_from.load(std::memory_order_relaxed);
+  const bool amx = amx_from > 0 && M >= amx_from && M <= 16 && K % 32 == 0 && amx_usable();
+  walk_blocks(amx ? 1 : M, (N + BLOCK - 1) / BLOCK, !amx && M <= ROWS_FOUR, 0,  // AMX: two streams
+              [&](auto streams, const int64_t* b) {
+    constexpr int S = decltype(streams)::value;
+    int64_t n0[S];
+    const uint16_t* w[S];
+    for (int s = 0; s < S; ++s) {
+      n0[s] = b[s] * BLOCK;
+      w[s] = wp + b[s] * K * BLOCK;
+    }
+    if (amx) {
+      if constexpr (S <= 2) {
+        if (pf)
+          amx_block_rows<S, true>(xc.data_ptr<at::BFloat16>(), M, K, w, op, N, n0, pf);
+        else
+          amx_block_rows<S, false>(xc.data_ptr<at::BFloat16>(), M, K, w, op, N, n0, pf);
+      }
+      return;
+    }
+    take_rows<rows_a_pass<S>()>(M, K2, CARRY_RUN / 2, S, pf, [&](int64_t m, auto rows, auto prefetch, int64_t p0,
+                                                                 int64_t p1, float* carry) {
+      pair_block_rows<decltype(rows)::value, S, decltype(prefetch)::value>(xp + m * K2, K2, p0, p1, w, op + m * N, N,
+                                                                           n0, pf, carry);
+    });
+  });
+  return out;
+}
+
 constexpr int INT4_ROWS = 2;  // input rows a pass computes (S = 4 streams: one)
 
 template <int R, int S, bool PF>
@@ -412,16 +587,27 @@ at::Tensor int4_rows_by_blocks(const at::Tensor& x, const uint8_t* wp, int64_t G
 #pragma GCC pop_options
 #endif
 
-void check_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::ScalarType weight, const char* op) {
+// `pairs`: the [blocks, in / 2, 96] layout of row_kernel.pack_pairs (bf16 weights only).
+void check_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::ScalarType weight, const char* op,
+                bool pairs = false) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be a 2-D bf16 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == weight && packed.size(2) == BLOCK &&
-              packed.size(1) == x.size(1) && packed.size(0) * BLOCK >= N && packed.is_contiguous(),
-              op, ": packed must be the [blocks, in, 48] weight of row_kernel.pack");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == weight && packed.size(2) == (pairs ? 2 : 1) * BLOCK &&
+              packed.size(1) * (pairs ? 2 : 1) == x.size(1) && packed.size(0) * BLOCK >= N && packed.is_contiguous(),
+              op, ": packed must be the [blocks, in, 48] weight of row_kernel.pack (or [blocks, in / 2, 96] of "
+              "row_kernel.pack_pairs)");
 }
 
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
-  check_rows(x, packed, N, at::kBFloat16, "linear_rows");
-  return rows_by_blocks(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), nullptr, N);
+  const bool pairs = packed.dim() == 3 && packed.size(2) == 2 * BLOCK;
+  check_rows(x, packed, N, at::kBFloat16, "linear_rows", pairs);
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  if (!pairs) return rows_by_blocks(x, wp, nullptr, N);
+#if defined(__AVX512F__)
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "linear_rows: pair-packed weights need AVX-512 with BF16");
+  return pair_rows_by_blocks(x, wp, N);
+#else
+  TORCH_CHECK(false, "linear_rows: pair-packed weights need AVX-512 with BF16");
+#endif
 }
 
 at::Tensor linear_rows_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N) {
@@ -452,6 +638,19 @@ void set_row_tuning(int64_t streams, int64_t prefetch, int64_t form) {
   g_prefetch[form].store(prefetch);
 }
 
+bool amx_available() {
+#if defined(__AVX512F__)
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
+void set_amx_from(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "set_amx_from: rows must be 0 (never) or more");
+  g_amx_from.store(rows);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(inference_core, m) {
@@ -459,6 +658,8 @@ TORCH_LIBRARY(inference_core, m) {
   m.def("linear_rows_int8(Tensor x, Tensor packed, Tensor scales, int out_features) -> Tensor");
   m.def("linear_rows_int4(Tensor x, Tensor packed, int group_size, int out_features) -> Tensor");
   m.def("set_row_tuning(int streams, int prefetch, int form=0) -> ()", set_row_tuning);  // no tensors: one kernel
+  m.def("set_amx_from(int rows) -> ()", set_amx_from);
+  m.def("amx_available() -> bool", amx_available);
 }
 TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
   m.impl("linear_rows", linear_rows);
@@ -545,6 +746,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, BLOCK, in_features).transpose(1, 2).contiguous()
 
 
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] (in even) -> [ceil(out / BLOCK), in / 2, 2 * BLOCK], the bf16 dot products' layout: in block b, at
+    pair p, output feature c's weights for input features 2p and 2p + 1 at 2c and 2c + 1."""
+    out_features, in_features = weight.shape
+    padded = F.pad(weight, (0, 0, 0, -out_features % BLOCK))
+    return padded.view(-1, BLOCK, in_features // 2, 2).transpose(1, 2).reshape(-1, in_features // 2, 2 * BLOCK)
+
+
 def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """An int4 weight, q [out, in] in 0..15 and tinygemm's bf16 (scale, zero) [in / group, out, 2], -> the bytes
     `linear_rows_int4` reads: [ceil(out / BLOCK), in / group, group / 8 * 192 + 192], per block and group the nibbles
@@ -625,6 +834,7 @@ def apply_tuning() -> None:
     """Sets the op to this machine's `tuning`, every form of it (after a measurement or a test tried others)."""
     tuned = tuning()
     torch.ops.inference_core.set_row_tuning(tuned["streams"], tuned["prefetch"])
+    torch.ops.inference_core.set_amx_from(amx_rows())
     if "int4" in tuned:
         torch.ops.inference_core.set_row_tuning(tuned["int4"]["streams"], tuned["int4"]["prefetch"], FORMS["int4"])
 
@@ -642,6 +852,8 @@ def _tuned(path, capability: str) -> dict:
             raise ValueError(f"INFERENCE_CORE_ROW_TUNING={forced!r}: on this CPU ({capability}) it takes one of "
                              f"{', '.join(choices)} (streams per thread, prefetch distance in bytes)")
         setting = {"streams": choice[0], "prefetch": choice[1], "forced": True}
+        if amx_capable():
+            setting.update(measure_amx())
         return {**setting, "int4": {**setting, "versus_aten": None}} if int4_capable() else setting
 
     def valid(entry) -> bool:
@@ -654,9 +866,13 @@ def _tuned(path, capability: str) -> dict:
     chosen = kept if valid(kept) else measure_tuning(candidates)
     if int4_capable() and not (valid(chosen.get("int4")) and "versus_aten" in chosen["int4"]):
         chosen = {**chosen, "int4": measure_tuning(candidates, form="int4")}
+    if amx_capable() and "amx_from" not in chosen:
+        torch.ops.inference_core.set_row_tuning(chosen["streams"], chosen["prefetch"])  # the loop as it will run
+        chosen = {**chosen, **measure_amx()}
     if chosen is kept:
         return kept
-    if chosen.get("busy") or chosen.get("int4", {}).get("busy"):  # the default for now, and a new measurement next time
+    if chosen.get("busy") or chosen.get("int4", {}).get("busy") or chosen.get("amx_busy"):  # the default for now, and
+        # a new measurement next time
         return chosen
     partial = path.with_suffix(f".{os.getpid()}.tmp")  # engines in other processes may measure at the same time
     partial.write_text(json.dumps(chosen, indent=1))
@@ -687,7 +903,8 @@ def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7, form: str 
                 torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales)
             return time.perf_counter() - started
     else:
-        weight = torch.ones(2048 // BLOCK + 1, 1024, BLOCK, dtype=torch.bfloat16)
+        weight = torch.ones(2048 // BLOCK + 1, *((512, 2 * BLOCK) if pairs_form() else (1024, BLOCK)),
+                            dtype=torch.bfloat16)  # the layout the bf16 form runs (`pack_pairs` or `pack`)
         project = functools.partial(ops.linear_rows, x, out_features=2048)
     weights = [weight.clone() for _ in range(megabytes * 2**20 // weight.nbytes)]
 
@@ -724,6 +941,81 @@ def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7, form: str 
         measured["versus_aten"] = None if busy else round(
             medians[(streams, prefetch)] / statistics.median(aten_ratios), 3)
     return measured
+
+
+def measure_amx(megabytes: int = 128, rounds: int = 5) -> dict:
+    """Where the AMX form beats the AVX-512 pairs loop on this machine: for each of AMX_CANDIDATE_ROWS rows, the median
+    over `rounds` of the AMX form's time for one pass over `megabytes` of pair-packed weights ([2048, 1024] each) over
+    the loop's, the two timed side by side in alternating order. `amx_from`: the fewest rows from which it is faster
+    at every count measured (0: at none, and the op takes at most MAX_ROWS rows). On the 2-vCPU Intel host, over the
+    step's 121 weight shapes: 1.13x one row's time at 2 rows against the loop's 1.00, 1.15x at 4 against 1.24-1.28,
+    1.19x at 16 against 3.6 (docs/benchmarks.md). Where the loop's own passes differ by more than a quarter the host
+    is busy (`amx_busy`, measured again next start) and the AMX form takes 4 rows and more. About 0.4 s."""
+    ops = torch.ops.inference_core
+    weight = torch.ones(2048 // BLOCK + 1, 512, 2 * BLOCK, dtype=torch.bfloat16)
+    weights = [weight.clone() for _ in range(megabytes * 2**20 // weight.nbytes)]
+
+    def one_pass(x: torch.Tensor, amx: bool) -> float:
+        ops.set_amx_from(1 if amx else 0)
+        started = time.perf_counter()
+        for packed in weights:
+            ops.linear_rows(x, packed, 2048)
+        return time.perf_counter() - started
+
+    ratios, loop_times = {rows: [] for rows in AMX_CANDIDATE_ROWS}, []
+    for amx in (True, False):  # a pass of each first, untimed
+        one_pass(torch.ones(AMX_CANDIDATE_ROWS[0], 1024, dtype=torch.bfloat16), amx)
+    for turn in range(rounds):
+        for rows in AMX_CANDIDATE_ROWS:
+            x = torch.ones(rows, 1024, dtype=torch.bfloat16)
+            times = {amx: one_pass(x, amx) for amx in ((True, False) if turn % 2 else (False, True))}
+            ratios[rows].append(times[True] / times[False])
+            if rows == AMX_CANDIDATE_ROWS[0]:
+                loop_times.append(times[False])
+    medians = {rows: statistics.median(values) for rows, values in ratios.items()}
+    busy = max(loop_times) > 1.25 * min(loop_times)
+    amx_from = 0
+    for rows in reversed(AMX_CANDIDATE_ROWS):  # from the most rows down, while it wins
+        if medians[rows] >= 1.0:
+            break
+        amx_from = rows
+    return {"amx_from": 4 if busy else amx_from, "amx_busy": busy,
+            "amx_ratios": {str(rows): round(ratio, 3) for rows, ratio in medians.items()}}
+
+
+def amx_capable() -> bool:
+    """Whether this machine runs the AMX form: the pairs layout (`pairs_form`) and AMX with BF16 that the kernel lets
+    this process use (call after `unavailable()` returned None)."""
+    if not pairs_form():
+        return False
+    try:
+        return torch.ops.inference_core.amx_available()
+    except (AttributeError, RuntimeError):  # not built (yet) in this process
+        return False
+
+
+def amx_rows() -> int:
+    """The fewest input rows the op takes through AMX on this machine (0: none): this machine's `measure_amx`, or
+    `INFERENCE_CORE_AMX_ROWS` (for A/B runs; 0 turns the form off)."""
+    forced = os.environ.get("INFERENCE_CORE_AMX_ROWS")
+    if forced is not None:
+        if not forced.strip().isdigit():
+            raise ValueError(f"INFERENCE_CORE_AMX_ROWS={forced!r}: a row count (0: never)")
+        return int(forced) if amx_capable() else 0
+    return tuning().get("amx_from", 0) if amx_capable() else 0
+
+
+def pairs_form() -> bool:
+    """Whether bf16 weights are packed in pairs for BF16 dot products (`pack_pairs`): on AVX-512 with BF16 (where the
+    int4 form runs too). Measured on the 2-vCPU Intel host over the step's 121 weight shapes: the pairs loop's pass
+    equals the widening one's at 1 and 2 rows and takes 0.91-0.93x its time at 4 and 5."""
+    return int4_capable()
+
+
+def max_rows(in_features: int) -> int:
+    """The most input rows the op takes for a weight of `in_features`: AMX_MAX_ROWS where the AMX form runs
+    (`amx_rows`, input features a multiple of 32: whole tiles), else MAX_ROWS."""
+    return AMX_MAX_ROWS if amx_rows() and in_features % 32 == 0 else MAX_ROWS
 
 
 def c_shims() -> dict:
@@ -787,11 +1079,11 @@ def int4_form() -> bool:
     return int4_capable() and (ratio is None or ratio <= 1.0)
 
 
-def _takes_rows(x: torch.Tensor) -> bool:
-    """Inside `tracing(True)`, on the CPU, 2-D bf16 x of at most MAX_ROWS rows: the inputs every projection op takes
+def _takes_rows(x: torch.Tensor, most: int = MAX_ROWS) -> bool:
+    """Inside `tracing(True)`, on the CPU, 2-D bf16 x of at most `most` rows: the inputs every projection op takes
     (torch.compile, which never traces inside `tracing(True)`, reads no more than the flag)."""
     return (getattr(_state, "enabled", False) and x.device.type == "cpu" and x.dtype == torch.bfloat16
-            and x.dim() == 2 and x.shape[0] <= MAX_ROWS)
+            and x.dim() == 2 and x.shape[0] <= most)
 
 
 def takes_int4(x: torch.Tensor, packed: torch.Tensor) -> bool:
@@ -802,14 +1094,20 @@ def takes_int4(x: torch.Tensor, packed: torch.Tensor) -> bool:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a projection of `x` by `weight` runs through the op: inside `tracing(True)`, on the CPU, 2-D bf16 x of
-    at most MAX_ROWS rows, a bf16 weight, or an int8 one (`linear_int8`) where `int8_form` says so."""
-    return _takes_rows(x) and (weight.dtype == torch.bfloat16 or (weight.dtype == torch.int8 and int8_form()))
+    """Whether a projection of `x` by `weight` runs through the op: inside `tracing(True)`, on the CPU, 2-D bf16 x, a
+    bf16 weight of at most `max_rows` rows, or an int8 one (`linear_int8`) of at most MAX_ROWS where `int8_form` says
+    so."""
+    if not _takes_rows(x, AMX_MAX_ROWS):  # (first: eager forwards ask too)
+        return False
+    if weight.dtype == torch.bfloat16:
+        return x.shape[0] <= max_rows(weight.shape[1])
+    return x.shape[0] <= MAX_ROWS and weight.dtype == torch.int8 and int8_form()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ b) through the op (call where `takes` says so, after `unavailable()` returned None)."""
-    out = torch.ops.inference_core.linear_rows(x, pack(weight), weight.shape[0])
+    packed = pack_pairs(weight) if pairs_form() and weight.shape[1] % 2 == 0 else pack(weight)
+    out = torch.ops.inference_core.linear_rows(x, packed, weight.shape[0])
     return out if bias is None else out + bias
 
 

@@ -128,7 +128,8 @@ def test_the_queries_op_equals_the_attention_inductor_compiles(our_ops, batch, q
                                                                       head_dim, seed=blocks + queries)
     k_ctx, v_ctx = read_context(k_pool, v_pool, table, blocks * 16, paged=True)
     want = attend_queries(q, k, v, k_ctx, v_ctx, key_mask, new_mask, head_dim**-0.5)
-    got = attention_kernel.attend_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, head_dim**-0.5)
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same values through a view's strides
+    got = attention_kernel.attend_queries(strided, k, v, k_pool, v_pool, table, key_mask, new_mask, head_dim**-0.5)
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 

@@ -135,6 +135,52 @@ def test_the_op_refuses_a_weight_that_is_not_packed(our_ops):
         torch.ops.inference_core.linear_rows_int4(x, torch.zeros(1, 2, 100, dtype=torch.uint8), 32, 48)
 
 
+needs_pairs_form = pytest.mark.skipif(not row_kernel.pairs_form(), reason="the pairs form needs AVX-512 with BF16")
+
+
+@needs_pairs_form
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (577, 576), (50, 40), (7, 1536)])
+def test_pair_packed_weights_equal_an_fp32_matmul_rounded_to_bf16(our_ops, amx, rows, out_features, in_features):
+    """bf16 weights in pairs (`pack_pairs`), through the AVX-512 BF16 loop or (whole tiles of 32 input features,
+    where the CPU has it) AMX, every row count either takes: the fp32 sums rounded once to bf16."""
+    if amx and not row_kernel.amx_capable():
+        pytest.skip("no AMX here")
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    try:
+        torch.ops.inference_core.set_amx_from(1 if amx else 0)
+        got = torch.ops.inference_core.linear_rows(x, row_kernel.pack_pairs(weight), out_features)
+    finally:
+        row_kernel.apply_tuning()
+    want = x.float() @ weight.float().t()
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, rtol=2 ** -8, atol=1e-4 * in_features ** 0.5)
+
+
+def test_pack_pairs_lays_out_each_output_features_pairs_of_input_features():
+    weight = torch.arange(50 * 4, dtype=torch.float32).view(50, 4)
+    packed = row_kernel.pack_pairs(weight)
+    assert packed.shape == (2, 2, 96)
+    assert torch.equal(packed[0, 1, 10:12], weight[5, 2:4]) and torch.equal(packed[1, 0, 2:4], weight[49, 0:2])
+    assert not packed[1, :, 4:].any()  # padding
+
+
+def test_amx_takes_up_to_a_tile_of_rows_for_whole_tiles_of_input_features(our_ops, monkeypatch):
+    monkeypatch.setenv("INFERENCE_CORE_AMX_ROWS", "2")
+    wide, narrow = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 40, dtype=torch.bfloat16)
+    with row_kernel.tracing(True):
+        most = row_kernel.AMX_MAX_ROWS if row_kernel.amx_capable() else row_kernel.MAX_ROWS
+        assert row_kernel.takes(torch.zeros(most, 64, dtype=torch.bfloat16), wide)
+        assert not row_kernel.takes(torch.zeros(most + 1, 64, dtype=torch.bfloat16), wide)
+        assert not row_kernel.takes(torch.zeros(row_kernel.MAX_ROWS + 1, 40, dtype=torch.bfloat16), narrow)
+    monkeypatch.setenv("INFERENCE_CORE_AMX_ROWS", "0")  # the form off: MAX_ROWS
+    with row_kernel.tracing(True):
+        assert not row_kernel.takes(torch.zeros(row_kernel.MAX_ROWS + 1, 64, dtype=torch.bfloat16), wide)
+
+
 def test_pack_lays_out_blocks_of_48_output_features():
     weight = torch.arange(50 * 3, dtype=torch.float32).view(50, 3)
     packed = row_kernel.pack(weight)
@@ -272,23 +318,31 @@ def test_a_compiled_package_calls_the_ops_as_c_functions(our_ops, tmp_path):
 
 def packed_weights(out_features: int, in_features: int, generator: torch.Generator):
     """A random bf16 weight, a random int8 one with its scales and (where the int4 form runs) an int4 one in groups of
-    32, each packed for the ops."""
-    packed = row_kernel.pack(torch.randn(out_features, in_features, generator=generator).bfloat16())
+    32, each packed for the ops, and (where the pairs form runs) the bf16 one in pairs."""
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    packed = row_kernel.pack(weight)
     packed_int8 = row_kernel.pack(torch.randint(-127, 128, (out_features, in_features), generator=generator,
                                                 dtype=torch.int8))
     rounded = round_int4(torch.randn(out_features, in_features, generator=generator), 32)
     packed_int4 = row_kernel.pack_int4(rounded.q, kernels.scales_and_zeros(rounded.scale, rounded.zero,
                                                                             torch.bfloat16))
-    return packed, packed_int8, torch.rand(out_features, generator=generator), packed_int4
+    return packed, packed_int8, torch.rand(out_features, generator=generator), packed_int4, (
+        row_kernel.pack_pairs(weight) if row_kernel.pairs_form() else None)
 
 
 def every_op(x: torch.Tensor, weights: tuple, out_features: int) -> list:
-    """Each projection op of x by `packed_weights`' weights: bf16, int8 and, where it runs, int4."""
-    packed, packed_int8, scales, packed_int4 = weights
+    """Each projection op of x by `packed_weights`' weights: bf16, int8 and, where they run, int4 and the bf16 pairs
+    (through the loop, and through AMX where the CPU has it)."""
+    packed, packed_int8, scales, packed_int4, packed_pairs = weights
     ops = torch.ops.inference_core
     results = [ops.linear_rows(x, packed, out_features), ops.linear_rows_int8(x, packed_int8, scales, out_features)]
     if row_kernel.int4_capable():
         results.append(ops.linear_rows_int4(x, packed_int4, 32, out_features))
+    if packed_pairs is not None:
+        for amx_from in (0, 1) if row_kernel.amx_capable() else (0,):
+            ops.set_amx_from(amx_from)
+            results.append(ops.linear_rows(x, packed_pairs, out_features))
+        row_kernel.apply_tuning()
     return results
 
 
@@ -355,6 +409,7 @@ def test_the_tuning_is_measured_once_and_kept(our_ops, tmp_path, monkeypatch, in
 
     monkeypatch.setattr(row_kernel, "measure_tuning", measure)
     monkeypatch.setattr(row_kernel, "int4_capable", lambda: int4)
+    monkeypatch.setattr(row_kernel, "amx_capable", lambda: False)  # its measurement: the next test
     monkeypatch.delenv("INFERENCE_CORE_ROW_TUNING", raising=False)
     path = tmp_path / "tuning.json"
     want = {**measured, "int4": {**measured, "versus_aten": 0.7}} if int4 else measured
@@ -386,6 +441,34 @@ def test_the_tuning_is_measured_once_and_kept(our_ops, tmp_path, monkeypatch, in
         assert ("versus_aten" in real) == (form == "int4")
         if form == "int4":  # a busy moment decides nothing about the form
             assert real["versus_aten"] is None if real["busy"] else real["versus_aten"] > 0
+    row_kernel.apply_tuning()
+
+
+def test_where_amx_runs_it_is_measured_once_and_kept(our_ops, tmp_path, monkeypatch):
+    """Where the CPU has AMX the row count from which the AMX form runs is measured (a kept tuning without it gains
+    it), kept, and applied; a busy moment's measurement is not kept; the real measurement gives a count it timed."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    measured = {"streams": 2, "prefetch": 0, "busy": False, "ratios": {"2,0": 1.0}}
+    amx = {"amx_from": 3, "amx_busy": False, "amx_ratios": {"2": 1.1, "3": 0.9}}
+    calls = []
+    monkeypatch.setattr(row_kernel, "measure_tuning", lambda candidates, form="bf16": dict(measured))
+    monkeypatch.setattr(row_kernel, "int4_capable", lambda: False)
+    monkeypatch.setattr(row_kernel, "amx_capable", lambda: True)
+    monkeypatch.setattr(row_kernel, "measure_amx", lambda: calls.append("amx") or dict(amx))
+    monkeypatch.delenv("INFERENCE_CORE_ROW_TUNING", raising=False)
+    monkeypatch.delenv("INFERENCE_CORE_AMX_ROWS", raising=False)
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps(measured))  # kept by a build without the AMX form
+    assert row_kernel._tuned(path, capability) == {**measured, **amx} and calls == ["amx"]
+    assert row_kernel._tuned(path, capability) == {**measured, **amx} and calls == ["amx"]  # kept
+    path.unlink()
+    amx["amx_busy"] = True
+    assert row_kernel._tuned(path, capability)["amx_busy"] and not path.exists()
+    monkeypatch.undo()
+    if row_kernel.amx_capable():
+        real = row_kernel.measure_amx(megabytes=8, rounds=1)
+        assert real["amx_from"] in (0, *row_kernel.AMX_CANDIDATE_ROWS)
+        assert set(real["amx_ratios"]) == {str(rows) for rows in row_kernel.AMX_CANDIDATE_ROWS}
     row_kernel.apply_tuning()
 
 

@@ -386,11 +386,14 @@ class CompiledDecoder:
         return None
 
     @torch.inference_mode()
-    def run_queries(self, seqs, num_new_tokens: list[int], num_logits: int = 1):
+    def run_queries(self, seqs, num_new_tokens: list[int], num_logits: int = 1, tree=None):
         """Forward `num_new_tokens[i]` new tokens of each of `seqs` after its cached ones through the query step
         (`query_graph.QueryGraph`), where `refusal` found none. Returns (fp32 logits of each sequence's last
         `num_logits` new tokens, in the sequences' order, [rows, vocab]; per sequence the final-normed hidden states
-        of its new tokens, [num_new_tokens[i], hidden]). Writes the new KV (the caller has made room, and commits)."""
+        of its new tokens, [num_new_tokens[i], hidden]). Writes the new KV (the caller has made room, and commits).
+        `tree` = (depths, mask): one sequence's new tokens are a draft tree (`ModelRunner.run_tree`), node i at
+        position first + depths[i], seeing the nodes mask[i] marks ([nodes, nodes] bool) instead of the ones before
+        it."""
         count, bucket = len(seqs), self.bucket_for(len(seqs))
         # Queries a sequence: the fewest of a package already loaded that hold the step's, else the step's own.
         queries = min((key[2] for key in self._programs if isinstance(key, tuple) and key[1] == bucket
@@ -399,7 +402,10 @@ class CompiledDecoder:
         news = torch.tensor(num_new_tokens + [1] * (bucket - count))
         starts = torch.tensor(firsts + [0] * (bucket - count))
         offsets = torch.arange(queries)
-        positions = starts[:, None] + torch.minimum(offsets[None, :], news[:, None] - 1)  # [B, T]: padding repeats
+        steps = torch.minimum(offsets[None, :], news[:, None] - 1)  # [B, T]: padding repeats the last
+        if tree is not None:  # the nodes' depths below node 0 instead of their order
+            steps = torch.tensor(tree[0])[steps]
+        positions = starts[:, None] + steps
         input_ids = torch.zeros(bucket, queries, dtype=torch.long)
         for row, (seq, first, new) in enumerate(zip(seqs, firsts, num_new_tokens)):
             tokens = seq.token_ids[first:first + new]
@@ -418,6 +424,9 @@ class CompiledDecoder:
         # over T here gave every query after the first another query's row).
         key_mask = (key_positions[None, None, :] < starts[:, None, None]).expand(bucket, queries, -1)
         new_mask = (offsets[:, None] >= offsets[None, :]) & (offsets[None, None, :] < news[:, None, None])
+        if tree is not None:
+            nodes = num_new_tokens[0]
+            new_mask[0, :nodes, :nodes] = tree[1]
         new_mask |= torch.eye(queries, dtype=torch.bool)  # [B, T, T]: every query (padding too) sees its own key
         window = self.kv_cache.sliding_window
         if window is not None:  # a query at position p sees keys at positions p - window + 1 .. p

@@ -253,6 +253,8 @@ class Engine:
             raise ConfigError(f"no trained {kind} heads for {self.loaded.name}; train them with `python -m "
                               f"inference_core train-draft --kind {kind} --model {self.loaded.name}`.")
         heads = load_heads(path, self.loaded.config, self.loaded.device, self.loaded.dtype)
+        if self.decoder is not None and "row_kernel" in self.decoder.options:
+            heads.use_row_kernel()  # our projection op is built and runs here: bf16 drafts take it too
         self.draft_heads[kind] = heads
         return heads
 
@@ -663,13 +665,13 @@ class Engine:
 
     def compiled_queries(self, spec: SpecConfig | None) -> tuple[int, ...]:
         """The query steps (tokens a sequence) a compiled engine runs for requests with `spec`: a chain's longest
-        verification, the last token and `max_k` drafts. Shorter ones run in the same package, and so do trained
-        heads' plain steps (one token, its hidden state read) and their short prompts. Trees and drafting passes run
-        eager, and so does everything but one-token decode steps on CUDA's torch.compile backend so far."""
-        if spec is None or not spec.enabled or spec.tree_width > 1 or self.decoder is None \
-                or self.decoder.backend != "aoti":
+        verification, the last token and `max_k` drafts, or a tree's, the last token and k nodes a level for each of
+        its `tree_width` candidates. Shorter ones run in the same package, and so do trained heads' plain steps (one
+        token, its hidden state read) and their short prompts. Drafting passes run eager, and so does everything but
+        one-token decode steps on CUDA's torch.compile backend so far."""
+        if spec is None or not spec.enabled or self.decoder is None or self.decoder.backend != "aoti":
             return ()
-        return (spec.max_k + 1,)
+        return (1 + spec.max_k * spec.tree_width,)
 
     def num_requests(self) -> int:
         """Requests queued or running (0 whenever nothing is generating)."""

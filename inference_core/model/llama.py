@@ -82,6 +82,7 @@ class Linear(nn.Module):
         self.in_out = False
         self.out_in_rows: torch.Tensor | None = None  # in_out only: the same weight as [out, in], where kept
         self.packed: torch.Tensor | None = None  # packed only: the weight in oneDNN's blocked layout
+        self.rows_packed: torch.Tensor | None = None  # beside any layout: our projection op's (`use_row_kernel`)
 
     @property
     def layout(self) -> str:
@@ -100,6 +101,13 @@ class Linear(nn.Module):
         """Apply the weight through oneDNN, reordered once (for one-row inputs; several rows run as fast)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
+    def use_row_kernel(self) -> None:
+        """Also keep the weight in our projection op's layout (`row_kernel.pack_for_op`; call where
+        `row_kernel.unavailable()` is None), which eager inputs of at most MAX_ROWS bf16 rows then take: a draft
+        layer's steps, which oneDNN ran at about a quarter of the rate memory gives."""
+        if not self.in_out:
+            self.rows_packed = row_kernel.pack_for_op(self.weight.detach())
+
     def use_layout(self, layout: str, keep_out_in: bool = False) -> None:
         """Switch from the reference layout to `layout` ('out_in' stays as it is); `keep_out_in`: see
         `use_in_out_layout`."""
@@ -111,6 +119,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.in_out and row_kernel.takes(x, self.weight):  # exporting a compiled decode step (row_kernel)
             return row_kernel.linear(x, self.weight, self.bias)
+        if (self.rows_packed is not None and x.dim() == 2 and x.shape[0] <= row_kernel.MAX_ROWS
+                and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling()):
+            out = torch.ops.inference_core.linear_rows(x, self.rows_packed, self.weight.shape[0])
+            return out if self.bias is None else out + self.bias
         if self.packed is not None and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if not self.in_out:

@@ -1106,9 +1106,14 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ b) through the op (call where `takes` says so, after `unavailable()` returned None)."""
-    packed = pack_pairs(weight) if pairs_form() and weight.shape[1] % 2 == 0 else pack(weight)
-    out = torch.ops.inference_core.linear_rows(x, packed, weight.shape[0])
+    out = torch.ops.inference_core.linear_rows(x, pack_for_op(weight), weight.shape[0])
     return out if bias is None else out + bias
+
+
+def pack_for_op(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [out, in] in the layout `linear_rows` runs best here: in pairs (`pack_pairs`) where `pairs_form`
+    says so, else in blocks (`pack`)."""
+    return pack_pairs(weight) if pairs_form() and weight.shape[1] % 2 == 0 else pack(weight)
 
 
 def linear_int4(x: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:

@@ -187,6 +187,7 @@ class DraftHeads:
     meta: dict
     dtype: torch.dtype = torch.float32  # what the network and the scoring rows compute in: see heads_dtype
     scoring: Linear | None = None  # hidden -> draft vocabulary scores: see scorer
+    row_kernel: bool = False  # the network's and the scorer's projections also through our op (`use_row_kernel`)
 
     def scorer(self, model: CausalLM) -> Linear:
         """The target's LM head rows for the draft vocabulary as a projection hidden -> scores in the heads' dtype,
@@ -199,7 +200,21 @@ class DraftHeads:
             self.scoring = Linear(rows.shape[1], rows.shape[0], bias=False)
             self.scoring.weight = nn.Parameter(rows, requires_grad=False)
             self.scoring.use_layout(weight_layout(rows.device, rows.dtype), keep_out_in=True)
+            if self.row_kernel:
+                self.scoring.use_row_kernel()
         return self.scoring
+
+    def use_row_kernel(self) -> None:
+        """Run the heads' few-row projections through our projection op (`model.row_kernel`; call where it is built
+        and the heads compute in bf16), as the compiled step runs the model's: the bundled model's EAGLE draft spent
+        1.7 ms of a 3.5 ms draft in its six oneDNN linears (docs/benchmarks.md, "AMX for a verification's rows").
+        Heads in fp32 or on a GPU keep their projections."""
+        if self.dtype != torch.bfloat16 or self.vocab_ids.device.type != "cpu":
+            return
+        self.row_kernel = True
+        for module in [*self.network.modules(), *([self.scoring] if self.scoring is not None else [])]:
+            if isinstance(module, Linear):
+                module.use_row_kernel()
 
     @property
     def num_heads(self) -> int:

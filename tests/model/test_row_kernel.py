@@ -484,3 +484,22 @@ def test_the_int4_form_runs_where_the_cpu_can_and_it_measured_no_slower_than_ate
     monkeypatch.setattr(row_kernel, "tuning", lambda: {"streams": 2, "prefetch": 0,
                                                        **({"int4": measured} if measured else {})})
     assert row_kernel.int4_form() == ours
+
+
+def test_an_eager_projection_with_our_layout_calls_the_op_for_few_bf16_rows(our_ops, monkeypatch):
+    """`Linear.use_row_kernel` (a compiled engine's draft heads): eager inputs of up to MAX_ROWS bf16 rows go through
+    the op, equal to F.linear within bf16 rounding; more rows keep the layer's own path."""
+    from inference_core.model.llama import Linear
+    generator = torch.Generator().manual_seed(7)
+    layer = Linear(64, 50, bias=True)
+    layer.weight.data = torch.randn(50, 64, generator=generator).bfloat16()
+    layer.bias.data = torch.randn(50, generator=generator).bfloat16()
+    layer.use_row_kernel()
+    calls = []
+    op = torch.ops.inference_core.linear_rows
+    monkeypatch.setattr(torch.ops.inference_core, "linear_rows", lambda *args: calls.append(1) or op(*args))
+    for rows in (1, row_kernel.MAX_ROWS, row_kernel.MAX_ROWS + 1):
+        x = torch.randn(rows, 64, generator=generator).bfloat16()
+        want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+        assert torch.allclose(layer(x).float(), want, rtol=2 ** -7, atol=1e-2)
+    assert len(calls) == 2

@@ -89,18 +89,20 @@ def test_greedy_with_trained_heads_is_lossless_on_tiny(tiny, tiny_heads, tiny_an
     assert_nothing_held(engine)
 
 
+@pytest.mark.parametrize("tree_width", [1, 3])
 @pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
-def test_greedy_with_trained_heads_compiled_is_lossless_and_never_eager(tiny, tiny_heads):
-    """A compiled engine runs the heads' verifications (the last token and 3 drafts) and their plain steps (one
-    token, its hidden state read) through the query step, whose package it builds before the first request; the
-    4-token prompts fit it too, so no forward runs eager, and greedy ids are plain greedy's."""
+def test_greedy_with_trained_heads_compiled_is_lossless_and_never_eager(tiny, tiny_heads, tree_width):
+    """A compiled engine runs the heads' verifications (the last token and 3 drafts, or a tree of 3 levels 3 wide:
+    10 nodes under the tree's mask) and their plain steps (one token, its hidden state read) through the query step,
+    whose package it builds before the first request; the 4-token prompts fit it too, so no forward runs eager, and
+    greedy ids are plain greedy's."""
     eager = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4))
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for kind in KINDS:
         engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4, compile=True,
                                              speculate_when_it_pays=False))  # every step drafts, as measured
         engine.load_draft_heads(kind, tiny_heads[kind][0])
-        spec = SpecConfig(kind, k=3)
+        spec = SpecConfig(kind, k=3, tree_width=tree_width)
         engine.warm_up_compiled((1,), spec)
         accepted = 0
         for prompt in ([1, 5, 9, 3], [7, 7, 4, 2]):
@@ -110,7 +112,7 @@ def test_greedy_with_trained_heads_compiled_is_lossless_and_never_eager(tiny, ti
             accepted += fast.stats.spec["accepted"]
         stats = engine.compile_stats()
         assert accepted > 0 and stats["fallbacks"] == {}, kind
-        assert stats["steps_by_bucket"]["1x4 query"] > 0
+        assert stats["steps_by_bucket"][f"1x{1 + 3 * tree_width} query"] > 0
         assert_nothing_held(engine)
 
 

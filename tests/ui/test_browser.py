@@ -286,8 +286,9 @@ FIRST_RACE_TOLERANCE = 2.0  # lane A's TTFT, first race over second race, within
 
 def test_first_race_after_a_fresh_start_measures_like_the_second(fresh_app, browser):
     """A visitor's first race after start-up must not charge its lanes for start-up costs: lane B's TTFT (no KV
-    cache, so the same work in both races) is within FIRST_RACE_TOLERANCE of the next race's (run-to-run spread on a
-    2-core machine shared with the browser is about +-40% on a ~100 ms TTFT), lane A's second race reuses the
+    cache, so the same work in every race) is within FIRST_RACE_TOLERANCE of the fastest later race's (run-to-run
+    spread on a 2-core machine shared with the browser is about +-40% on a ~100 ms TTFT; a third or fourth race runs
+    where a busy moment slowed the ones before), lane A's later races reuse the
     visitor's own cached blocks, the first step alternates between the lanes, and the speed-up line agrees with the
     per-lane figures."""
     from playwright.sync_api import expect
@@ -299,7 +300,13 @@ def test_first_race_after_a_fresh_start_measures_like_the_second(fresh_app, brow
     _set_race_tokens(page, 32)  # TTFT is the point: keep the no-cache lane short
     status = page.locator("#race-status")
     ttft_b, first_lanes, prompts_a = [], [], []
-    for _ in range(2):
+
+    def comparable() -> bool:  # the first race's lane B TTFT within the tolerance of the later races' fastest
+        return 1 / FIRST_RACE_TOLERANCE <= ttft_b[0] / min(ttft_b[1:]) <= FIRST_RACE_TOLERANCE
+
+    # The first race, then later ones: up to three, while a busy moment of the shared host (the suite's other worker
+    # compiling) has slowed every later race so far (once measured 103 against 208 ms).
+    for race in range(4):
         page.wait_for_timeout(1000)  # as a person would: the page has drawn what it shows before Run is pressed
         page.click("#race-run")
         expect(status).to_contain_text("takes the first step", timeout=60_000)
@@ -308,11 +315,14 @@ def test_first_race_after_a_fresh_start_measures_like_the_second(fresh_app, brow
         shown = _assert_numbers_agree(page)
         prompts_a.append(shown["A"]["prompt"])
         ttft_b.append(shown["B"]["table"][1])
-    print(f"lane B TTFT: first race {ttft_b[0]} ms, second {ttft_b[1]} ms; first steps {first_lanes}")
-    assert sorted(first_lanes) == ["A", "B"]
-    # Lane B (no KV cache) does the same work in both races; lane A's second race reuses this visitor's own blocks.
-    assert 1 / FIRST_RACE_TOLERANCE <= ttft_b[0] / ttft_b[1] <= FIRST_RACE_TOLERANCE, ttft_b
-    assert prompts_a == [(41, 0, 41), (41, 32, 9)]  # prompt tokens, from prefix cache, computed
+        if race >= 1 and comparable():
+            break
+    print(f"lane B TTFT: first race {ttft_b[0]} ms, later {ttft_b[1:]} ms; first steps {first_lanes}")
+    assert sorted(first_lanes[:2]) == ["A", "B"]
+    # Lane B (no KV cache) does the same work in every race; lane A's later races reuse this visitor's own blocks.
+    assert comparable(), ttft_b
+    assert prompts_a == [(41, 0, 41)] + [(41, 32, 9)] * (len(prompts_a) - 1)  # prompt tokens, from prefix cache,
+    # computed
     # The page stays open: `fresh_app` then checks that an open page does not keep app.py up after a stop.
 
 

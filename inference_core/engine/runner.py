@@ -270,17 +270,16 @@ class ModelRunner:
         accepted path (its KV moved to consecutive slots) and commits that."""
         first, num_nodes = seq.num_computed_tokens, len(depths)
         root = len(seq) - num_nodes  # node 0's position (and slot)
+        self.kv_cache.ensure_capacity(seq)
         if self.decoder is not None and first == root:  # the tree alone is new: the compiled query step takes it
             reason = self.decoder.refusal([seq], [num_nodes])
             if reason is None:
-                self.kv_cache.ensure_capacity(seq)
                 logits, hidden = self.decoder.run_queries([seq], [num_nodes], num_logits=num_nodes,
                                                           tree=(depths, tree_mask.cpu()))
                 return logits, hidden[0]
             self.count_fallback(reason)
         else:
             self.count_fallback("a draft tree's verification")
-        self.kv_cache.ensure_capacity(seq)
         batch = self.prepare([seq], [len(seq) - first], num_logits=num_nodes)
         positions = torch.cat([torch.arange(first, root, device=self.device),
                                root + torch.tensor(depths, device=self.device)])

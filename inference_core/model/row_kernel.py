@@ -163,36 +163,21 @@ constexpr int64_t CARRY_RUN = 64;
 std::atomic<int64_t> g_streams[2] = {2, 2};
 std::atomic<int64_t> g_prefetch[2] = {0, 0};
 
-// R input rows against S blocks at once (S streams of the weight in flight per thread: at moments the host's memory
-// gives more, two streams read 91-96 GB/s where one read 66-79, measured on one 270 MB weight). T: the weight's
-// elements, bf16 (as uint16_t) or int8; `scales` (int8: one per output feature, applied to the sums; bf16: null).
-// Over input features [k0, k1): with `carry` (the rows' sums [S][R][BLOCK] between runs of k, when more rows than
-// one pass holds take turns over the blocks: `blocks_rows`) the sums start from it after the first run and go back to
-// it before the last; the last run (k1 = K) writes the output.
-template <int R, int S, bool PF, typename T>
-void block_rows(const float* x, int64_t K, int64_t k0, int64_t k1, const T* const* w, const float* scales,
-                at::BFloat16* out, int64_t N, const int64_t* n0, int64_t pf, float* carry) {
-  vec acc[S][R][NV];
+// A pass's sums [S][R][NV] as a run of input features starts: the carried ones (`carried`: after the first run),
+// else 0.
+template <int S, int R>
+inline void start_sums(vec (&acc)[S][R][NV], const float* carry, bool carried) {
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NV; ++j)
-        acc[s][r][j] = carry && k0 ? vloadu(carry + (s * R + r) * BLOCK + LANES * j) : vzero();
-  for (int64_t k = k0; k < k1; ++k) {
-    vec a[R];
-    for (int r = 0; r < R; ++r) a[r] = vset1(x[r * K + k]);
-    for (int s = 0; s < S; ++s) {
-      const T* row = w[s] + k * BLOCK;
-      if constexpr (PF) {  // the lines `pf` bytes ahead of this stream (prefetches never fault past the end)
-        _mm_prefetch(reinterpret_cast<const char*>(row) + pf, _MM_HINT_T0);
-        if constexpr (sizeof(T) * BLOCK > 64) _mm_prefetch(reinterpret_cast<const char*>(row) + pf + 64, _MM_HINT_T0);
-      }
-      for (int j = 0; j < NV; ++j) {
-        const vec wj = widen(row + LANES * j);
-        for (int r = 0; r < R; ++r) acc[s][r][j] = vfma(a[r], wj, acc[s][r][j]);
-      }
-    }
-  }
-  if (carry && k1 < K) {
+      for (int j = 0; j < NV; ++j) acc[s][r][j] = carried ? vloadu(carry + (s * R + r) * BLOCK + LANES * j) : vzero();
+}
+
+// ... as it ends: back to `carry` where more runs follow (`last` false), else rounded to bf16 into the output (times
+// `scales` per output feature where given).
+template <int S, int R>
+inline void finish_sums(vec (&acc)[S][R][NV], float* carry, bool last, const float* scales, at::BFloat16* out,
+                        int64_t N, const int64_t* n0) {
+  if (!last) {
     for (int s = 0; s < S; ++s)
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) vstore(carry + (s * R + r) * BLOCK + LANES * j, acc[s][r][j]);
@@ -209,6 +194,35 @@ void block_rows(const float* x, int64_t K, int64_t k0, int64_t k1, const T* cons
         for (int64_t c = 0; c < cols; ++c) out[r * N + n0[s] + c] = at::BFloat16(sums[c]);
     }
   }
+}
+
+// R input rows against S blocks at once (S streams of the weight in flight per thread: at moments the host's memory
+// gives more, two streams read 91-96 GB/s where one read 66-79, measured on one 270 MB weight). T: the weight's
+// elements, bf16 (as uint16_t) or int8; `scales` (int8: one per output feature, applied to the sums; bf16: null).
+// Over input features [k0, k1): with `carry` (the rows' sums [S][R][BLOCK] between runs of k, when more rows than
+// one pass holds take turns over the blocks: `blocks_rows`) the sums start from it after the first run and go back to
+// it before the last; the last run (k1 = K) writes the output.
+template <int R, int S, bool PF, typename T>
+void block_rows(const float* x, int64_t K, int64_t k0, int64_t k1, const T* const* w, const float* scales,
+                at::BFloat16* out, int64_t N, const int64_t* n0, int64_t pf, float* carry) {
+  vec acc[S][R][NV];
+  start_sums<S, R>(acc, carry, carry && k0);
+  for (int64_t k = k0; k < k1; ++k) {
+    vec a[R];
+    for (int r = 0; r < R; ++r) a[r] = vset1(x[r * K + k]);
+    for (int s = 0; s < S; ++s) {
+      const T* row = w[s] + k * BLOCK;
+      if constexpr (PF) {  // the lines `pf` bytes ahead of this stream (prefetches never fault past the end)
+        _mm_prefetch(reinterpret_cast<const char*>(row) + pf, _MM_HINT_T0);
+        if constexpr (sizeof(T) * BLOCK > 64) _mm_prefetch(reinterpret_cast<const char*>(row) + pf + 64, _MM_HINT_T0);
+      }
+      for (int j = 0; j < NV; ++j) {
+        const vec wj = widen(row + LANES * j);
+        for (int r = 0; r < R; ++r) acc[s][r][j] = vfma(a[r], wj, acc[s][r][j]);
+      }
+    }
+  }
+  finish_sums<S, R>(acc, carry, !(carry && k1 < K), scales, out, N, n0);
 }
 
 // Every row of M, R at a time: `pass(m, r, pf)` for the rows from m, with r = min(R, M - m) and pf = whether to
@@ -353,11 +367,8 @@ at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales,
 template <int R, int S, bool PF>
 void pair_block_rows(const uint32_t* x, int64_t K2, int64_t p0, int64_t p1, const uint16_t* const* w,
                      at::BFloat16* out, int64_t N, const int64_t* n0, int64_t pf, float* carry) {
-  __m512 acc[S][R][NV];
-  for (int s = 0; s < S; ++s)
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NV; ++j)
-        acc[s][r][j] = carry && p0 ? vloadu(carry + (s * R + r) * BLOCK + LANES * j) : vzero();
+  vec acc[S][R][NV];
+  start_sums<S, R>(acc, carry, carry && p0);
   for (int64_t p = p0; p < p1; ++p) {
     __m512i a[R];
     for (int r = 0; r < R; ++r) a[r] = _mm512_set1_epi32(static_cast<int32_t>(x[r * K2 + p]));
@@ -375,20 +386,7 @@ void pair_block_rows(const uint32_t* x, int64_t K2, int64_t p0, int64_t p1, cons
       }
     }
   }
-  if (carry && p1 < K2) {
-    for (int s = 0; s < S; ++s)
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NV; ++j) vstore(carry + (s * R + r) * BLOCK + LANES * j, acc[s][r][j]);
-    return;
-  }
-  for (int s = 0; s < S; ++s) {
-    const int64_t cols = std::min<int64_t>(BLOCK, N - n0[s]);
-    for (int r = 0; r < R; ++r) {
-      alignas(64) float sums[BLOCK];
-      for (int j = 0; j < NV; ++j) vstore(sums + LANES * j, acc[s][r][j]);
-      for (int64_t c = 0; c < cols; ++c) out[r * N + n0[s] + c] = at::BFloat16(sums[c]);
-    }
-  }
+  finish_sums<S, R>(acc, carry, !(carry && p1 < K2), nullptr, out, N, n0);
 }
 
 #pragma GCC push_options

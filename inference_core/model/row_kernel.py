@@ -348,6 +348,8 @@ at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales,
   return out;
 }
 
+std::atomic<int64_t> g_amx_from{2};  // the fewest rows that take the AMX form where it is usable (0: never)
+
 // int4 weights (`pack_int4`: tinygemm's numbers, w = (q - 8) * scale + zero, a bf16 scale and zero per group of G
 // input features and output feature), on AVX-512 with BF16 dot products. Each block of 48 output features holds, per
 // group, G / 8 octets of three 64-byte vectors and then the group's 48 scales and 48 zeros (bf16): in vector j of
@@ -455,8 +457,6 @@ void amx_block_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t*
   }
 }
 #pragma GCC pop_options
-
-std::atomic<int64_t> g_amx_from{2};  // the fewest rows that take the AMX form where it is usable (0: never)
 
 // x [M, K] bf16 by the pair-packed weight [blocks, K / 2, 96] -> [M, N] bf16.
 at::Tensor pair_rows_by_blocks(const at::Tensor& x, const uint16_t* wp, int64_t N) {

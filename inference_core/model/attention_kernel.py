@@ -416,17 +416,19 @@ TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
 
 
 def register_fake() -> None:
-    """The ops' output shapes for export (called once the extension is built)."""
-    torch.library.register_fake("inference_core::attend_paged")(_fake)
-    torch.library.register_fake("inference_core::attend_paged_queries")(_fake_queries)
+    """The ops' output shapes for export, as torch.library's fake kernels (called once the extension is built)."""
+    torch.library.register_fake("inference_core::attend_paged")(_decode_output_shape)
+    torch.library.register_fake("inference_core::attend_paged_queries")(_queries_output_shape)
 
 
-def _fake(q, k, v, k_pool, v_pool, table, key_mask, scale):
+def _decode_output_shape(q, k, v, k_pool, v_pool, table, key_mask, scale):
+    """`attend_paged`'s output without computing it: fp32 [B, KVH, group, D]."""
     batch, kv_heads, head_dim = k.shape
     return q.new_empty(batch, kv_heads, q.shape[1] // kv_heads, head_dim, dtype=torch.float32)
 
 
-def _fake_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale):
+def _queries_output_shape(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale):
+    """`attend_paged_queries`'s output without computing it: fp32, q's shape [B, T, H, D]."""
     return q.new_empty(q.shape, dtype=torch.float32)
 
 

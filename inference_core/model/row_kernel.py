@@ -798,7 +798,7 @@ def _build() -> str | None:
     except (RuntimeError, OSError) as error:  # no compiler, no ninja, a failed build: inductor's matmuls instead
         return f"its build failed ({str(error).splitlines()[0][:200]})"
     for op in ("linear_rows", "linear_rows_int8", "linear_rows_int4"):
-        torch.library.register_fake(f"inference_core::{op}")(_fake)
+        torch.library.register_fake(f"inference_core::{op}")(_projection_output_shape)
     attention_kernel.register_fake()
     _state_tuning.update(_tuned(directory / "tuning.json", capability))
     apply_tuning()
@@ -1030,7 +1030,7 @@ def c_shims() -> dict:
             for name, types in arguments.items()}
 
 
-def _fake(x: torch.Tensor, *weights_and_out_features) -> torch.Tensor:
+def _projection_output_shape(x: torch.Tensor, *weights_and_out_features) -> torch.Tensor:
     """The projection ops' output shape for export: [rows of x, out_features], their last argument."""
     return x.new_empty(x.shape[0], weights_and_out_features[-1])
 

@@ -32,7 +32,10 @@ HEAD_DIMS = (64, 128)
 
 SOURCE = r"""
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <memory>
+#include <optional>
 
 namespace attention {
 
@@ -116,23 +119,27 @@ constexpr int rows_at_once() { return std::max(1, std::min(MAXG, (VREGS - C - 4)
 // hardware prefetcher cannot guess, so the thread asks for its keys' and values' blocks PREFETCH_BLOCKS ahead of the
 // one it computes (many misses in flight instead of one block's at a time).
 constexpr int64_t PREFETCH_BLOCKS = 8;
-inline void prefetch_block(const uint16_t* p, int64_t bytes) {
+inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
+
+// A row of a pool's keys or values as fp32 vectors: a bf16 pool's widened, an fp32 pool's as they are.
+inline vec load_row(const uint16_t* p) { return widen(p); }
+inline vec load_row(const float* p) { return vload(p); }
 
 // One sequence's T queries against its cached keys in the blocks [b0, b1) for every KV head. q: [T, H, D]; mask:
 // [T, W], which cached keys each query sees. A KV head h has R = T * G query rows, r = t * G + g for query t's head
 // h * G + g; for each, part[(h * R + r) * (D + 2) ...] = {max, sum, acc[D]}: the maximum score, the sum of
 // exp(score - max) and the sum of exp(score - max) * value. Each block (BS positions of every KV head, one contiguous
 // run) is read from memory once for all heads and queries.
-template <int D>
-void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const uint16_t* kp, const uint16_t* vp,
+template <int D, typename P>
+void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const P* kp, const P* vp,
                   int64_t BS, const int32_t* table, const bool* mask, int64_t W, int64_t b0, int64_t b1, float scale,
                   float* part, std::vector<float>& scores, std::vector<char>& seen) {
   constexpr int C = D / LANES, CH = rows_at_once<C>();
   const int64_t H = KVH * G, R = T * G, j0 = b0 * BS, j1 = std::min(W, b1 * BS), n = std::max<int64_t>(0, j1 - j0);
-  const int64_t row = KVH * D, block_stride = BS * row, block_bytes = block_stride * 2;
+  const int64_t row = KVH * D, block_stride = BS * row, block_bytes = block_stride * sizeof(P);
   scores.resize(std::max<int64_t>(1, KVH * R * n));
   seen.assign(std::max<int64_t>(1, n), 0);  // whether any of the queries sees cached key j0 + i
   for (int64_t t = 0; t < T; ++t)
@@ -146,7 +153,7 @@ void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const uint1
   };
   for (int64_t b = b0; b < b0 + PREFETCH_BLOCKS; ++b) prefetch(b);
   for (int64_t b = b0; b < b1; ++b) {  // 1. the scores, block by block
-    const uint16_t* kb = kp + table[b] * block_stride;
+    const P* kb = kp + table[b] * block_stride;
     prefetch(b + PREFETCH_BLOCKS);
     const int64_t jb = b * BS, je = std::min(j1, jb + BS);
     for (int64_t h = 0; h < KVH; ++h) {
@@ -165,9 +172,9 @@ void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const uint1
             for (int64_t i = 0; i < rows; ++i) s[i * n] = NEG_INF;
             continue;
           }
-          const uint16_t* k = kb + (j - jb) * row + h * D;
+          const P* k = kb + (j - jb) * row + h * D;
           vec kv[C];
-          for (int c = 0; c < C; ++c) kv[c] = widen(k + LANES * c);
+          for (int c = 0; c < C; ++c) kv[c] = load_row(k + LANES * c);
           for (int64_t i = 0; i < rows; ++i) {
             if (!sees[i][j]) {
               s[i * n] = NEG_INF;
@@ -204,7 +211,7 @@ void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const uint1
     out[1] = vsum(sum);
   }
   for (int64_t b = b0; b < b1; ++b) {  // 3. the values weighted by them, block by block
-    const uint16_t* vb = vp + table[b] * block_stride;
+    const P* vb = vp + table[b] * block_stride;
     const int64_t jb = b * BS, je = std::min(j1, jb + BS);
     for (int64_t h = 0; h < KVH; ++h) {
       for (int64_t r0 = 0; r0 < R; r0 += CH) {
@@ -215,9 +222,9 @@ void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const uint1
           for (int c = 0; c < C; ++c) acc[i][c] = vload(acc_at + i * (D + 2) + LANES * c);
         for (int64_t j = jb; j < je; ++j) {
           if (!seen[j - j0]) continue;
-          const uint16_t* v = vb + (j - jb) * row + h * D;
+          const P* v = vb + (j - jb) * row + h * D;
           vec vv[C];
-          for (int c = 0; c < C; ++c) vv[c] = widen(v + LANES * c);
+          for (int c = 0; c < C; ++c) vv[c] = load_row(v + LANES * c);
           for (int64_t i = 0; i < rows; ++i) {
             const vec p = vset1(scores[(h * R + r0 + i) * n + (j - j0)]);
             for (int c = 0; c < C; ++c) acc[i][c] = vfma(p, vv[c], acc[i][c]);
@@ -400,6 +407,217 @@ at::Tensor attend_paged_queries(const at::Tensor& q, const at::Tensor& k, const 
                      at::IntArrayRef{B, T, q.size(2), D});
 }
 
+// The flat step's: S sequences one after another in N new tokens (any number each, a decode's 1 or a prefill
+// chunk's many), causal, each after its `cached` keys in the pool. Short sequences go through `attend_range` in runs
+// of FLAT_QUERIES queries (their keys split between the threads where there are fewer runs than threads) and the
+// new keys each sees, combined in fp32; sequences of FLAT_LONG new tokens or more through ATen's SDPA on their keys
+// gathered in fp32 (its tiled kernel, where the quadratic work over the new keys is).
+constexpr int64_t FLAT_QUERIES = 8;
+constexpr int64_t FLAT_LONG = 64;
+static_assert(FLAT_LONG <= MAXQ, "a short sequence's new keys fit `own`");
+
+// Query u of a sequence (at position cached + u) sees cached key j where no window cuts it.
+inline bool in_window(int64_t position, int64_t key, int64_t window) { return window == 0 || key > position - window; }
+
+inline float as_float(float x) { return x; }
+inline float as_float(uint16_t bits) {  // a bf16's bits
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &wide, sizeof x);
+  return x;
+}
+
+// A sequence of n >= FLAT_LONG new tokens (flat rows [start, start + n)) after its c cached keys: its keys gathered in
+// fp32, [KVH, c + n, D], and ATen's SDPA (causal where nothing is cached and no window cuts the keys, else a mask).
+template <int D, typename P>
+void attend_long(const float* qf, const float* kf, const float* vf, const P* kp, const P* vp, const int32_t* table,
+                 int64_t BS, int64_t start, int64_t n, int64_t c, int64_t H, int64_t KVH, int64_t window, double scale,
+                 float* o) {
+  const int64_t L = c + n, G = H / KVH, row = KVH * D;
+  auto keys = at::empty({1, KVH, L, D}, at::kFloat), values = at::empty({1, KVH, L, D}, at::kFloat);
+  float* kk = keys.data_ptr<float>();
+  float* vv = values.data_ptr<float>();
+  at::parallel_for(0, L, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t h = 0; h < KVH; ++h) {
+        float* kd = kk + (h * L + j) * D;
+        float* vd = vv + (h * L + j) * D;
+        if (j < c) {
+          const int64_t at = table[j / BS] * BS * row + (j % BS) * row + h * D;
+          for (int64_t d = 0; d < D; ++d) {
+            kd[d] = as_float(kp[at + d]);
+            vd[d] = as_float(vp[at + d]);
+          }
+        } else {
+          std::copy(kf + ((start + j - c) * KVH + h) * D, kf + ((start + j - c) * KVH + h + 1) * D, kd);
+          std::copy(vf + ((start + j - c) * KVH + h) * D, vf + ((start + j - c) * KVH + h + 1) * D, vd);
+        }
+      }
+  });
+  auto query = at::from_blob(const_cast<float*>(qf) + start * H * D, {n, H, D}, at::kFloat).transpose(0, 1).unsqueeze(0);
+  const bool causal = c == 0 && (window == 0 || n <= window);
+  std::optional<at::Tensor> mask;
+  if (!causal) {  // query u at position c + u sees key j <= c + u within the window
+    auto m = at::empty({n, L}, at::kBool);
+    bool* mp = m.data_ptr<bool>();
+    for (int64_t u = 0; u < n; ++u)
+      for (int64_t j = 0; j < L; ++j) mp[u * L + j] = j <= c + u && in_window(c + u, j, window);
+    mask = m;
+  }
+  auto out = at::scaled_dot_product_attention(query, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1),
+                                              mask, 0.0, causal, scale);  // [1, H, n, D]
+  at::Tensor target = at::from_blob(o + start * H * D, {n, H, D}, at::kFloat);
+  target.copy_(out[0].transpose(0, 1));
+}
+
+template <int D, typename P>
+at::Tensor attend_flat(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const P* kp, const P* vp,
+                       int64_t BS, const at::Tensor& table, const int32_t* st, const int32_t* ca, int64_t window,
+                       double scale) {
+  const int64_t N = q.size(0), H = q.size(1), KVH = k.size(1), G = H / KVH, S = table.size(0), TB = table.size(1);
+  std::vector<float> buffer((N * H + 2 * N * KVH) * D);
+  float* qf = buffer.data();
+  float* kf = qf + N * H * D;
+  float* vf = kf + N * KVH * D;
+  to_floats(q, qf);
+  to_floats(k, kf);
+  to_floats(v, vf);
+  const auto tc = table.contiguous();
+  const int32_t* tp = tc.data_ptr<int32_t>();
+  auto out = at::empty({N, H, D}, q.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  struct Run { int64_t s, t0, t1; };
+  std::vector<Run> runs;
+  std::vector<int64_t> longs;
+  int64_t most_blocks = 1;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = st[s + 1] - st[s];
+    if (n >= FLAT_LONG) {
+      longs.push_back(s);
+      continue;
+    }
+    for (int64_t t0 = 0; t0 < n; t0 += FLAT_QUERIES) runs.push_back({s, t0, std::min(n, t0 + FLAT_QUERIES)});
+    most_blocks = std::max<int64_t>(most_blocks, (ca[s] + BS - 1) / BS);
+  }
+  for (int64_t s : longs) attend_long<D>(qf, kf, vf, kp, vp, tp + s * TB, BS, st[s], st[s + 1] - st[s], ca[s], H, KVH,
+                                         window, scale, o);
+  if (runs.empty()) return out;
+  const int64_t R = static_cast<int64_t>(runs.size()), threads = at::get_num_threads();
+  const int64_t NT = std::max<int64_t>(1, std::min<int64_t>(most_blocks, (threads + R - 1) / R));
+  const int64_t part_size = KVH * FLAT_QUERIES * G * (D + 2);
+  std::vector<float> parts(R * NT * part_size);
+  at::parallel_for(0, R * NT, 1, [&](int64_t begin, int64_t end) {  // each (run, range of its cached key blocks)
+    std::vector<float> scores;
+    std::vector<char> seen;
+    std::unique_ptr<bool[]> mask;
+    for (int64_t item = begin; item < end; ++item) {
+      const Run& r = runs[item / NT];
+      const int64_t th = item % NT, T = r.t1 - r.t0, c = ca[r.s], blocks = (c + BS - 1) / BS;
+      mask.reset(new bool[std::max<int64_t>(1, T * c)]);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < c; ++j) mask[t * c + j] = in_window(c + r.t0 + t, j, window);
+      attend_range<D>(qf + (st[r.s] + r.t0) * H * D, T, KVH, G, kp, vp, BS, tp + r.s * TB, mask.get(), c,
+                      blocks * th / NT, blocks * (th + 1) / NT, (float)scale, parts.data() + item * part_size, scores,
+                      seen);
+    }
+  });
+  // Each query's ranges' partial softmaxes and the new keys it sees (its sequence's up to itself), in fp32.
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    float own[FLAT_LONG];
+    for (int64_t ri = begin; ri < end; ++ri) {
+      const Run& r = runs[ri];
+      const int64_t T = r.t1 - r.t0, RR = T * G, first = st[r.s], c = ca[r.s];
+      for (int64_t t = r.t0; t < r.t1; ++t)
+        for (int64_t hg = 0; hg < H; ++hg) {
+          const int64_t h = hg / G, row = (t - r.t0) * G + hg % G;
+          const float* qh = qf + ((first + t) * H + hg) * D;
+          float m = NEG_INF;
+          for (int64_t u = 0; u <= t; ++u) {
+            own[u] = NEG_INF;
+            if (in_window(c + t, c + u, window)) {
+              own[u] = dot<D>(qh, kf + ((first + u) * KVH + h) * D) * (float)scale;
+              m = std::max(m, own[u]);
+            }
+          }
+          for (int64_t th = 0; th < NT; ++th) m = std::max(m, parts[(ri * NT + th) * part_size + (h * RR + row) * (D + 2)]);
+          float* oh = o + ((first + t) * H + hg) * D;
+          std::fill(oh, oh + D, 0.f);
+          float total = 0.f;
+          for (int64_t u = 0; u <= t; ++u) {
+            if (own[u] == NEG_INF) continue;
+            const float w = std::exp(own[u] - m);
+            total += w;
+            add_scaled<D>(oh, w, vf + ((first + u) * KVH + h) * D);
+          }
+          for (int64_t th = 0; th < NT; ++th) {
+            const float* p = parts.data() + (ri * NT + th) * part_size + (h * RR + row) * (D + 2);
+            if (p[1] == 0.f) continue;
+            const float w = std::exp(p[0] - m);
+            total += w * p[1];
+            add_scaled<D>(oh, w, p + 2);
+          }
+          const float inverse = 1.f / total;
+          for (int d = 0; d < D; ++d) oh[d] *= inverse;
+        }
+    }
+  });
+  return out;
+}
+
+template <int D>
+at::Tensor flat_of_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
+                        const at::Tensor& v_pool, const at::Tensor& table, const int32_t* st, const int32_t* ca,
+                        int64_t window, double scale) {
+  const int64_t BS = k_pool.size(1);
+  if (k_pool.scalar_type() == at::kFloat)
+    return attend_flat<D>(q, k, v, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), BS, table, st, ca, window,
+                          scale);
+  return attend_flat<D>(q, k, v, reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
+                        reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), BS, table, st, ca, window,
+                        scale);
+}
+
+// q [N, H, D], k, v [N, KVH, D]: the N new tokens of S sequences, sequence s's at [starts[s], starts[s + 1]) after
+// its cached[s] keys in the pool (k_pool, v_pool one layer's [blocks, BS, KVH, D], bf16 or fp32), read through
+// table [S, blocks] int32. window [1] int32: a sliding window's size (0: none). Returns fp32 [N, H, D].
+at::Tensor attend_paged_flat(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
+                             const at::Tensor& v_pool, const at::Tensor& table, const at::Tensor& starts,
+                             const at::Tensor& cached, const at::Tensor& window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
+              q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0 && q.size(1) / k.size(1) <= MAXG,
+              "attend_paged_flat: q [N, H, D] and k, v [N, KVH, D] with at most 8 query heads a KV head");
+  const int64_t D = k.size(2), N = k.size(0);
+  TORCH_CHECK((k_pool.scalar_type() == at::kBFloat16 || k_pool.scalar_type() == at::kFloat) &&
+              v_pool.scalar_type() == k_pool.scalar_type() && k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() &&
+              k_pool.size(2) == k.size(1) && k_pool.size(3) == D && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "attend_paged_flat: bf16 or fp32 pools [blocks, block, KVH, D]");
+  TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128, "attend_paged_flat: head_dim 16, 32, 64 or 128");
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 2 && starts.scalar_type() == at::kInt &&
+              starts.dim() == 1 && starts.size(0) == table.size(0) + 1 && cached.scalar_type() == at::kInt &&
+              cached.dim() == 1 && cached.size(0) == table.size(0) && window.scalar_type() == at::kInt &&
+              window.numel() == 1,
+              "attend_paged_flat: int32 table [S, blocks], starts [S + 1], cached [S] and window [1]");
+  const auto sc = starts.contiguous(), cc = cached.contiguous(), tc = table.contiguous();
+  const int32_t* st = sc.data_ptr<int32_t>();
+  const int32_t* ca = cc.data_ptr<int32_t>();
+  const int64_t S = table.size(0), TB = table.size(1), BS = k_pool.size(1), blocks = k_pool.size(0);
+  const int64_t w = window.contiguous().data_ptr<int32_t>()[0];
+  TORCH_CHECK(st[0] == 0 && st[S] == N && w >= 0, "attend_paged_flat: starts from 0 to the N tokens, a window >= 0");
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(st[s] <= st[s + 1] && ca[s] >= 0 && ca[s] <= TB * BS,
+                "attend_paged_flat: starts in order, each sequence's cached keys within its table's blocks");
+    for (int64_t b = 0; b < (ca[s] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tc.data_ptr<int32_t>()[s * TB + b] >= 0 && tc.data_ptr<int32_t>()[s * TB + b] < blocks,
+                  "attend_paged_flat: a block table entry outside the pool");
+  }
+  switch (D) {
+    case 16: return flat_of_pool<16>(q, k, v, k_pool, v_pool, tc, st, ca, w, scale);
+    case 32: return flat_of_pool<32>(q, k, v, k_pool, v_pool, tc, st, ca, w, scale);
+    case 64: return flat_of_pool<64>(q, k, v, k_pool, v_pool, tc, st, ca, w, scale);
+    default: return flat_of_pool<128>(q, k, v, k_pool, v_pool, tc, st, ca, w, scale);
+  }
+}
+
 }  // namespace attention
 
 TORCH_LIBRARY_FRAGMENT(inference_core, m) {
@@ -407,10 +625,13 @@ TORCH_LIBRARY_FRAGMENT(inference_core, m) {
         "float scale) -> Tensor");
   m.def("attend_paged_queries(Tensor q, Tensor k, Tensor v, Tensor k_pool, Tensor v_pool, Tensor table, "
         "Tensor key_mask, Tensor new_mask, float scale) -> Tensor");
+  m.def("attend_paged_flat(Tensor q, Tensor k, Tensor v, Tensor k_pool, Tensor v_pool, Tensor table, Tensor starts, "
+        "Tensor cached, Tensor window, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
   m.impl("attend_paged", attention::attend_paged);
   m.impl("attend_paged_queries", attention::attend_paged_queries);
+  m.impl("attend_paged_flat", attention::attend_paged_flat);
 }
 """
 
@@ -419,6 +640,7 @@ def register_fake() -> None:
     """The ops' output shapes for export, as torch.library's fake kernels (called once the extension is built)."""
     torch.library.register_fake("inference_core::attend_paged")(_decode_output_shape)
     torch.library.register_fake("inference_core::attend_paged_queries")(_queries_output_shape)
+    torch.library.register_fake("inference_core::attend_paged_flat")(_queries_output_shape)
 
 
 def _decode_output_shape(q, k, v, k_pool, v_pool, table, key_mask, scale):
@@ -427,8 +649,9 @@ def _decode_output_shape(q, k, v, k_pool, v_pool, table, key_mask, scale):
     return q.new_empty(batch, kv_heads, q.shape[1] // kv_heads, head_dim, dtype=torch.float32)
 
 
-def _queries_output_shape(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale):
-    """`attend_paged_queries`'s output without computing it: fp32, q's shape [B, T, H, D]."""
+def _queries_output_shape(q, *pools_tables_and_scale):
+    """`attend_paged_queries`' and `attend_paged_flat`'s output without computing it: fp32, q's shape ([B, T, H, D],
+    or [N, H, D])."""
     return q.new_empty(q.shape, dtype=torch.float32)
 
 
@@ -455,3 +678,26 @@ def attend_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale: fl
     [B, T, heads, D]; k, v [B, T, KVH, D]; k_pool, v_pool one layer's [blocks, block, KVH, D]; table [B, blocks];
     key_mask [B, T, keys]; new_mask [B, T, T]. Returns fp32 [B, T, heads, D]."""
     return torch.ops.inference_core.attend_paged_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale)
+
+
+FLAT_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def takes_flat(q: torch.Tensor, k: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Whether the flat op takes this layer's attention: a bf16 or fp32 paged pool on the CPU ([layers, blocks, block,
+    KVH, D]), head_dim in FLAT_HEAD_DIMS, at most MAX_GROUP query heads a KV head (q [N, H, D], k [N, KVH, D])."""
+    kv_heads, head_dim = k.shape[-2:]
+    return (k_pool.device.type == "cpu" and k_pool.dtype in (torch.bfloat16, torch.float32) and k_pool.dim() == 5
+            and tuple(k_pool.shape[-2:]) == (kv_heads, head_dim) and head_dim in FLAT_HEAD_DIMS
+            and q.shape[1] % kv_heads == 0 and q.shape[1] // kv_heads <= MAX_GROUP)
+
+
+def attend_flat(q, k, v, k_pool, v_pool, table, starts, cached, window, scale: float) -> torch.Tensor:
+    """The flat step's attention (`engine.query_graph.FlatGraph`) through the op: N new tokens of S sequences one after
+    another, q [N, heads, D]; k, v [N, KVH, D]; k_pool, v_pool one layer's [blocks, block, KVH, D]; table [S, blocks],
+    starts [S + 1] (sequence s's tokens are rows [starts[s], starts[s + 1])), cached [S] (its keys in the pool before
+    them), all int32; window a sliding window's size (an int32 [1] tensor, an int, or None: no window). Each token
+    sees its sequence's cached keys and its new keys up to itself, within the window. Returns fp32 [N, heads, D]."""
+    if not isinstance(window, torch.Tensor):
+        window = torch.tensor([window or 0], dtype=torch.int32)
+    return torch.ops.inference_core.attend_paged_flat(q, k, v, k_pool, v_pool, table, starts, cached, window, scale)

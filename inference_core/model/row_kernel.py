@@ -724,6 +724,18 @@ AOTITorchError aoti_torch_cpu_attend_paged_queries(AtenTensorHandle q, AtenTenso
         tensor(new_mask), scale));
   });
 }
+AOTITorchError aoti_torch_cpu_attend_paged_flat(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                AtenTensorHandle k_pool, AtenTensorHandle v_pool,
+                                                AtenTensorHandle table, AtenTensorHandle starts,
+                                                AtenTensorHandle cached, AtenTensorHandle window, double scale,
+                                                AtenTensorHandle* out) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    RECORD_FUNCTION("inference_core::attend_paged_flat", std::vector<c10::IValue>());
+    *out = torch::aot_inductor::new_tensor_handle(attention::attend_paged_flat(
+        tensor(q), tensor(k), tensor(v), tensor(k_pool), tensor(v_pool), tensor(table), tensor(starts),
+        tensor(cached), tensor(window), scale));
+  });
+}
 }
 """
 
@@ -1023,9 +1035,10 @@ def c_shims() -> dict:
     int8 = "AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*"
     attention = ", ".join(["AtenTensorHandle"] * 7 + ["double", "AtenTensorHandle*"])
     queries = ", ".join(["AtenTensorHandle"] * 8 + ["double", "AtenTensorHandle*"])
+    flat = ", ".join(["AtenTensorHandle"] * 9 + ["double", "AtenTensorHandle*"])
     int4 = "AtenTensorHandle, AtenTensorHandle, int64_t, int64_t, AtenTensorHandle*"
     arguments = {"linear_rows": bf16, "linear_rows_int8": int8, "linear_rows_int4": int4, "attend_paged": attention,
-                 "attend_paged_queries": queries}
+                 "attend_paged_queries": queries, "attend_paged_flat": flat}
     return {getattr(torch.ops.inference_core, name).default: [f"AOTITorchError aoti_torch_cpu_{name}({types})"]
             for name, types in arguments.items()}
 

@@ -5,6 +5,8 @@ model against eager (tests/engine/test_compiled.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from tiny_models import TINY, write_word_level_tokenizer
@@ -149,3 +151,69 @@ def test_an_exported_query_step_calls_it_only_where_asked(our_ops, wide_heads):
         assert ("attend_paged_queries" in str(program.graph)) == ours
         outputs[ours] = program.module()(*args)
     torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=2e-2, atol=2e-2)  # logits, bf16 projections
+
+
+def flat_case(news: list[int], cached: list[int], kv_heads: int, group: int, head_dim: int, dtype, seed: int):
+    """Random pools of 64 blocks of 16 and a flat batch: sequence s forwards news[s] new tokens after cached[s] keys
+    in the pool, its block table a random row of distinct blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    pool = (64, 16, kv_heads, head_dim)
+    k_pool, v_pool = (torch.randn(pool, generator=generator).to(dtype) for _ in range(2))
+    blocks = max(2, max(-(-c // 16) for c in cached))
+    table = torch.stack([torch.randperm(64, generator=generator)[:blocks] for _ in news]).int()
+    tokens = sum(news)
+    q = torch.randn(tokens, kv_heads * group, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2))
+    starts = torch.tensor([0] + list(itertools.accumulate(news)), dtype=torch.int32)
+    return q, k, v, k_pool, v_pool, table, starts, torch.tensor(cached, dtype=torch.int32)
+
+
+def flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale):
+    """The flat op's attention written plainly: each sequence's keys (cached, then new) and a causal, windowed mask."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    group = q.shape[1] // k.shape[1]
+    for s in range(len(cached)):
+        first, last, c = int(starts[s]), int(starts[s + 1]), int(cached[s])
+        if first == last:
+            continue
+        keys_at = [int(table[s, j // 16]) * 16 + j % 16 for j in range(c)]
+        k_all = torch.cat([k_pool.flatten(0, 1)[keys_at], k[first:last]]).float()  # [c + n, KVH, D]
+        v_all = torch.cat([v_pool.flatten(0, 1)[keys_at], v[first:last]]).float()
+        query_positions = torch.arange(c, c + last - first)[:, None]
+        key_positions = torch.arange(c + last - first)[None, :]
+        mask = key_positions <= query_positions
+        if window:
+            mask &= key_positions > query_positions - window
+        scores = torch.einsum("nhd,jhd->hnj", q[first:last].float(), k_all.repeat_interleave(group, 1)) * scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out[first:last] = torch.einsum("hnj,jhd->nhd", probs, v_all.repeat_interleave(group, 1))
+    return out
+
+
+@pytest.mark.parametrize("news, cached, kv_heads, group, head_dim, dtype, window", [
+    ([1, 1, 1], [40, 7, 100], 3, 3, 64, torch.bfloat16, None),  # decodes alone
+    ([16, 1, 1, 1], [0, 33, 90, 5], 3, 3, 64, torch.bfloat16, None),  # a prefill chunk beside decodes
+    ([16, 1, 1, 1], [0, 33, 90, 5], 3, 3, 64, torch.float32, None),  # an fp32 pool
+    ([9, 30, 1], [50, 17, 200], 2, 4, 128, torch.bfloat16, None),  # chunks after cached prefixes
+    ([70], [0], 2, 2, 16, torch.float32, None),  # a long prompt: ATen's SDPA, causal
+    ([100, 2], [37, 60], 2, 2, 32, torch.bfloat16, None),  # a long chunk after a prefix: SDPA with a mask
+    ([70, 3, 1], [0, 21, 48], 2, 2, 16, torch.float32, 24),  # sliding windows, long and short
+    ([12, 1], [80, 130], 1, 8, 64, torch.bfloat16, 40),
+    ([0, 5, 0, 1], [0, 19, 0, 3], 2, 2, 16, torch.float32, None),  # empty rows (a bucket's padding sequences)
+    ([2], [0], 4, 1, 16, torch.float32, None),  # the smallest flat step
+])
+def test_the_flat_op_equals_a_plain_attention(our_ops, news, cached, kv_heads, group, head_dim, dtype, window):
+    case = flat_case(news, cached, kv_heads, group, head_dim, dtype, seed=sum(news))
+    want = flat_reference(*case, window, head_dim**-0.5)
+    got = attention_kernel.attend_flat(*case, window, head_dim**-0.5)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_the_flat_op_refuses_a_block_outside_the_pool(our_ops):
+    q, k, v, k_pool, v_pool, table, starts, cached = flat_case([3], [20], 2, 2, 16, torch.float32, seed=0)
+    table[0, 1] = 64
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        attention_kernel.attend_flat(q, k, v, k_pool, v_pool, table, starts, cached, None, 0.25)
+    with pytest.raises(RuntimeError, match="starts from 0"):
+        attention_kernel.attend_flat(q, k, v, k_pool, v_pool, table, starts + 1, cached, None, 0.25)

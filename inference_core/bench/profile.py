@@ -87,7 +87,7 @@ KERNEL_WORDS = (({"gemm", "mm", "bmm", "addmm", "linear", "int8pack", "int4pack"
 # Our kernels (model.row_kernel, model.attention_kernel), by the names they record under: the op's, and inside a
 # package compiled with `--kernels` also that of its C entry point (aoti_torch_cpu_<op>), which holds the op's event.
 OUR_KERNELS = {"linear_rows": PROJECTIONS, "linear_rows_int8": PROJECTIONS, "linear_rows_int4": PROJECTIONS,
-               "attend_paged": ATTENTION, "attend_paged_queries": ATTENTION}
+               "attend_paged": ATTENTION, "attend_paged_queries": ATTENTION, "attend_paged_flat": ATTENTION}
 SAMPLING_OPS = {"softmax", "_softmax", "log_softmax", "_log_softmax", "argmax", "multinomial", "topk", "sort",
                 "cumsum", "exponential_"}  # outside the forward only (inside it softmax is attention's)
 

@@ -25,10 +25,12 @@ the KV cache, and is written so that a compiler can turn it into a few fused ker
   dynamic there too (buckets above 1), so one inductor compile serves every bucket and each bucket records its own
   CUDA graph.
 
-Nothing inside the step syncs with the host or loops over sequences. Several tokens a sequence (speculative
-verification, trained draft heads' steps, which read hidden states) run through the query step beside it
-(`query_graph`, AOTInductor only), by the same machinery; prefill chunks past its size and mixed steps stay on the
-eager path (`refusal` says why, and the stats count it).
+Nothing inside the step syncs with the host or loops over sequences. Two more steps run beside it by the same
+machinery (`query_graph`, AOTInductor only): the query step, several tokens a sequence padded to one count
+(speculative verification, trained draft heads' steps, which read hidden states), and the flat step, every other
+step over a paged pool (prompts, prefill chunks, mixed steps of chunks and decodes, a static batch's prompts): any
+number of new tokens a sequence, one after another, in one package whose token count and key width are dynamic. What
+none of them takes runs eager (`refusal` and `flat_refusal` say why, and the stats count it).
 
 Two ways to compile it (`CompiledDecoder(backend=...)`):
 
@@ -68,7 +70,7 @@ from torch import nn
 
 from inference_core.config import ConfigError
 from inference_core.engine import package_weights, query_graph, triton_attention
-from inference_core.engine.query_graph import MAX_QUERIES, QueryGraph, forward_layers
+from inference_core.engine.query_graph import MAX_QUERIES, FlatGraph, QueryGraph, forward_layers
 from inference_core.engine.query_graph import read_context as _read_context
 from inference_core.model import attention_kernel, row_kernel
 from inference_core.model.llama import CausalLM, model_fingerprint
@@ -93,6 +95,12 @@ CPU_OPTIONS = {"freezing": True, "max_autotune": True}
 # So the choice is made here, by that measurement: the template alone (where it cannot take a projection, the step
 # compiles again with every backend: `CompiledDecoder._build_package`).
 INT8_CPU_OPTIONS = {"max_autotune_gemm_backends": "CPP"}
+
+
+# Options the flat step (`query_graph.FlatGraph`) is compiled without: max-autotune times each projection's
+# candidates at the one token count it is exported with, a choice for every count the package serves (and the bundled
+# model's flat package compiled in 142 s with it against 84 without, on the 2-core AVX2 host).
+FLAT_DROPPED_OPTIONS = ("max_autotune", "max_autotune_gemm_backends")
 
 
 RECOMPILE_LIMIT = 256  # graphs of the decode step one process may hold (engines x buckets)
@@ -232,7 +240,7 @@ class CompileStats:
     recompiles: int = 0  # compiles of a bucket that already had a graph (should stay 0)
     compiled_steps: int = 0  # steps run through an already compiled graph
     # Of those, by bucket: "Bx1", the decode step of B sequences; "BxT query", the query step of B sequences of T new
-    # tokens each (`query_graph`).
+    # tokens each (`query_graph`); "flat", the flat step (prefill chunks, mixed steps: `query_graph.FlatGraph`).
     steps_by_bucket: dict[str, int] = field(default_factory=dict)
     # Forwards of a compiled engine that ran eager, by the reason (`CompiledDecoder.refusal`).
     fallbacks: dict[str, int] = field(default_factory=dict)
@@ -294,6 +302,9 @@ class CompiledDecoder:
                                 our_attention="attention_kernel" in self.options).eval()
         self.query_step = QueryGraph(model, self.paged, self.block_size,  # several tokens a sequence
                                      our_attention="attention_kernel" in self.options).eval()
+        self.flat_step = FlatGraph(model).eval()  # any mix of sequences and new tokens (prefill chunks, mixed steps)
+        self.flat_off = self._flat_unavailable()
+        self._window = torch.tensor([kv_cache.sliding_window or 0], dtype=torch.int32)
         # Inductor options are applied as a config patch around each call, not through torch.compile(options=...):
         # freezing (weights as constants, prepacked for oneDNN) is decided outside what `options` patches, and
         # measured no faster than no freezing when passed that way.
@@ -385,6 +396,88 @@ class CompiledDecoder:
             return "the end of the compiled key width"
         return None
 
+    def _flat_unavailable(self) -> str | None:
+        """Why this engine has no flat step (None: it has one)."""
+        if self.backend != "aoti":
+            return "prefill chunks and mixed steps compile with the aoti backend only"
+        if not self.paged:
+            return "prefill chunks and mixed steps compile over a paged KV cache only"
+        if self.max_width < 3:
+            return "prefill chunks and mixed steps compile for a KV pool of 3 blocks a sequence or more"
+        reason = row_kernel.unavailable()
+        if reason is not None:
+            return f"prefill chunks and mixed steps compile with our attention op only ({reason})"
+        attn = self.model.layers[0].self_attn
+        q = torch.empty(1, attn.num_heads, attn.head_dim)
+        if not attention_kernel.takes_flat(q, q[:, :attn.num_kv_heads], self.kv_cache.k):
+            return (f"prefill chunks and mixed steps compile for bf16 or fp32 KV pools, head_dim "
+                    f"{', '.join(map(str, attention_kernel.FLAT_HEAD_DIMS))} and at most "
+                    f"{attention_kernel.MAX_GROUP} query heads a KV head only")
+        return None
+
+    def flat_refusal(self, seqs, num_new_tokens: list[int]) -> str | None:
+        """Why a forward of `num_new_tokens[i]` new tokens for each of `seqs` cannot run in the flat step (None: it
+        can). The reasons are what the stats' `fallbacks` count."""
+        if self.flat_off is not None:
+            return self.flat_off
+        if len(seqs) > self.buckets[-1] or (sum(num_new_tokens) < 2 and len(seqs) == self.buckets[-1]):
+            return f"more than {self.buckets[-1]} sequences"
+        if any(-(-seq.num_computed_tokens // self.block_size) >= self.max_width for seq in seqs):
+            return "the end of the compiled key width"
+        return None
+
+    def _block_rows(self, seqs, rows: int, width: int) -> torch.Tensor:
+        """The sequences' block tables, `width` blocks each, as [rows, width] int32 (rows past the sequences', and
+        blocks past a table's end, block 0; so are blocks a sliding window gave back, FREED: the graphs read none of
+        them)."""
+        table = torch.zeros(rows, width, dtype=torch.int32)
+        for row, seq in enumerate(seqs):
+            blocks = [max(block, 0) for block in seq.block_table[:width]]
+            table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        return table
+
+    @torch.inference_mode()
+    def run_flat(self, seqs, num_new_tokens: list[int], num_logits: int = 1):
+        """Forward `num_new_tokens[i]` new tokens of each of `seqs` after its cached ones through the flat step
+        (`query_graph.FlatGraph`), where `flat_refusal` found none. Returns what `run_queries` does: the fp32 logits
+        of each sequence's last `num_logits` new tokens, [rows, vocab], and per sequence the final-normed hidden
+        states of its new tokens. Writes the new KV (the caller has made room, and commits)."""
+        rows = self.buckets[-1]
+        firsts = [seq.num_computed_tokens for seq in seqs]
+        input_ids, positions, starts = [], [], [0]
+        for seq, first, new in zip(seqs, firsts, num_new_tokens):
+            input_ids += seq.token_ids[first:first + new]
+            positions += range(first, first + new)
+            starts.append(len(input_ids))
+        real = len(input_ids)
+        if real < 2:  # the package's token count is at least 2: a padding sequence of one token at position 0
+            input_ids.append(0)
+            positions.append(0)
+            starts.append(real + 1)
+        starts += [len(input_ids)] * (rows + 1 - len(starts))
+        width = self._width(max(-(-first // self.block_size) for first in firsts))
+        args = (torch.tensor(input_ids), torch.tensor(positions), self._block_rows(seqs, rows, width),
+                torch.tensor(starts, dtype=torch.int32),
+                torch.tensor(firsts + [0] * (rows - len(seqs)), dtype=torch.int32), self._window,
+                self.kv_cache.k, self.kv_cache.v)
+        hidden, new_k, new_v = self._call_package(("flat",), args, self.flat_step)
+        token_seqs = [seq for seq, new in zip(seqs, num_new_tokens) for _ in range(new)]
+        self._store(new_k[:, :real], new_v[:, :real], token_seqs, positions[:real], None, None)
+        logit_rows = [row for start, new in zip(starts, num_new_tokens)
+                      for row in range(start + new - min(num_logits, new), start + new)]
+        logits = self.model.lm_head.forward(hidden[logit_rows]).float()
+        return logits, [hidden[start:start + new] for start, new in zip(starts, num_new_tokens)]
+
+    @torch.inference_mode()
+    def warm_up_flat(self) -> None:
+        """Compile (or load) the flat step with a step of one padding sequence of 2 tokens (the cache is read, not
+        written)."""
+        rows = self.buckets[-1]
+        args = (torch.zeros(2, dtype=torch.long), torch.arange(2), torch.zeros(rows, 2, dtype=torch.int32),
+                torch.tensor([0] + [2] * rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32), self._window,
+                self.kv_cache.k, self.kv_cache.v)
+        self._call_package(("flat",), args, self.flat_step)
+
     @torch.inference_mode()
     def run_queries(self, seqs, num_new_tokens: list[int], num_logits: int = 1, tree=None):
         """Forward `num_new_tokens[i]` new tokens of each of `seqs` after its cached ones through the query step
@@ -396,7 +489,8 @@ class CompiledDecoder:
         it."""
         count, bucket = len(seqs), self.bucket_for(len(seqs))
         # Queries a sequence: the fewest of a package already loaded that hold the step's, else the step's own.
-        queries = min((key[2] for key in self._programs if isinstance(key, tuple) and key[1] == bucket
+        queries = min((key[2] for key in self._programs if isinstance(key, tuple) and key[0] == "queries"
+                       and key[1] == bucket
                        and key[2] >= max(num_new_tokens)), default=max(num_new_tokens))
         firsts = [seq.num_computed_tokens for seq in seqs]
         news = torch.tensor(num_new_tokens + [1] * (bucket - count))
@@ -412,11 +506,8 @@ class CompiledDecoder:
             input_ids[row, :new] = torch.tensor(tokens)
             input_ids[row, new:] = tokens[-1]
         width = self._width_needed(max(firsts) - 1)  # the cached keys: positions before each first new token
-        if self.paged:  # padded with block 0, as are blocks a sliding window gave back (FREED): the mask hides both
-            read_index = torch.zeros(bucket, width, dtype=torch.int32)
-            for row, seq in enumerate(seqs):
-                blocks = [max(block, 0) for block in seq.block_table[:width]]
-                read_index[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        if self.paged:  # the mask hides the padding blocks and those a sliding window gave back
+            read_index = self._block_rows(seqs, bucket, width)
         else:
             read_index = torch.tensor([seq.cache_slot for seq in seqs] + [seqs[0].cache_slot] * (bucket - count))
         key_positions = torch.arange(width * self.block_size)
@@ -604,7 +695,8 @@ class CompiledDecoder:
             self.stats.warmup_s += time.perf_counter() - started
         elif bucket in self._ready_buckets:
             self.stats.compiled_steps += 1
-            name = f"{bucket[1]}x{bucket[2]} query" if isinstance(bucket, tuple) else f"{bucket}x1"
+            name = (f"{bucket}x1" if not isinstance(bucket, tuple) else "flat" if bucket[0] == "flat"
+                    else f"{bucket[1]}x{bucket[2]} query")
             self.stats.steps_by_bucket[name] = self.stats.steps_by_bucket.get(name, 0) + 1
         self._ready_buckets.add(bucket)
         # The package's loader, called with the flat list of inputs, as the package's own __call__ does after
@@ -661,20 +753,29 @@ class CompiledDecoder:
             return program
 
     def _build_package(self, args: tuple, path: Path, graph: nn.Module) -> None:
-        dynamic = None
+        flat = isinstance(graph, FlatGraph)
+        dynamic = [{} for _ in args]
         if self.max_width >= 3:  # the key width varies; the buckets and the cache tensors are fixed
             # Up to the cache's whole width less one: export's shape reasoning treats the whole width as a special case.
             width = torch.export.Dim("width", min=2, max=self.max_width - 1)
-            dims = graph.width_dims()
-            dynamic = tuple({dims[index]: width if index == 2 else width * self.block_size} if index in dims else None
-                            for index in range(len(args)))
+            for index, dim in graph.width_dims().items():
+                dynamic[index][dim] = width if index == 2 else width * self.block_size
+        if flat:  # and the flat step's token count
+            tokens = torch.export.Dim("tokens", min=2)
+            for index, dim in graph.token_dims().items():
+                dynamic[index][dim] = tokens
+        dynamic = tuple(dims or None for dims in dynamic) if any(dynamic) else None
         with torch.inference_mode(False), torch.no_grad():
             # Shapes are what export needs: the values are not read, the cache tensors are not copied.
             example = tuple(torch.zeros_like(t) if t.numel() < 1 << 20 else torch.empty_like(t) for t in args)
-            with row_kernel.tracing("row_kernel" in self.options):
+            # The flat step's projections take any number of rows: inductor's matmuls, not our op (for 8 or 16 rows).
+            with row_kernel.tracing("row_kernel" in self.options and not flat):
                 program = torch.export.export(graph, example, dynamic_shapes=dynamic)
             configs = dict(self._inductor_config)
-            if "row_kernel" in self.options or "attention_kernel" in self.options:  # our ops called as C functions
+            if flat:
+                for name in FLAT_DROPPED_OPTIONS:
+                    configs.pop(name, None)
+            if "row_kernel" in self.options or "attention_kernel" in self.options or flat:  # our ops as C functions
                 configs["aot_inductor.custom_ops_to_c_shims"] = row_kernel.c_shims()
             if package_weights.can_keep_beside(program):  # its constants beside its library, for huge pages
                 configs.update(package_weights.PACKAGE_OPTIONS)
@@ -699,11 +800,14 @@ class CompiledDecoder:
         step that happens to build a bucket's package must not key it (an engine whose first step of a bucket met
         another width compiled the same step again)."""
         graph = self.step if graph is None else graph
-        shapes = [(t.dtype, tuple(t.shape)) for t in args]
-        if self.max_width >= 3:  # the block table's (paged) and the key mask's widths are dynamic
-            dims = graph.width_dims()
-            shapes = [(dtype, shape[:dims[index]] + shape[dims[index] + 1:] if index in dims else shape)
-                      for index, (dtype, shape) in enumerate(shapes)]
+        dynamic = [set() for _ in args]  # the block table's (paged) and the key mask's widths, the flat step's tokens
+        if self.max_width >= 3:
+            for index, dim in graph.width_dims().items():
+                dynamic[index].add(dim)
+        for index, dim in getattr(graph, "token_dims", dict)().items():
+            dynamic[index].add(dim)
+        shapes = [(t.dtype, tuple(size for dim, size in enumerate(t.shape) if dim not in dims))
+                  for t, dims in zip(args, dynamic)]
         digest = hashlib.blake2b(digest_size=12)
         for part in (type(graph).__name__, model_fingerprint(self.model), _CODE_FINGERPRINT, torch.__version__,
                      self.device.type, torch.backends.cpu.get_cpu_capability(), row_kernel.int8_form(),
@@ -717,7 +821,8 @@ class CompiledDecoder:
         engine; with `queries`, the query step of that many tokens a sequence (or more) too."""
         bucket = self.bucket_for(batch_size)
         return bucket in self._ready_buckets and (not queries or any(
-            isinstance(key, tuple) and key[1] == bucket and key[2] >= queries for key in self._ready_buckets))
+            isinstance(key, tuple) and key[0] == "queries" and key[1] == bucket and key[2] >= queries
+            for key in self._ready_buckets))
 
     @torch.inference_mode()
     def warm_up_queries(self, batch_size: int, queries: int) -> None:

@@ -651,12 +651,14 @@ class Engine:
         return self.decoder.stats.as_dict() if self.decoder is not None else None
 
     def warm_up_compiled(self, batch_sizes: tuple[int, ...] = (1,), spec: SpecConfig | None = None) -> float:
-        """Compile the decode graph for the buckets of `batch_sizes` now (a compiled engine otherwise compiles a
-        bucket on its first decode step at that size), and the query steps requests with `spec` verify through
-        (`compiled_queries`). Returns the seconds it took; 0 for an eager engine."""
+        """Compile the flat step (prompts, mixed steps) and the decode graph for the buckets of `batch_sizes` now (a
+        compiled engine otherwise compiles each on its first step of that kind), and the query steps requests with
+        `spec` verify through (`compiled_queries`). Returns the seconds it took; 0 for an eager engine."""
         if self.decoder is None:
             return 0.0
         started = time.perf_counter()
+        if self.decoder.flat_off is None:  # prompts and mixed steps
+            self.decoder.warm_up_flat()
         for size in batch_sizes:
             self.decoder.warm_up(size)
             for queries in self.compiled_queries(spec):

@@ -71,6 +71,41 @@ class QueryGraph(nn.Module):
         return self.model.lm_head.forward(hidden).float(), hidden, new_k, new_v
 
 
+class FlatGraph(nn.Module):
+    """Any mix of sequences with any number of new tokens each (decodes, prefill chunks, a static batch's prompts),
+    one after another in a flat batch of N tokens, over a paged pool: the step vLLM's V1 engine runs for every
+    batch. Attention is our CPU op (`model.attention_kernel.attend_flat`): each token sees its sequence's cached keys
+    through the block table and its new keys up to itself, within a sliding window given as an input. The token count
+    and the block table's width are dynamic sizes of one package, so one package serves every step; the sequence
+    rows are the engine's most (`CompiledDecoder.run_flat` leaves the unused ones empty). The LM head is left out: the
+    caller applies it to the rows whose logits it reads (a prefill chunk reads one of its hundreds)."""
+
+    def __init__(self, model: CausalLM):
+        super().__init__()
+        self.model = model
+
+    def width_dims(self) -> dict[int, int]:
+        """The block table's width (dynamic in a package)."""
+        return {2: 1}
+
+    def token_dims(self) -> dict[int, int]:
+        """The token count's dimension of each input that has one (dynamic in a package)."""
+        return {0: 0, 1: 0}
+
+    def forward(self, input_ids, positions, table, starts, cached, window, k_pool, v_pool):
+        """input_ids, positions: [N]; table: [S, blocks] int32 block tables; starts: [S + 1] int32, sequence s's
+        tokens at [starts[s], starts[s + 1]); cached: [S] int32, its keys in the pool before them; window: [1] int32,
+        a sliding window's size (0: none). k_pool, v_pool: the cache's whole tensors. Returns the final-normed hidden
+        states [N, hidden] and the new k, v [layers, N, kv_heads, head_dim]."""
+
+        def attend(index, attn, q, k, v):
+            return attention_kernel.attend_flat(q, k, v, k_pool[index], v_pool[index], table, starts, cached, window,
+                                                attn.scale)
+
+        x, new_k, new_v = forward_layers(self.model, input_ids, positions, attend)
+        return self.model.norm.forward(x), new_k, new_v
+
+
 def forward_layers(model: CausalLM, input_ids, positions, attend):
     """The decoder layers over a flat batch of tokens (`input_ids`, `positions`: [tokens]) with attention left to
     `attend(layer index, attention module, q, k, v)` (q [tokens, heads, d], k and v [tokens, kv_heads, d], already

@@ -191,12 +191,13 @@ class ModelRunner:
         fp32 logits for each sequence's last `num_logits` forwarded tokens, [len(seqs) * num_logits, vocab] (more than
         1 for speculative verification). Commits the new KV. With `return_hidden`, returns (logits, hidden) where
         hidden[i] is the final-normed hidden state of sequence i's forwarded tokens, [num_new_tokens[i], hidden_size]
-        (what trained draft heads read; always the eager forward).
+        (what trained draft heads read).
 
-        `num_padding[i]` PAD_TOKENs are forwarded right after sequence i's new tokens (a static batch's prompts padded
-        to its longest): computed like any token, at the next positions, so no real token attends to them; their KV
-        goes to the sequence's next slots, which its own next tokens overwrite; never committed; logits are those of
-        the last real token. The caller has checked that the KV cache has room for them."""
+        `num_padding[i]` PAD_TOKENs follow sequence i's new tokens (a static batch's prompts padded to its longest).
+        The eager forward computes them like any token, at the next positions, so no real token attends to them; their
+        KV goes to the sequence's next slots, which its own next tokens overwrite; never committed; logits are those of
+        the last real token. The caller has checked that the KV cache has room for them. The compiled flat step leaves
+        them out, which changes no real token's result."""
         if num_new_tokens is None:
             num_new_tokens = [len(seq) - seq.num_computed_tokens for seq in seqs]
         if self.decoder is not None:
@@ -229,9 +230,10 @@ class ModelRunner:
     def _run_compiled(self, seqs: list[Sequence], num_new_tokens: list[int], num_logits: int, padded: bool,
                       return_hidden: bool):
         """`run` through the compiled decoder: the decode step where every sequence forwards one token and only its
-        logits are read, else the query step (several tokens a sequence, or hidden states returned). None where
-        neither takes the forward: the reason is counted in the decoder's stats (`fallbacks`), and `run` runs it
-        eager."""
+        logits are read; the query step for a verification (several logits a sequence) or hidden states read, where
+        it takes the forward; else the flat step (any mix of prefill chunks and decodes; a static batch's padding is
+        not forwarded at all, since no real token sees it). None where none takes the forward: the reason is counted
+        in the decoder's stats (`fallbacks`), and `run` runs it eager."""
         decoder = self.decoder
         if num_logits == 1 and not padded and not return_hidden and decoder.handles(seqs, num_new_tokens):
             for seq in seqs:
@@ -240,15 +242,18 @@ class ModelRunner:
             for seq in seqs:
                 self.kv_cache.commit(seq, seq.num_computed_tokens + 1)
             return logits
-        reason = decoder.refusal(seqs, num_new_tokens, padded)
-        if reason is None and num_logits == 1 and not return_hidden:
-            reason = "a prefill chunk or a mixed step"  # the query step serves verification and hidden readers
-        if reason is not None:
-            self.count_fallback(reason)
-            return None
+        step = None
+        if (num_logits > 1 or return_hidden) and decoder.refusal(seqs, num_new_tokens, padded) is None:
+            step = decoder.run_queries
+        else:
+            reason = decoder.flat_refusal(seqs, num_new_tokens)
+            if reason is not None:
+                self.count_fallback(reason)
+                return None
+            step = decoder.run_flat
         for seq, count in zip(seqs, num_new_tokens):
             self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + count)
-        logits, hidden = decoder.run_queries(seqs, num_new_tokens, num_logits)
+        logits, hidden = step(seqs, num_new_tokens, num_logits)
         for seq, count in zip(seqs, num_new_tokens):
             self.kv_cache.commit(seq, seq.num_computed_tokens + count)
         return (logits, hidden) if return_hidden else logits

@@ -17,10 +17,15 @@ outputs equal `_attend_one_fused`'s and `query_graph.attend_queries`'s to fp32 r
 the bundled model's 5-token step then spent 5.6x the decode step's attention time, and its package compiled in about
 190 s instead of 40.
 
-Two ops: `attend_paged` (the decode step's: q [B, H, D]) and `attend_paged_queries` (the query step's: q
-[B, T, H, D], a mask per query), the first the second's case T = 1. They are built into the same extension as the
-projection kernel (`model.row_kernel`, which owns the build) and called from the compiled steps where `takes` says so
-while exporting: paged, bf16 pool, head_dim 64 or 128, at most 8 query heads a KV head.
+Three ops: `attend_paged` (the decode step's: q [B, H, D]) and `attend_paged_queries` (the query step's: q
+[B, T, H, D], a mask per query), the first the second's case T = 1, called from the compiled steps where `takes` says
+so while exporting (paged, bf16 pool, head_dim 64 or 128, at most 8 query heads a KV head); and `attend_paged_flat`
+(the flat step's: the new tokens of several sequences one after another, q [N, H, D], any number a sequence, causal
+after its cached keys, within a sliding window given as an input; bf16 or fp32 pools, head_dim 16 to 128), the
+flat step's only attention (`takes_flat`). A flat step's short sequences (decodes, small chunks) go through the same
+loops as the others, in runs of 8 queries; its long ones (64 new tokens or more) through ATen's SDPA on their keys
+gathered in fp32. They are built into the same extension as the projection kernel (`model.row_kernel`, which owns the
+build).
 """
 
 from __future__ import annotations
@@ -454,7 +459,8 @@ void attend_long(const float* qf, const float* kf, const float* vf, const P* kp,
         }
       }
   });
-  auto query = at::from_blob(const_cast<float*>(qf) + start * H * D, {n, H, D}, at::kFloat).transpose(0, 1).unsqueeze(0);
+  auto query =
+      at::from_blob(const_cast<float*>(qf) + start * H * D, {n, H, D}, at::kFloat).transpose(0, 1).unsqueeze(0);
   const bool causal = c == 0 && (window == 0 || n <= window);
   std::optional<at::Tensor> mask;
   if (!causal) {  // query u at position c + u sees key j <= c + u within the window
@@ -539,7 +545,8 @@ at::Tensor attend_flat(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               m = std::max(m, own[u]);
             }
           }
-          for (int64_t th = 0; th < NT; ++th) m = std::max(m, parts[(ri * NT + th) * part_size + (h * RR + row) * (D + 2)]);
+          for (int64_t th = 0; th < NT; ++th)
+            m = std::max(m, parts[(ri * NT + th) * part_size + (h * RR + row) * (D + 2)]);
           float* oh = o + ((first + t) * H + hg) * D;
           std::fill(oh, oh + D, 0.f);
           float total = 0.f;

@@ -51,17 +51,23 @@ def test_buckets():
 def test_tiny_batches_match_eager_and_compile_once_per_bucket(tiny, kv_mode):
     """Six prompts of different lengths through continuous batching, 4 at a time: steps of 4, then 3 (padded to the
     bucket of 4), 2 and 1 sequences, with chunked prefills sharing steps (those stay eager); then the same with
-    several decode steps a host round trip."""
+    several decode steps a host round trip. Paged, the prefills and mixed steps run through the flat step: nothing
+    runs eager; contiguous, they do, for the reason the decoder gives."""
     compiled, reports = compiled_matches_eager(tiny, kv_mode=kv_mode, block_size=4, max_num_seqs=4,
                                                max_num_batched_tokens=32)
     stats = compiled.compile_stats()
-    assert stats["graphs"] == 3 and stats["recompiles"] == 0  # buckets 1, 2 and 4
+    graphs = 3 + (kv_mode == "paged")  # buckets 1, 2 and 4, and the flat step
+    assert stats["graphs"] == graphs and stats["recompiles"] == 0
     assert stats["compiled_steps"] > 0
+    if kv_mode == "paged":
+        assert stats["fallbacks"] == {} and stats["steps_by_bucket"]["flat"] > 0
+    else:
+        assert list(stats["fallbacks"]) == [compiled.decoder.flat_off]
     assert sum(r.compile_ms for r in reports) > 0  # the steps that compiled say so
     # Warm: the same work again compiles nothing, and the final event's stats say so.
     again = [compiled.submit(ids, greedy(new_tokens)) for ids, new_tokens in mixed_requests()]
     reports = run_to_end(compiled)
-    assert compiled.compile_stats()["graphs"] == 3
+    assert compiled.compile_stats()["graphs"] == graphs
     assert all(r.compile_ms == 0 for r in reports)
     finish = again[0].events[-1]
     assert finish.stats.compile["recompiles"] == 0 and finish.stats.compile["compile_s"] == 0
@@ -117,9 +123,9 @@ def test_warm_up_compiles_before_the_first_request(tiny):
                                        compile=True))
     assert not engine.decoder.ready(1)
     assert engine.warm_up_compiled() > 0
-    assert engine.compile_stats()["graphs"] == 1 and engine.decoder.ready(1)
+    assert engine.compile_stats()["graphs"] == 2 and engine.decoder.ready(1)  # the flat step and bucket 1's
     finish = engine.complete(prompt(7, 1), greedy(12))
-    assert finish.stats.compile["compile_s"] == 0 and finish.stats.compile["graphs"] == 1
+    assert finish.stats.compile["compile_s"] == 0 and finish.stats.compile["graphs"] == 2
     assert finish.stats.decode_tokens_per_s > 0
 
 
@@ -155,8 +161,9 @@ def test_a_package_with_inductors_matmuls_keeps_its_constants_in_its_library(tin
     engine = Engine(tiny, EngineConfig(kv_mode="paged", max_num_seqs=1, compile=True))
     engine.warm_up_compiled()
     assert engine.decoder.weight_memory() == []
-    (program,) = engine.decoder._programs.values()
-    assert program.weights is None  # `package_weights.load` found no constants beside the library
+    programs = engine.decoder._programs.values()  # the flat step's and the decode step's
+    assert len(programs) == 2
+    assert all(program.weights is None for program in programs)  # no constants beside the library
 
 
 def test_generate_compile_flag(tiny, capsys):
@@ -197,7 +204,8 @@ def test_bundled_greedy_compiled_equals_eager(bench_prompts):
         want = eager.complete(p, greedy(64)).token_ids
         assert_same_or_near_tie(bundled, p, want, compiled.complete(p, greedy(64)).token_ids)
     stats = compiled.compile_stats()
-    assert (stats["graphs"], stats["recompiles"]) == (1, 0)
+    assert (stats["graphs"], stats["recompiles"]) == (2, 0)  # the flat step (the prompts) and the decode step
+    assert stats["fallbacks"] == {} and stats["steps_by_bucket"]["flat"] == 1  # the first (its load) is not counted
     assert ("row-kernel" in stats["mode"]) == (compiled.decoder.row_kernel_off is None)
     if compiled.decoder.row_kernel_off is None:  # every projection ours: the weights in our buffer (`package_weights`)
         views = compiled.decoder.weight_memory()

@@ -800,12 +800,9 @@ class CompiledDecoder:
         step that happens to build a bucket's package must not key it (an engine whose first step of a bucket met
         another width compiled the same step again)."""
         graph = self.step if graph is None else graph
-        dynamic = [set() for _ in args]  # the block table's (paged) and the key mask's widths, the flat step's tokens
-        if self.max_width >= 3:
-            for index, dim in graph.width_dims().items():
-                dynamic[index].add(dim)
-        for index, dim in getattr(graph, "token_dims", dict)().items():
-            dynamic[index].add(dim)
+        # The block table's (paged) and the key mask's widths, and the flat step's token count.
+        dims = {**(graph.width_dims() if self.max_width >= 3 else {}), **getattr(graph, "token_dims", dict)()}
+        dynamic = [{dims[index]} if index in dims else set() for index in range(len(args))]
         shapes = [(t.dtype, tuple(size for dim, size in enumerate(t.shape) if dim not in dims))
                   for t, dims in zip(args, dynamic)]
         digest = hashlib.blake2b(digest_size=12)

@@ -286,6 +286,34 @@ inline void add_scaled(float* out, float w, const float* x) {  // out += w * x
   for (int c = 0; c < D / LANES; ++c) vstoreu(out + LANES * c, vfma(vset1(w), vload(x + LANES * c), vload(out + LANES * c)));
 }
 
+// One query head's output, oh [D]: the softmax over its scores against the new keys it sees (own[u] for u < count,
+// -inf where it does not see one; new_value(u) the key's value row) and over the threads' partial softmaxes of its
+// cached keys (part(th) for th < parts: {max, sum, acc[D]}, as `attend_range` leaves them), combined in fp32.
+template <int D, typename NewValue, typename Part>
+inline void combine(float* oh, const float* own, int64_t count, NewValue new_value, int64_t parts, Part part) {
+  float m = NEG_INF;
+  for (int64_t u = 0; u < count; ++u) m = std::max(m, own[u]);
+  for (int64_t th = 0; th < parts; ++th) m = std::max(m, part(th)[0]);
+  std::fill(oh, oh + D, 0.f);
+  if (m == NEG_INF) return;  // a query that sees no key (none the graphs make)
+  float total = 0.f;
+  for (int64_t u = 0; u < count; ++u) {
+    if (own[u] == NEG_INF) continue;
+    const float w = std::exp(own[u] - m);
+    total += w;
+    add_scaled<D>(oh, w, new_value(u));
+  }
+  for (int64_t th = 0; th < parts; ++th) {
+    const float* p = part(th);
+    if (p[1] == 0.f) continue;
+    const float w = std::exp(p[0] - m);
+    total += w * p[1];
+    add_scaled<D>(oh, w, p + 2);
+  }
+  const float inverse = 1.f / total;
+  for (int d = 0; d < D; ++d) oh[d] *= inverse;
+}
+
 // B sequences of T new tokens each: q [B, T, H, D], k, v [B, T, KVH, D] (the new tokens' keys, not in the pool),
 // k_pool, v_pool [blocks, BS, KVH, D] bf16 (one layer's), table [B, blocks] int32, key_mask [B, T, keys] bool (the
 // cached keys each query sees), new_mask [B, T, T] bool (the new keys each query sees; null: its own alone). Returns
@@ -332,34 +360,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       for (int64_t hg = 0; hg < H; ++hg) {
         const int64_t h = hg / G, r = t * G + hg % G;
         const float* qh = qf + (bt * H + hg) * D;
-        float m = NEG_INF;
-        for (int64_t u = 0; u < T; ++u) {
-          own[u] = NEG_INF;
-          if (sees == nullptr ? u == t : sees[u]) {
-            own[u] = dot<D>(qh, kf + ((b * T + u) * KVH + h) * D) * (float)scale;
-            m = std::max(m, own[u]);
-          }
-        }
-        for (int64_t th = 0; th < NT; ++th) m = std::max(m, parts[(b * NT + th) * part_size + (h * R + r) * (D + 2)]);
-        float* oh = o + (bt * H + hg) * D;
-        std::fill(oh, oh + D, 0.f);
-        if (m == NEG_INF) continue;  // a query that sees no key (none the graph makes)
-        float total = 0.f;
-        for (int64_t u = 0; u < T; ++u) {
-          if (own[u] == NEG_INF) continue;
-          const float w = std::exp(own[u] - m);
-          total += w;
-          add_scaled<D>(oh, w, vf + ((b * T + u) * KVH + h) * D);
-        }
-        for (int64_t th = 0; th < NT; ++th) {
-          const float* p = parts.data() + (b * NT + th) * part_size + (h * R + r) * (D + 2);
-          if (p[1] == 0.f) continue;
-          const float w = std::exp(p[0] - m);
-          total += w * p[1];
-          add_scaled<D>(oh, w, p + 2);
-        }
-        const float inverse = 1.f / total;
-        for (int d = 0; d < D; ++d) oh[d] *= inverse;
+        for (int64_t u = 0; u < T; ++u)
+          own[u] = (sees == nullptr ? u == t : sees[u]) ? dot<D>(qh, kf + ((b * T + u) * KVH + h) * D) * (float)scale
+                                                          : NEG_INF;
+        combine<D>(o + (bt * H + hg) * D, own, T, [&](int64_t u) { return vf + ((b * T + u) * KVH + h) * D; }, NT,
+                   [&](int64_t th) { return parts.data() + (b * NT + th) * part_size + (h * R + r) * (D + 2); });
       }
     }
   });
@@ -537,34 +542,12 @@ at::Tensor attend_flat(const at::Tensor& q, const at::Tensor& k, const at::Tenso
         for (int64_t hg = 0; hg < H; ++hg) {
           const int64_t h = hg / G, row = (t - r.t0) * G + hg % G;
           const float* qh = qf + ((first + t) * H + hg) * D;
-          float m = NEG_INF;
-          for (int64_t u = 0; u <= t; ++u) {
-            own[u] = NEG_INF;
-            if (in_window(c + t, c + u, window)) {
-              own[u] = dot<D>(qh, kf + ((first + u) * KVH + h) * D) * (float)scale;
-              m = std::max(m, own[u]);
-            }
-          }
-          for (int64_t th = 0; th < NT; ++th)
-            m = std::max(m, parts[(ri * NT + th) * part_size + (h * RR + row) * (D + 2)]);
-          float* oh = o + ((first + t) * H + hg) * D;
-          std::fill(oh, oh + D, 0.f);
-          float total = 0.f;
-          for (int64_t u = 0; u <= t; ++u) {
-            if (own[u] == NEG_INF) continue;
-            const float w = std::exp(own[u] - m);
-            total += w;
-            add_scaled<D>(oh, w, vf + ((first + u) * KVH + h) * D);
-          }
-          for (int64_t th = 0; th < NT; ++th) {
-            const float* p = parts.data() + (ri * NT + th) * part_size + (h * RR + row) * (D + 2);
-            if (p[1] == 0.f) continue;
-            const float w = std::exp(p[0] - m);
-            total += w * p[1];
-            add_scaled<D>(oh, w, p + 2);
-          }
-          const float inverse = 1.f / total;
-          for (int d = 0; d < D; ++d) oh[d] *= inverse;
+          for (int64_t u = 0; u <= t; ++u)
+            own[u] = in_window(c + t, c + u, window) ? dot<D>(qh, kf + ((first + u) * KVH + h) * D) * (float)scale
+                                                     : NEG_INF;
+          combine<D>(o + ((first + t) * H + hg) * D, own, t + 1,
+                     [&](int64_t u) { return vf + ((first + u) * KVH + h) * D; }, NT,
+                     [&](int64_t th) { return parts.data() + (ri * NT + th) * part_size + (h * RR + row) * (D + 2); });
         }
     }
   });

@@ -754,17 +754,8 @@ class CompiledDecoder:
 
     def _build_package(self, args: tuple, path: Path, graph: nn.Module) -> None:
         flat = isinstance(graph, FlatGraph)
-        dynamic = [{} for _ in args]
-        if self.max_width >= 3:  # the key width varies; the buckets and the cache tensors are fixed
-            # Up to the cache's whole width less one: export's shape reasoning treats the whole width as a special case.
-            width = torch.export.Dim("width", min=2, max=self.max_width - 1)
-            for index, dim in graph.width_dims().items():
-                dynamic[index][dim] = width if index == 2 else width * self.block_size
-        if flat:  # and the flat step's token count
-            tokens = torch.export.Dim("tokens", min=2)
-            for index, dim in graph.token_dims().items():
-                dynamic[index][dim] = tokens
-        dynamic = tuple(dims or None for dims in dynamic) if any(dynamic) else None
+        dynamic = self._dynamic_sizes(graph, len(args))
+        dynamic = tuple(sizes or None for sizes in dynamic) if any(dynamic) else None
         with torch.inference_mode(False), torch.no_grad():
             # Shapes are what export needs: the values are not read, the cache tensors are not copied.
             example = tuple(torch.zeros_like(t) if t.numel() < 1 << 20 else torch.empty_like(t) for t in args)
@@ -793,6 +784,24 @@ class CompiledDecoder:
         os.replace(partial, path)
         trim_compile_cache()
 
+    def _dynamic_sizes(self, graph: nn.Module, count: int) -> list[dict]:
+        """For each of the first `count` inputs of `graph`, its dynamic dimensions and their export sizes: the key
+        width where the cache is 3 or more wide (blocks in the block table, input 2; positions in a key mask; up to the
+        cache's whole width less one, which export's shape reasoning treats as a special case), and the flat step's
+        token count. The buckets and the cache tensors are fixed."""
+        sizes = [{} for _ in range(count)]
+        if self.max_width >= 3:
+            width = torch.export.Dim("width", min=2, max=self.max_width - 1)
+            for index, dim in graph.width_dims().items():
+                if index < count:
+                    sizes[index][dim] = width if index == 2 else width * self.block_size
+        if isinstance(graph, FlatGraph):
+            tokens = torch.export.Dim("tokens", min=2)
+            for index, dim in graph.token_dims().items():
+                if index < count:
+                    sizes[index][dim] = tokens
+        return sizes
+
     def _package_key(self, args: tuple, graph: nn.Module | None = None) -> str:
         """What the compiled step depends on: the weights and config, this code, the shapes, the options, torch,
         the CPU's instruction set and which int8 and int4 projections the export gives our op (`row_kernel.int8_form`,
@@ -800,11 +809,8 @@ class CompiledDecoder:
         step that happens to build a bucket's package must not key it (an engine whose first step of a bucket met
         another width compiled the same step again)."""
         graph = self.step if graph is None else graph
-        # The block table's (paged) and the key mask's widths, and the flat step's token count.
-        dims = {**(graph.width_dims() if self.max_width >= 3 else {}), **getattr(graph, "token_dims", dict)()}
-        dynamic = [{dims[index]} if index in dims else set() for index in range(len(args))]
-        shapes = [(t.dtype, tuple(size for dim, size in enumerate(t.shape) if dim not in dims))
-                  for t, dims in zip(args, dynamic)]
+        shapes = [(t.dtype, tuple(size for dim, size in enumerate(t.shape) if dim not in dynamic))
+                  for t, dynamic in zip(args, self._dynamic_sizes(graph, len(args)))]
         digest = hashlib.blake2b(digest_size=12)
         for part in (type(graph).__name__, model_fingerprint(self.model), _CODE_FINGERPRINT, torch.__version__,
                      self.device.type, torch.backends.cpu.get_cpu_capability(), row_kernel.int8_form(),

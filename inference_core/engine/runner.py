@@ -242,7 +242,6 @@ class ModelRunner:
             for seq in seqs:
                 self.kv_cache.commit(seq, seq.num_computed_tokens + 1)
             return logits
-        step = None
         if (num_logits > 1 or return_hidden) and decoder.refusal(seqs, num_new_tokens, padded) is None:
             step = decoder.run_queries
         else:

@@ -37,7 +37,6 @@ HEAD_DIMS = (64, 128)
 
 SOURCE = r"""
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -429,14 +428,6 @@ static_assert(FLAT_LONG <= MAXQ, "a short sequence's new keys fit `own`");
 // Query u of a sequence (at position cached + u) sees cached key j where no window cuts it.
 inline bool in_window(int64_t position, int64_t key, int64_t window) { return window == 0 || key > position - window; }
 
-inline float as_float(float x) { return x; }
-inline float as_float(uint16_t bits) {  // a bf16's bits
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float x;
-  std::memcpy(&x, &wide, sizeof x);
-  return x;
-}
-
 // A sequence of n >= FLAT_LONG new tokens (flat rows [start, start + n)) after its c cached keys: its keys gathered in
 // fp32, [KVH, c + n, D], and ATen's SDPA (causal where nothing is cached and no window cuts the keys, else a mask).
 template <int D, typename P>
@@ -454,9 +445,9 @@ void attend_long(const float* qf, const float* kf, const float* vf, const P* kp,
         float* vd = vv + (h * L + j) * D;
         if (j < c) {
           const int64_t at = table[j / BS] * BS * row + (j % BS) * row + h * D;
-          for (int64_t d = 0; d < D; ++d) {
-            kd[d] = as_float(kp[at + d]);
-            vd[d] = as_float(vp[at + d]);
+          for (int c = 0; c < D / LANES; ++c) {
+            vstoreu(kd + LANES * c, load_row(kp + at + LANES * c));
+            vstoreu(vd + LANES * c, load_row(vp + at + LANES * c));
           }
         } else {
           std::copy(kf + ((start + j - c) * KVH + h) * D, kf + ((start + j - c) * KVH + h + 1) * D, kd);
@@ -493,8 +484,7 @@ at::Tensor attend_flat(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   to_floats(q, qf);
   to_floats(k, kf);
   to_floats(v, vf);
-  const auto tc = table.contiguous();
-  const int32_t* tp = tc.data_ptr<int32_t>();
+  const int32_t* tp = table.data_ptr<int32_t>();  // contiguous (`attend_paged_flat`)
   auto out = at::empty({N, H, D}, q.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   struct Run { int64_t s, t0, t1; };
@@ -590,6 +580,7 @@ at::Tensor attend_paged_flat(const at::Tensor& q, const at::Tensor& k, const at:
   const auto sc = starts.contiguous(), cc = cached.contiguous(), tc = table.contiguous();
   const int32_t* st = sc.data_ptr<int32_t>();
   const int32_t* ca = cc.data_ptr<int32_t>();
+  const int32_t* tp = tc.data_ptr<int32_t>();
   const int64_t S = table.size(0), TB = table.size(1), BS = k_pool.size(1), blocks = k_pool.size(0);
   const int64_t w = window.contiguous().data_ptr<int32_t>()[0];
   TORCH_CHECK(st[0] == 0 && st[S] == N && w >= 0, "attend_paged_flat: starts from 0 to the N tokens, a window >= 0");
@@ -597,7 +588,7 @@ at::Tensor attend_paged_flat(const at::Tensor& q, const at::Tensor& k, const at:
     TORCH_CHECK(st[s] <= st[s + 1] && ca[s] >= 0 && ca[s] <= TB * BS,
                 "attend_paged_flat: starts in order, each sequence's cached keys within its table's blocks");
     for (int64_t b = 0; b < (ca[s] + BS - 1) / BS; ++b)
-      TORCH_CHECK(tc.data_ptr<int32_t>()[s * TB + b] >= 0 && tc.data_ptr<int32_t>()[s * TB + b] < blocks,
+      TORCH_CHECK(tp[s * TB + b] >= 0 && tp[s * TB + b] < blocks,
                   "attend_paged_flat: a block table entry outside the pool");
   }
   switch (D) {

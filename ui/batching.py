@@ -30,11 +30,12 @@ import gradio as gr
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams, TokenEvent
 from inference_core.bench.latency import LatencyTargets
+from inference_core.engine.compiled import compile_unavailable
 from inference_core.bench.prompts import load_prompts
 from serving.cost import duration
 from serving.pool import EnginePool
-from ui.batching_view import (RESULT_COLUMNS, RESULT_NOTES, Arrival, RunRecord, StepRecord, activity_figure, mode_name,
-                              results_frame, timeline_figure, verdict)
+from ui.batching_view import (RESULT_COLUMNS, RESULT_NOTES, Arrival, RunRecord, StepRecord, activity_figure,
+                              compiled_words, mode_name, results_frame, timeline_figure, verdict)
 from ui.control import RunControl
 from ui.kv_view import render_pool
 from ui.profile_view import build_profile_panel, profile_lab
@@ -107,11 +108,13 @@ class LabPlan:
     kv_cache_tokens: int
     about: str  # the settings in words
     targets: LatencyTargets = LatencyTargets()  # the latency targets goodput counts (none: no goodput)
+    compile: bool = False  # every mode's steps through the compiled step (`inference_core.engine.compiled`)
 
     def config(self, pool: EnginePool, mode: str) -> EngineConfig:
         """The settings of this run's engine in `mode`."""
         return EngineConfig(kv_mode="paged", prefix_cache=False, batching=mode, max_num_seqs=self.max_num_seqs,
-                            kv_cache_tokens=self.kv_cache_tokens, max_seq_len=pool.max_seq_len)
+                            kv_cache_tokens=self.kv_cache_tokens, max_seq_len=pool.max_seq_len,
+                            compile=self.compile)
 
     def engine(self, pool: EnginePool, mode: str) -> tuple[Engine, list]:
         """A fresh engine in `mode` and this run's requests made (and so checked) by it."""
@@ -159,8 +162,10 @@ def latency_targets(slo_ttft_ms, slo_tpot_ms) -> LatencyTargets:
 
 def plan_run(pool: EnginePool, preset: str, mode: str, num_requests, max_new_tokens, lengths: str, max_num_seqs,
              kv_pool_tokens, arrival: str, rate, seed, typed_prompts: str = "", slo_ttft_ms=None,
-             slo_tpot_ms=None) -> LabPlan:
+             slo_tpot_ms=None, compiled: bool = False) -> LabPlan:
     """Check the settings (ConfigError, in the page's words, for one to change) and tokenize the prompts."""
+    if compiled and (reason := compile_unavailable(pool.loaded.device)) is not None:
+        raise ConfigError(f"compiled steps are not available on this device ({reason}); untick 'compiled'.")
     if preset not in LAB_PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; pick one from the list.")
     if mode not in MODES:
@@ -213,9 +218,11 @@ def plan_run(pool: EnginePool, preset: str, mode: str, num_requests, max_new_tok
     length_words = (f"{new_tokens} new tokens each" if lengths == "same"
                     else f"{min(limits)} to {max(limits)} new tokens")
     about = (f"{count} requests of up to {length_words} (greedy), {arrivals}, at most {seqs} sequences per step, "
-             f"{pool_words}" + (f"; goodput counts {targets.describe()}" if targets.given else ""))
+             f"{pool_words}" + (", every step compiled" if compiled else "")
+             + (f"; goodput counts {targets.describe()}" if targets.given else ""))
     return LabPlan(modes, tuple(prompts), tuple(arrival_offsets(count, arrival, rate, seed)),
-                   tuple(SamplingParams(max_new_tokens=limit) for limit in limits), seqs, kv_tokens, about, targets)
+                   tuple(SamplingParams(max_new_tokens=limit) for limit in limits), seqs, kv_tokens, about, targets,
+                   bool(compiled))
 
 
 class StepTokenSink(queue.Queue):
@@ -303,14 +310,16 @@ def _device_s(records: list[RunRecord]) -> float:
 
 def run_batching(pool: EnginePool, control: RunControl | None, preset: str, mode: str, num_requests,
                  max_new_tokens, lengths: str, max_num_seqs, kv_pool_tokens, arrival: str, rate, seed,
-                 typed_prompts: str = "", slo_ttft_ms=None, slo_tpot_ms=None, memory: LabMemory | None = None):
+                 typed_prompts: str = "", slo_ttft_ms=None, slo_tpot_ms=None, memory: LabMemory | None = None,
+                 compiled: bool = False):
     """Streaming handler; `control`: the visitor's Stop switch (None: no Stop); the latency targets in ms (None or
-    empty: none); `memory`: where the visitor's last run is kept (its plan and records). Yields LAB_OUTPUTS
-    tuples."""
+    empty: none); `memory`: where the visitor's last run is kept (its plan and records); `compiled`: every mode's
+    steps compiled. Yields LAB_OUTPUTS tuples."""
     control = control if control is not None else RunControl()
     try:
         yield from _lab(pool, control, (preset, mode, num_requests, max_new_tokens, lengths, max_num_seqs,
-                                        kv_pool_tokens, arrival, rate, seed, typed_prompts, slo_ttft_ms, slo_tpot_ms),
+                                        kv_pool_tokens, arrival, rate, seed, typed_prompts, slo_ttft_ms, slo_tpot_ms,
+                                        compiled),
                         memory if memory is not None else LabMemory())
     finally:
         control.end()
@@ -341,6 +350,15 @@ def _lab(pool: EnginePool, control: RunControl, settings: tuple, memory: LabMemo
         for index, mode in enumerate(plan.modes):
             if index:
                 engine, requests = plan.engine(pool, mode)
+            if engine.decoder is not None:
+                yield _frame(status=f"Readying {mode_name(mode)}'s compiled steps (batch sizes "
+                                    f"{', '.join(map(str, engine.decoder.buckets))}, and prompts): loaded from disk "
+                                    f"where this host built them before, else compiled now, about a minute each. "
+                                    f"This time is not in the figures.")
+                ready_s = pool.loop.call(engine.warm_up_compiled, tuple(engine.decoder.buckets))
+                log.info("batching lab: %s's compiled steps ready in %.1f s", mode, ready_s)
+                if control.stop_requested:
+                    break
             record = RunRecord(mode, plan.max_num_seqs, engine.config.num_kv_blocks(pool.loaded.config), 0.0,
                                targets=plan.targets)
             records.append(record)
@@ -360,7 +378,8 @@ def _lab(pool: EnginePool, control: RunControl, settings: tuple, memory: LabMemo
     else:
         done = "Finished."
     yield _frame(timeline=timeline_figure(records, now), chart=activity_figure(records), pool="".join(pools.values()),
-                 results=results_frame(records, now), status=f"{done} {verdict(records, now)}",
+                 results=results_frame(records, now),
+                 status=" ".join(filter(None, (done, verdict(records, now), compiled_words(records)))),
                  run_button=idle)
 
 
@@ -434,6 +453,8 @@ def _run_mode(pool: EnginePool, control: RunControl, plan: LabPlan, engine: Engi
         submitter.join()
         unsubscribe()
         held = pool.loop.call(engine.blocks_in_use)  # the loop forgets an engine once it is idle
+        if engine.decoder is not None:
+            record.compile_stats = pool.loop.call(engine.decoder.stats.as_dict)
         pictures.pop("engine")
         record.ended = True
     picture = pool_html("peak", f"{record.mode} pool at its fullest") if pictures["peak"] is not None else ""
@@ -452,7 +473,7 @@ def stop_batching(control: RunControl) -> None:
 
 
 def settings_summary(num_requests, max_new_tokens, lengths, max_num_seqs, kv_pool_tokens, arrival, rate,
-                     seed) -> str:
+                     seed, compiled=False) -> str:
     """The folded settings' one-line label, in the widgets' order."""
     try:
         pattern = ("all at once" if ARRIVALS.get(arrival, arrival) == "burst"
@@ -461,7 +482,7 @@ def settings_summary(num_requests, max_new_tokens, lengths, max_num_seqs, kv_poo
         kv = "room for all" if not kv_pool_tokens else f"{int(kv_pool_tokens)} tokens"
         return (f"Settings: {int(num_requests)} requests x {'up to ' if varied else ''}{int(max_new_tokens)} new "
                 f"tokens{' (varied)' if varied else ''}, {pattern}, seed {int(seed)}, max {int(max_num_seqs)} "
-                f"sequences per step, KV pool {kv}")
+                f"sequences per step, KV pool {kv}" + (", compiled" if compiled else ""))
     except (TypeError, ValueError):  # a half-typed value
         return "Settings"
 
@@ -475,10 +496,10 @@ def preset_values(name: str) -> tuple:
             label[preset.arrival])
 
 
-def _apply_preset(name: str, max_num_seqs, rate, seed) -> tuple:
+def _apply_preset(name: str, max_num_seqs, rate, seed, compiled=False) -> tuple:
     """A preset's widget values and the settings' summary (unfolded for typed prompts, whose box is inside)."""
     requests, new_tokens, lengths, kv_tokens, arrival = preset_values(name)
-    label = settings_summary(requests, new_tokens, lengths, max_num_seqs, kv_tokens, arrival, rate, seed)
+    label = settings_summary(requests, new_tokens, lengths, max_num_seqs, kv_tokens, arrival, rate, seed, compiled)
     return (requests, new_tokens, lengths, kv_tokens, arrival,
             gr.update(label=label, open=True) if name == TYPED else gr.update(label=label))
 
@@ -513,6 +534,11 @@ def build_batching_tab(pool: EnginePool) -> None:
             arrival = gr.Radio(list(ARRIVALS), value=arrival_label, label="arrivals", elem_id="batching-arrival")
             rate = gr.Slider(0.5, 20, value=4.0, step=0.5, label="Poisson rate (requests/s)", elem_id="batching-rate")
             seed = gr.Number(0, precision=0, minimum=0, label="seed (arrivals, lengths)", elem_id="batching-seed")
+            # Shown only where compiled steps run on this device.
+            compiled = gr.Checkbox(False, label="compiled (every step)", elem_id="batching-compile",
+                                   visible=compile_unavailable(pool.loaded.device) is None,
+                                   info="each mode's decode, prompt and mixed steps through the compiled step; "
+                                        "its packages are readied before the mode's timed run")
         with gr.Row():
             # No `minimum`: Gradio checks it against the 0 an empty box arrives as, and refuses the whole run.
             slo_ttft = gr.Number(None, label="TTFT target (ms; empty or 0 = none)", elem_id="batching-slo-ttft",
@@ -541,17 +567,17 @@ def build_batching_tab(pool: EnginePool) -> None:
     quick = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}  # the page's own events
     # The one-line summary follows the person's edits (`input`, not `change`: a preset sets several widgets at once,
     # and their change events would race each other with half-updated values) and the preset's own values.
-    widgets = [num_requests, max_new_tokens, lengths, max_num_seqs, kv_pool, arrival, rate, seed]
+    widgets = [num_requests, max_new_tokens, lengths, max_num_seqs, kv_pool, arrival, rate, seed, compiled]
     for widget in widgets:
         widget.input(lambda *values: gr.update(label=settings_summary(*values)), widgets, fold, **quick)
-    preset.change(_apply_preset, [preset, max_num_seqs, rate, seed],
+    preset.change(_apply_preset, [preset, max_num_seqs, rate, seed, compiled],
                   [num_requests, max_new_tokens, lengths, kv_pool, arrival, fold], **quick)
     outputs = {"timeline": timeline, "chart": chart, "pool": pool_view, "results": results, "status": status,
                "run_button": run}
     # The same concurrency group as the playground's other generations: they only hand requests to the engine loop.
     run.click(arm_batching, control, [status, run], **quick).then(
         partial(run_batching, pool), [control, preset, mode, num_requests, max_new_tokens, lengths, max_num_seqs,
-                                      kv_pool, arrival, rate, seed, typed, slo_ttft, slo_tpot, memory],
+                                      kv_pool, arrival, rate, seed, typed, slo_ttft, slo_tpot, memory, compiled],
         [outputs[name] for name in LAB_OUTPUTS], show_progress="hidden", concurrency_limit=8,
         concurrency_id="engine", api_visibility="private")
     stop.click(stop_batching, control, None, **quick)

@@ -79,6 +79,22 @@ class RunRecord:
     steps: list[StepRecord] = field(default_factory=list)
     ended: bool = False  # every request has ended (or the run was stopped)
     targets: LatencyTargets = field(default_factory=LatencyTargets)  # what goodput counts
+    compile_stats: dict | None = None  # a compiled run's `CompileStats.as_dict()` once it has ended (None: eager)
+
+
+def compiled_words(records: list[RunRecord]) -> str:
+    """What the compiled runs' stats say: each mode's steps through a compiled package, and those that ran eager
+    and why ('' where no run was compiled)."""
+    parts = []
+    for record in records:
+        stats = record.compile_stats
+        if stats is None:
+            continue
+        eager = sum(stats["fallbacks"].values())
+        why = "; ".join(f"{count} {reason}" for reason, count in stats["fallbacks"].items())
+        parts.append(f"{record.mode}: {stats['compiled_steps']} forwards compiled, "
+                     + (f"{eager} eager ({why})" if eager else "none eager"))
+    return f"Compiled steps: {', '.join(parts)}." if parts else ""
 
 
 @dataclass(frozen=True, slots=True)

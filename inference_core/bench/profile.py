@@ -278,7 +278,10 @@ def tokens_needed(steps: int, warmup_steps: int) -> int:
 def profile_requests(engine: Engine, requests: list, steps: int, warmup_steps: int, trace: str | None = None) -> dict:
     """Queue `requests` on `engine` all at once, record their steps (`record_steps`) and end whatever is left, so
     that the engine holds no KV afterwards (the page's profile action: in the engine loop's thread, the device its
-    own meanwhile)."""
+    own meanwhile). A compiled engine readies every bucket's steps first, so that no package loads while a batch
+    that shrinks is recorded."""
+    engine.warm_up_compiled(tuple(engine.decoder.buckets) if engine.decoder is not None else (),
+                            requests[0].spec if requests else None)
     for request in requests:
         engine.enqueue(request)
     engine.drain()

@@ -2,7 +2,8 @@
 
 This module owns the draft sources, the verification step, the acceptance rule and the statistics; the engine owns
 the request loop (`Engine._run`) and builds the draft source for a request (`Engine._drafter`). One verification step
-(`speculative_step`):
+(`draft_chain`, one forward, `finish_chain`; the engine verifies every speculating request of a step in one
+forward: `Engine._run_speculative`):
 
 1. A draft source proposes up to k tokens after the sequence so far (`propose`).
 2. The target forwards the last accepted token plus the k drafts through its KV cache in one pass and returns logits
@@ -378,27 +379,6 @@ def finish_chain(runner, seq: Sequence, drafter, chain: ChainDraft, logits: torc
             for token, lp, kind in zip(tokens, logprobs, (kind for _, kind, _ in tokens))]
 
 
-def speculative_step(runner, seq: Sequence, drafter, max_drafts: int, stats: SpecStats, params: SamplingParams,
-                     generator, eos_ids, contexts=None) -> list[tuple]:
-    """One verification step of one sequence: draft (`draft_chain`), score the last token + drafts in one forward,
-    keep the accepted prefix and roll the rest back (`finish_chain`). Returns the step's tokens as `finish_chain`
-    does, or [] when the drafter proposed nothing. (The engine verifies all its speculating requests in one forward:
-    `Engine._run_speculative`.)"""
-    chain = draft_chain(seq, drafter, max_drafts, stats, params, generator, eos_ids, contexts)
-    if chain is None:  # nothing to propose: the caller takes a plain step
-        return []
-    reads_hidden = getattr(drafter, "wants_hidden", False)
-    try:
-        # logits: [len(drafts) + 1, vocab] for the positions of the last token and of each draft
-        logits = runner.run([seq], num_logits=chain.num_rows, return_hidden=reads_hidden)
-    except BaseException:
-        del seq.token_ids[chain.num_before:]
-        raise
-    logits, hidden = logits if reads_hidden else (logits, None)
-    return finish_chain(runner, seq, drafter, chain, logits, hidden[0] if reads_hidden else None, stats, params,
-                        generator)
-
-
 @dataclass(slots=True)
 class DraftTree:
     """Draft tokens as a tree below node 0 (the sequence's last token): nodes 1..len(chain) are the chain of each
@@ -451,8 +431,8 @@ def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int
     """A greedy verification step over a draft tree (`DraftTree`): the drafter ranks `width` candidates at each of
     `depth` positions; one forward scores every node under a tree attention mask (`ModelRunner.run_tree`); the
     longest path the target's argmax follows is kept, the KV of a leaf that ends it moved next to its parent, and
-    the rest rolled back. Emits exactly plain greedy decoding's tokens, like the chain (`speculative_step`), with more
-    chances at each position for one wider forward. Returns the tokens as `speculative_step` does, or [] when the
+    the rest rolled back. Emits exactly plain greedy decoding's tokens, like the chain (`finish_chain`), with more
+    chances at each position for one wider forward. Returns the tokens as `finish_chain` does, or [] when the
     drafter proposed nothing.
 
     `shaping` (the request, for one that shapes its logits or asks for log-probabilities) first drops the candidates

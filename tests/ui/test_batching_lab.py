@@ -12,13 +12,16 @@ import pytest
 
 from inference_core.bench.latency import LatencyTargets
 from inference_core.engine.engine import StepReport
-from ui.batching import (LAB_OUTPUTS, LAB_PRESETS, TYPED, arrival_offsets, output_limits, preset_values,
-                         run_batching)
+from ui.batching import (LAB_OUTPUTS, LAB_PRESETS, TYPED, LabMemory, arrival_offsets, output_limits,
+                         preset_values, run_batching)
 from ui.batching_view import (RESULT_COLUMNS, Arrival, RunRecord, Segment, StepRecord, activity_figure,
                               request_timelines, results_frame, run_numbers, timeline_figure, verdict)
 from ui.control import RunControl
 from ui.frontier import frontier_figure
+from inference_core import load_model
+from inference_core.engine.compiled import compile_unavailable
 from serving.pool import EnginePool
+from tiny_models import build_tiny_model
 
 SMALL_POOL = next(name for name in LAB_PRESETS if name.startswith("small KV pool"))
 BURST = "all at once (burst)"
@@ -135,6 +138,51 @@ def test_bad_settings_get_a_message(lab_pool, overrides, message):
     assert len(updates) == 1
     assert updates[0]["status"].startswith("**Cannot start the run:**") and message in updates[0]["status"]
     assert updates[0]["run_button"]["interactive"] is True
+
+
+def test_compiled_runs_where_compiling_works_and_says_so_elsewhere(lab_pool, monkeypatch):
+    monkeypatch.setattr("ui.batching.compile_unavailable", lambda device: "no C++ compiler")
+    status = _run(lab_pool, compiled=True)[0]["status"]
+    assert status == ("**Cannot start the run:** compiled steps are not available on this device (no C++ compiler); "
+                      "untick 'compiled'.")
+
+
+@pytest.fixture(scope="module")
+def chat_tiny(tmp_path_factory):
+    """The tiny model with a chat template of its own (the lab sends every prompt as a chat)."""
+    directory = tmp_path_factory.mktemp("tiny-chat")
+    build_tiny_model(directory)
+    (directory / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    return load_model(str(directory), device="cpu", dtype="float32")
+
+
+def test_a_compiled_race_of_continuous_and_dynamic_compiles_every_step(chat_tiny, one_torch_thread, monkeypatch):
+    """The lab's 'compiled' setting: each mode's packages are readied before its timed run (a status says so), its
+    prompts, mixed steps and decodes all run through them (the final status counts them, none eager), and the
+    requests get what the eager engine gives them. Compiled without max-autotune (minutes less on a tiny model;
+    the options are not what this test is about)."""
+    if compile_unavailable(chat_tiny.device) is not None:
+        pytest.skip(compile_unavailable(chat_tiny.device))
+    monkeypatch.setattr("inference_core.engine.engine.default_options", lambda device, model: {"freezing": True})
+    pool = EnginePool(chat_tiny, max_seq_len=128)
+    typed = "t5 t6 t7 t8 t9\nt10 t11 t12\nt13 t14 t15 t16 t17 t18 t19 t20 t21 t22 t23 t24 t25 t26 t27 t28 t29"
+    settings = dict(preset=TYPED, typed_prompts=typed, mode="race: continuous vs dynamic", num_requests=4,
+                    max_new_tokens=8, lengths="varied (1/8 to all of max new tokens, seeded)", max_num_seqs=2)
+    memory = LabMemory()
+    eager, compiled = _run(pool, **settings)[-1], _run(pool, compiled=True, memory=memory, **settings)
+    statuses = [update["status"] for update in compiled if isinstance(update["status"], str)]
+    assert [s for s in statuses if s.startswith("Readying")] == [
+        f"Readying {mode} batching's compiled steps (batch sizes 1, 2, and prompts): loaded from disk where this "
+        "host built them before, else compiled now, about a minute each. This time is not in the figures."
+        for mode in ("continuous", "dynamic")]
+    last = compiled[-1]
+    assert "every step compiled" in statuses[0]
+    assert re.search(r"Compiled steps: continuous: \d+ forwards compiled, none eager, dynamic: \d+ forwards "
+                     r"compiled, none eager\.$", last["status"]), last["status"]
+    assert list(last["results"]["output tokens"]) == list(eager["results"]["output tokens"])
+    assert [step.report.compile_ms for record in memory.records for step in record.steps] == [0.0] * sum(
+        len(record.steps) for record in memory.records)  # no package was built or loaded inside a timed step
+    assert _idle(pool)
 
 
 def test_an_emptied_target_box_is_no_target():

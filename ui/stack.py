@@ -44,11 +44,11 @@ STACK_OUTPUTS = ("figure", "table", "status", "run_button", "roofline")
 BAR_HEADROOM = 1.18  # a chart's height over its tallest bar: room for the value written above that bar
 EMPTY_STACK_TEXT = "Each rung's bar<br>appears here as<br>the ladder is climbed."  # either chart before the climb
 TABLE_COLUMNS = ("rung", "adds", "decode tokens/s", "vs no KV cache (x)", "TTFT (ms)", "weights (MiB)",
-                 "KV reserved (MiB)", "perplexity", "quality delta (%)", "tokens", "command")
+                 "KV reserved (MiB)", "perplexity", "quality delta (%)", "tokens", "forwards", "command")
 # Column widths in pixels, one per TABLE_COLUMNS: sized by their text, the columns squeezed the numbers' headers letter
 # by letter and pushed the command past the table's edge. The numbers fit 1440 px beside the rung and what it adds;
 # the command (a long line) is reached by scrolling sideways, the rung column pinned, as on a phone.
-TABLE_WIDTHS = ["150px", "200px", *["92px"] * 5, "112px", "92px", "92px", "560px"]
+TABLE_WIDTHS = ["150px", "200px", *["92px"] * 5, "112px", "92px", "92px", "200px", "560px"]
 MAX_CELL_CHARS = 200  # a longer cell (a command with its prompt) shows its start; a click on it, or Copy, gives all
 
 
@@ -177,10 +177,14 @@ def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str
                                     "settings (a minute or two on a CPU; later starts load it from disk)...")
                 run.compile("rung")
             yield _frame(status=f"Rung {index + 1} of {len(rungs)}: {rung.name}...")
+            decoder = run.engines["rung"].decoder
+            before = pool.loop.call(decoder.stats.as_dict) if decoder is not None else None
             final = _run_one(run, control)
             if final is None or final.stats.finish_reason == "stopped":
                 break
-            rows.append(_row(pool, rung, run, final.stats, rows, command(rung.settings, prompt, system, new_tokens)))
+            forwards = forwards_words(pool.loop.call(decoder.stats.since, before)) if decoder is not None else "eager"
+            rows.append(_row(pool, rung, run, final.stats, rows, command(rung.settings, prompt, system, new_tokens),
+                             forwards))
             points[rung.name] = run.engines["rung"].roofline_points(final.stats)
             yield _frame(figure=stack_figure(rows), table=pd.DataFrame(rows, columns=TABLE_COLUMNS),
                          roofline=roofline_figure(vars(pool.ceilings()), points))
@@ -195,8 +199,24 @@ def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str
         control.end()
 
 
-def _row(pool: EnginePool, rung: Rung, run: Run, stats, rows: list[dict], command_line: str) -> dict:
-    """A rung's row of the table: what its request measured, its weights' size and its quality delta."""
+def forwards_words(forwards: dict) -> str:
+    """A compiled rung's forwards (`CompileStats.since`) in a few words: 'all 27 compiled (16 decode, 10 query,
+    1 flat)', or how many ran eager and why."""
+    kinds: dict[str, int] = {}
+    for package, count in forwards["by_package"].items():
+        kind = "flat" if package == "flat" else "query" if package.endswith("query") else "decode"
+        kinds[kind] = kinds.get(kind, 0) + count
+    compiled, eager = sum(kinds.values()), sum(forwards["eager"].values())
+    parts = f" ({', '.join(f'{count} {kind}' for kind, count in kinds.items())})" if kinds else ""
+    if not eager:
+        return f"all {compiled} compiled{parts}"
+    why = "; ".join(f"{count}: {reason}" for reason, count in forwards["eager"].items())
+    return f"{compiled} of {compiled + eager} compiled{parts}, eager: {why}"
+
+
+def _row(pool: EnginePool, rung: Rung, run: Run, stats, rows: list[dict], command_line: str, forwards: str) -> dict:
+    """A rung's row of the table: what its request measured, its weights' size, its quality delta, and for a
+    compiled rung how its forwards ran (the rung engine's counts over its run)."""
     ppl, delta = quality_delta(pool, rung.settings)
     decode = round(stats.decode_tokens_per_s, 1)  # the speed-up is the ratio of the speeds shown
     return {"rung": rung.name, "adds": rung.adds, "decode tokens/s": decode,
@@ -204,7 +224,8 @@ def _row(pool: EnginePool, rung: Rung, run: Run, stats, rows: list[dict], comman
             "TTFT (ms)": round(stats.ttft_ms), "weights (MiB)": round(weight_bytes(run.engines["rung"].loaded.model)
                                                                        / 2 ** 20),
             "KV reserved (MiB)": round(stats.kv_bytes_reserved / 2 ** 20, 2), "perplexity": round(ppl, 3),
-            "quality delta (%)": round(delta, 2), "tokens": stats.generated_tokens, "command": command_line}
+            "quality delta (%)": round(delta, 2), "tokens": stats.generated_tokens, "forwards": forwards,
+            "command": command_line}
 
 
 def _run_one(run: Run, control: RunControl) -> FinishEvent | None:

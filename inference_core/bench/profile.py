@@ -9,7 +9,10 @@ chrome://tracing open, and `--json`
 prints `{"steps", "step_ms", "breakdown": [{"category", "ms", "share"}], ...}` (`step_ms`: the mean step, `ms`: per
 step; also `profiled_ms`, the mean step as the profiler's own events span it, `unprofiled_step_ms`, the mean of as
 many steps just before, without the profiler (what its recording adds: a few microseconds per op), `model`, `dtype`,
-`device`, `compiled`, `batch_size` and `work`, the recorded steps' kinds of work).
+`device`, `compiled`, `batch_size` and `work`, the recorded steps' kinds of work, and for a compiled engine
+`compiled_forwards`: the recorded steps' forwards by package, and those that ran eager by reason).
+`--join-prompt` submits more prompts once the warm-up is over (and again before the recorded steps), so that their
+prefill chunks share steps with the running decodes: the recorded steps are then mixed steps.
 End-of-sequence is ignored, so that the recorded steps run. `--kernels` (a compiled engine on the CPU) compiles the
 step with inductor's kernel profiling, so that the graph's generated kernels record themselves: the breakdown then
 splits the graph into categories by each kernel's name (`kernel_category`) and the report lists the costliest
@@ -46,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -99,6 +103,10 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=3,
                         help="untimed steps after every request has its first token (default 3)")
     parser.add_argument("--trace", help="write the recorded steps here as a Chrome trace (opens in Perfetto)")
+    parser.add_argument("--join-prompt", action="append", default=[],
+                        help="a prompt submitted after the warm-up and again before the recorded steps (repeatable): "
+                             "its prefill, in chunks of --max-batched-tokens, runs beside the running decodes, so "
+                             "the steps measured are mixed steps")
     parser.add_argument("--kernels", action="store_true",
                         help="with --compile on the CPU: compile the step with inductor's kernel profiling (a "
                              "compile of its own) and split the compiled graph into its kernels")
@@ -246,7 +254,14 @@ def run_profile(args) -> int:
         for request in engine.make_copies(prompt, copies, priority=priority, **options):
             engine.enqueue(request)
     engine.drain()
-    report = record_steps(engine, args.steps, args.warmup_steps, args.trace)
+
+    def join() -> None:  # a fresh copy of each joining prompt, between two steps
+        for prompt in args.join_prompt:
+            for request in engine.make_copies(prompt, [params], **options):
+                engine.enqueue(request)
+        engine.drain()
+
+    report = record_steps(engine, args.steps, args.warmup_steps, args.trace, join if args.join_prompt else None)
     if args.json:
         print(json.dumps(report))
     else:
@@ -292,9 +307,11 @@ def profile_requests(engine: Engine, requests: list, steps: int, warmup_steps: i
             engine.cancel(request)
 
 
-def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | None = None) -> dict:
+def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | None = None,
+                 join: Callable[[], None] | None = None) -> dict:
     """Warm up (every running request past its first token, then `warmup_steps` more), record `steps` steps and
-    return the report (see the module docstring)."""
+    return the report (see the module docstring). `join`, where given, submits more requests before the unrecorded
+    steps and again before the recorded ones (their prompts' steps are then mixed with the running decodes)."""
     # 1. Warm-up: prefill, then steps that compile or load a graph, fill caches and let the clock settle.
     while engine.has_work() and not (engine.scheduler.running and all(
             request.seq.num_generated_tokens > 0 for request in engine.scheduler.running)):
@@ -303,7 +320,12 @@ def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | Non
         if engine.has_work():
             engine.step()
     # 2. As many steps again without the profiler: what its recording adds to a step.
+    if join is not None:
+        join()
     unprofiled = [_timed_step(engine) for _ in range(steps) if engine.has_work()]
+    if join is not None:
+        join()
+    compiled_before = None  # the compiled engine's counts after the profiler's untimed step
     cuda = engine.loaded.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     walls, reports, step_events = [], [], []
@@ -330,6 +352,8 @@ def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | Non
         for index in range(1 + steps):
             if not engine.has_work():
                 break
+            if index == 1 and engine.decoder is not None:
+                compiled_before = engine.decoder.stats.as_dict()
             wall, report = _timed_step(engine, record_function(STEP))
             if index > 0:
                 walls.append(wall)
@@ -347,6 +371,7 @@ def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | Non
         kernels = graph_kernels(step_events) if engine.decoder is not None else []
     loaded = engine.loaded
     return {"steps": len(walls), "step_ms": step_ms, "breakdown": rows,
+            "compiled_forwards": engine.decoder.stats.since(compiled_before) if compiled_before is not None else None,
             "profiled_ms": statistics.mean(_duration(event) for event in step_events) / 1e3,
             "unprofiled_step_ms": statistics.mean(wall for wall, _ in unprofiled) * 1e3 if unprofiled else None,
             "model": loaded.display_name, "dtype": loaded.dtype_name, "device": str(loaded.device),
@@ -409,6 +434,12 @@ def _timed_step(engine: Engine, inside=contextlib.nullcontext()):
     return time.perf_counter() - started, report
 
 
+def _forwards_line(forwards: dict) -> str:
+    packages = ", ".join(f"{count} {name}" for name, count in forwards["by_package"].items()) or "none"
+    eager = ", ".join(f"{count} {reason}" for reason, count in forwards["eager"].items()) or "none"
+    return f"compiled forwards in the recorded steps: {packages}; eager: {eager}"
+
+
 def format_table(report: dict) -> str:
     work = ", ".join(f"{count} {kind}" for kind, count in report["work"].items())
     lines = [f"{report['model']} ({report['dtype']}) on {report['device']}, "
@@ -416,6 +447,7 @@ def format_table(report: dict) -> str:
              f"{report['batch_size']:.1f} ({work}), {report['step_ms']:.2f} ms per step recorded"
              + (f" ({report['unprofiled_step_ms']:.2f} ms per step just before, unrecorded)"
                 if report["unprofiled_step_ms"] is not None else ""),
+             *([_forwards_line(report["compiled_forwards"])] if report.get("compiled_forwards") else []),
              "| category | ms per step | share |", "|---|---|---|"]
     for row in report["breakdown"]:
         lines.append(f"| {row['category']} | {row['ms']:.3f} | {100 * row['share']:.1f}% |")

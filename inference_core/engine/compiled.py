@@ -248,6 +248,15 @@ class CompileStats:
     def as_dict(self) -> dict:
         return {name: dict(value) if isinstance(value, dict) else value for name, value in self.__dict__.items()}
 
+    def since(self, before: dict) -> dict:
+        """What the forwards since `before` (an earlier `as_dict()` of these stats) did: {"by_package": counts by
+        package ("Bx1", "BxT query", "flat"), "eager": counts of the forwards that ran eager, by reason}."""
+        def grown(now: dict[str, int], then: dict[str, int]) -> dict[str, int]:
+            return {key: count - then.get(key, 0) for key, count in now.items() if count > then.get(key, 0)}
+
+        return {"by_package": grown(self.steps_by_bucket, before["steps_by_bucket"]),
+                "eager": grown(self.fallbacks, before["fallbacks"])}
+
 
 class CompiledDecoder:
     """Runs decode steps through a compiled `DecodeGraph` for one engine's model and KV cache (contiguous or paged):

@@ -121,6 +121,17 @@ def test_the_table_names_what_was_profiled(tiny_dir, capsys):
     assert "| projections |" in out and "| other |" in out
 
 
+def test_a_joining_prompt_makes_the_recorded_steps_mixed(tiny_dir, capsys):
+    long_prompt = " ".join(f"t{i}" for i in range(10, 110))  # 100 tokens: chunks of 7 beside the decode
+    assert main(profile_args(tiny_dir, "--json", "--steps", "4", "--join-prompt", long_prompt,
+                             "--batching", "continuous", "--max-batched-tokens", "8")) == 0
+    report = json.loads(capsys.readouterr().out)
+    # Each recorded step: the first prompt's decode and a chunk of a joining prompt (two where one's last chunk
+    # leaves room in the step's 8 tokens for the next's first).
+    assert report["work"]["decode"] == 4 and report["work"]["prefill"] >= 4 and report["batch_size"] >= 2
+    assert report["compiled_forwards"] is None  # eager
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--steps", "0"], "--steps is the number of engine steps to record: from 1 to 10000, got 0."),
     (["--max-new-tokens", "12"], "--max-new-tokens 12 ends the requests before the recorded steps"),

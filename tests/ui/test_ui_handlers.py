@@ -479,6 +479,20 @@ def test_stack_chart_empty_state_stays_inside_each_subplot():
     assert not drawn.layout.annotations[2:] and drawn.layout.xaxis.visible is None  # the two subplot titles only
 
 
+def test_a_compiled_rungs_forwards_in_words():
+    """What the compiled rungs' "forwards" column says, from the rung engine's counts over the rung's run."""
+    from inference_core.engine.compiled import CompileStats
+    from ui.stack import forwards_words
+
+    stats = CompileStats(mode="aoti", steps_by_bucket={"flat": 1, "1x1": 5}, fallbacks={"a static batch's padding": 1})
+    before = stats.as_dict()
+    stats.steps_by_bucket.update({"flat": 2, "1x1": 21, "1x6 query": 10})
+    assert forwards_words(stats.since(before)) == "all 27 compiled (1 flat, 16 decode, 10 query)"
+    stats.fallbacks["more than 8 sequences"] = 2
+    assert forwards_words(stats.since(before)) == ("27 of 29 compiled (1 flat, 16 decode, 10 query), eager: 2: more "
+                                                   "than 8 sequences")
+
+
 def test_stack_climbs_every_rung_and_reports_measured_rows(pool):
     """Without compiled rungs: seven rungs, each generating the asked-for tokens, with a command that names its
     settings; the quantized rungs store fewer weight bytes and change perplexity, the others measure the model as
@@ -491,6 +505,7 @@ def test_stack_climbs_every_rung_and_reports_measured_rows(pool):
     assert list(table["rung"]) == ["no KV cache", "KV cache", "paged + prefix cache", "int8 weights", "int4 weights",
                                    "speculative", "everything together"]
     assert (table["tokens"] == 8).all() and (table["decode tokens/s"] > 0).all()
+    assert (table["forwards"] == "eager").all()
     assert list(table["vs no KV cache (x)"]) == [round(speed / table["decode tokens/s"][0], 2)
                                                  for speed in table["decode tokens/s"]]
     rows = table.set_index("rung")

@@ -261,7 +261,8 @@ def run_profile(args) -> int:
                 engine.enqueue(request)
         engine.drain()
 
-    report = record_steps(engine, args.steps, args.warmup_steps, args.trace, join if args.join_prompt else None)
+    report = record_steps(engine, args.steps, args.warmup_steps, args.trace, join if args.join_prompt else None,
+                          settings.spec())
     if args.json:
         print(json.dumps(report))
     else:
@@ -293,26 +294,27 @@ def tokens_needed(steps: int, warmup_steps: int) -> int:
 def profile_requests(engine: Engine, requests: list, steps: int, warmup_steps: int, trace: str | None = None) -> dict:
     """Queue `requests` on `engine` all at once, record their steps (`record_steps`) and end whatever is left, so
     that the engine holds no KV afterwards (the page's profile action: in the engine loop's thread, the device its
-    own meanwhile). A compiled engine readies every bucket's steps first, so that no package loads while a batch
-    that shrinks is recorded."""
-    engine.warm_up_compiled(tuple(engine.decoder.buckets) if engine.decoder is not None else (),
-                            requests[0].spec if requests else None)
+    own meanwhile)."""
     for request in requests:
         engine.enqueue(request)
     engine.drain()
     try:
-        return record_steps(engine, steps, warmup_steps, trace)
+        return record_steps(engine, steps, warmup_steps, trace, spec=requests[0].spec if requests else None)
     finally:
         for request in requests:
             engine.cancel(request)
 
 
 def record_steps(engine: Engine, steps: int, warmup_steps: int, trace: str | None = None,
-                 join: Callable[[], None] | None = None) -> dict:
+                 join: Callable[[], None] | None = None, spec=None) -> dict:
     """Warm up (every running request past its first token, then `warmup_steps` more), record `steps` steps and
     return the report (see the module docstring). `join`, where given, submits more requests before the unrecorded
-    steps and again before the recorded ones (their prompts' steps are then mixed with the running decodes)."""
-    # 1. Warm-up: prefill, then steps that compile or load a graph, fill caches and let the clock settle.
+    steps and again before the recorded ones (their prompts' steps are then mixed with the running decodes). A
+    compiled engine first readies every bucket's packages (and the query steps of `spec`, the requests'
+    `SpecConfig`), so that none is built or loaded in a recorded step when the batch grows or shrinks."""
+    # 1. Warm-up: every package, prefill, then steps that fill caches and let the clock settle.
+    if engine.decoder is not None:
+        engine.warm_up_compiled(tuple(engine.decoder.buckets), spec)
     while engine.has_work() and not (engine.scheduler.running and all(
             request.seq.num_generated_tokens > 0 for request in engine.scheduler.running)):
         engine.step()
@@ -404,23 +406,25 @@ def graph_kernels(step_events: list, top: int = 12) -> list[dict]:
 
 @contextlib.contextmanager
 def _graph_call_ranged(engine: Engine):
-    """A compiled engine's graph call as one range, `ic::compiled_graph`, while this lasts: the profiler sees no
-    kernel inside the call (the range is set on the decoder object here, so that compiled.py pays nothing)."""
+    """A compiled engine's graph calls (each package: decode, query and flat steps; or torch.compile's graph) as one
+    range, `ic::compiled_graph`, while this lasts: the profiler sees no kernel inside a call (the range is set on the
+    decoder object here, so that compiled.py pays nothing)."""
     decoder = engine.decoder
     if decoder is None:
         yield
         return
-    call = decoder._call
+    name = "_call_package" if decoder.backend == "aoti" else "_call"
+    call = getattr(decoder, name)
 
     def ranged_call(*args):
         with record_function(GRAPH):
             return call(*args)
 
-    decoder._call = ranged_call
+    setattr(decoder, name, ranged_call)
     try:
         yield
     finally:
-        del decoder._call  # the class's method again
+        delattr(decoder, name)  # the class's method again
 
 
 def _timed_step(engine: Engine, inside=contextlib.nullcontext()):

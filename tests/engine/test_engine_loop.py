@@ -196,3 +196,29 @@ def test_merge_yields_every_event_of_handles_sharing_a_sink(tiny, loop):
         assert received[-1].stats.finish_reason == "length"
         assert received[-1].token_ids == solo(tiny, prompts[tag], greedy(new_tokens[tag]))
     assert_engine_free(loop, engine)
+
+
+def test_a_thread_that_hands_the_loop_work_frees_its_idle_openmp_workers():
+    """`engine.openmp`: after a parallel op on two threads, this thread's OpenMP worker is an OS thread of the
+    process; a call to the loop frees it (the loop's own team is then the only one)."""
+    import os
+
+    import torch
+
+    from inference_core.engine.openmp import release_idle_workers
+
+    if not release_idle_workers():
+        pytest.skip("torch runs on an OpenMP runtime other than libgomp here")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(1 << 22).sum()  # a parallel part: this thread's team gets its worker
+        with_team = len(os.listdir("/proc/self/task"))
+        loop = EngineLoop()
+        try:
+            loop.call(lambda: None)  # the loop thread starts (one more OS thread), this one frees its worker
+            assert len(os.listdir("/proc/self/task")) == with_team
+        finally:
+            loop.close()
+    finally:
+        torch.set_num_threads(threads)

@@ -17,6 +17,9 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
 from inference_core.config import ConfigError
 from inference_core.sampling import MAX_LOGPROBS, MIN_TEMPERATURE
 from inference_core.settings import SETTINGS, LaneSettings, kinds, words
@@ -67,6 +70,7 @@ class Asked:
     continuous_usage: bool = False
     ignore_eos: bool = False
     echo: bool = False
+    prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt (and its log-probabilities) alone
     top_logprobs: int | None = None  # alternatives per token in the reply (None: no log-probabilities)
     sampling: dict = field(default_factory=dict)  # more SamplingParams fields
     constraint_field: str | None = None  # the body field that gave the constraint (response_format, guided_*)
@@ -77,7 +81,13 @@ def read_request(body: dict, kind: str, policy) -> Asked:
     `refuse_unsupported`)."""
     max_name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    max_tokens = number(body, max_name, None, 1, policy.max_new_tokens, integer=True)
+    # Completions take max_tokens 0 with echo, as vLLM does: the prompt alone (one token is computed, none returned).
+    max_tokens = number(body, max_name, None, 0 if kind == "completions" else 1, policy.max_new_tokens, integer=True)
+    prompt_only = max_tokens == 0
+    if prompt_only:
+        if not flag(body, "echo"):
+            raise bad("'max_tokens' 0 asks for the prompt alone: it needs 'echo': true.", "max_tokens")
+        max_tokens = 1
     temperature = number(body, "temperature", 1.0, 0, 2)
     if 0 < temperature < MIN_TEMPERATURE:
         raise bad(f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}.", "temperature")
@@ -107,7 +117,7 @@ def read_request(body: dict, kind: str, policy) -> Asked:
                              if "constraint" in sampling and body.get(name) is not None), None)
     return Asked(prompts, settings, max_tokens, top_k, n, stop, stream, options.get("include_usage", False),
                  options.get("continuous_usage_stats", False), flag(body, "ignore_eos"),
-                 kind == "completions" and flag(body, "echo"), top_logprobs, sampling, constraint_field)
+                 kind == "completions" and flag(body, "echo"), prompt_only, top_logprobs, sampling, constraint_field)
 
 
 def read_sampling(body: dict, kind: str) -> tuple[int | None, dict]:
@@ -343,3 +353,24 @@ def param_of(error: ConfigError, sampling: dict | None = None, constraint_field:
     if constraint_field is not None:
         return constraint_field
     return "prompt" if "prompt" in text else None
+
+
+def error_response(error: APIError) -> JSONResponse:
+    kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+            429: "rate_limit_error"}.get(error.status, "server_error")
+    headers = {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))} if error.retry_after_s else None
+    return JSONResponse({"error": {"message": error.message, "type": kind, "param": error.param,
+                                   "code": error.code}}, status_code=error.status, headers=headers)
+
+
+async def read_body(http: Request) -> dict:
+    raw = await http.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}.")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise bad(f"the body is not valid JSON: {error}.") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object.")
+    return body

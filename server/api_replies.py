@@ -3,8 +3,11 @@ the playground's settings and measured timings under `playground`.
 
 Log-probabilities follow OpenAI's two shapes: chat's `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`
 and completions' `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (with `echo`, the prompt's tokens come
-first, the first with a null log-probability). A token that ends the output (end-of-sequence, a stop token id) is left
-out, as it is out of the text.
+first, the first with a null log-probability). Completions list every generated token, the one that ends the output
+(end-of-sequence, a stop token id) included with an empty text, as vLLM does: a scoring client that sends `echo` and
+`max_tokens: 1` reads the prompt's entries whatever the model would say next. Chat leaves that token out, as it is out
+of the message. `max_tokens: 0` with `echo` (`Asked.prompt_only`) answers with the prompt alone: its text and its
+entries, no generated token.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class Reply:
 
     def usage(self, finals: list[FinishEvent]) -> dict:
         prompt = sum(f.stats.prompt_tokens for f in finals)
-        completion = sum(f.stats.generated_tokens for f in finals)
+        completion = 0 if self.asked.prompt_only else sum(f.stats.generated_tokens for f in finals)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(f.stats.cached_prompt_tokens for f in finals)}}
 
@@ -74,20 +77,23 @@ class Reply:
                 "bytes": list(self.tokenizer.token_bytes(event.token_id)), "top_logprobs": top}
 
     def logprobs(self, choice: int, events: list[TokenEvent], echo_prompt: bool = False) -> dict | None:
-        """The log-probabilities of `events` (those that carry them) in this endpoint's shape; None if not asked."""
+        """The log-probabilities of `events` (those that carry them) in this endpoint's shape, after the prompt's
+        (carried by the first token's event) where `echo_prompt`; None if not asked."""
         if not self.wants_logprobs:
             return None
-        events = [e for e in events if e.logprob is not None and e.token_id not in self.end_ids]
         if self.kind == "chat":
-            return {"content": [self._chat_entry(e) for e in events], "refusal": None}
-        entries = []  # (token id, logprob or None, top)
+            shown = [e for e in events if e.logprob is not None and e.token_id not in self.end_ids]
+            return {"content": [self._chat_entry(e) for e in shown], "refusal": None}
+        entries = []  # (token id, logprob or None, top, its text)
         if echo_prompt and events and events[0].prompt_logprobs is not None:
-            entries += [(token, None if lp is None else lp.logprob, None if lp is None else lp.top)
+            entries += [(token, None if lp is None else lp.logprob, None if lp is None else lp.top,
+                         self.token_text(token))
                         for token, lp in zip(self.prompt_of(choice), events[0].prompt_logprobs)]
-        entries += [(e.token_id, e.logprob, e.top_logprobs) for e in events]
+        if not self.asked.prompt_only:
+            entries += [(e.token_id, e.logprob, e.top_logprobs, "" if e.token_id in self.end_ids
+                         else self.token_text(e.token_id)) for e in events if e.logprob is not None]
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, logprob, top in entries:
-            text = self.token_text(token)
+        for token, logprob, top, text in entries:
             out["tokens"].append(text)
             out["token_logprobs"].append(logprob)
             out["top_logprobs"].append(None if top is None else {self.token_text(i): lp for i, lp in top})
@@ -103,24 +109,27 @@ class Reply:
     def whole(self, finals: list[FinishEvent], events: list[list[TokenEvent]]) -> dict:
         choices = []
         for i, final in enumerate(finals):
-            reason = FINISH_REASONS.get(final.stats.finish_reason, "stop")
+            reason = "length" if self.asked.prompt_only else FINISH_REASONS.get(final.stats.finish_reason, "stop")
             logprobs = self.logprobs(i, events[i], echo_prompt=self.asked.echo)
             if self.kind == "chat":
                 choices.append({"index": i, "message": {"role": "assistant", "content": final.text},
                                 "finish_reason": reason, "logprobs": logprobs})
             else:
-                choices.append({"index": i, "text": self.echo_text(i) + final.text, "finish_reason": reason,
-                                "logprobs": logprobs})
+                text = self.echo_text(i) + ("" if self.asked.prompt_only else final.text)
+                choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs})
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(finals), "playground": self.playground(finals)}
 
     def wants_chunk(self, event: TokenEvent) -> bool:
-        """A token event gets a chunk of its own when it carries text, or log-probabilities the client asked for."""
-        return bool(event.text) or (self.wants_logprobs and event.token_id not in self.end_ids)
+        """A token event gets a chunk of its own when it carries text, or log-probabilities the client asked for (in
+        completions an end token's too)."""
+        if self.asked.prompt_only:
+            return event.index == 0  # the echoed prompt
+        return bool(event.text) or (self.wants_logprobs and (self.kind != "chat" or event.token_id not in self.end_ids))
 
     def chunk(self, index: int, event: TokenEvent | None = None, role: bool = False,
               final: FinishEvent | None = None) -> dict:
-        text = event.text if event is not None else ""
+        text = event.text if event is not None and not self.asked.prompt_only else ""
         logprobs = None
         if event is not None:
             self.generated[index] = self.generated.get(index, 0) + 1
@@ -128,7 +137,8 @@ class Reply:
             if first and self.asked.echo:
                 text = self.echo_text(index) + text
             logprobs = self.logprobs(index, [event], echo_prompt=first and self.asked.echo)
-        reason = FINISH_REASONS.get(final.stats.finish_reason, "stop") if final else None
+        reason = None if final is None else "length" if self.asked.prompt_only else FINISH_REASONS.get(
+            final.stats.finish_reason, "stop")
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
@@ -139,7 +149,8 @@ class Reply:
         if final is not None:
             out["playground"] = {"description": self.settings.describe(), "timings": [self.timings(final)]}
         if self.asked.continuous_usage:  # vLLM's: the choice's usage so far in every chunk
-            prompt, completion = len(self.prompt_of(index)), self.generated.get(index, 0)
+            prompt = len(self.prompt_of(index))
+            completion = 0 if self.asked.prompt_only else self.generated.get(index, 0)
             out["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
                             "total_tokens": prompt + completion}
         elif self.asked.include_usage:

@@ -1,5 +1,6 @@
-"""One FastAPI app on one port: the OpenAI-compatible API (`server.openai_api`), `/health`, `/metrics`, and the Gradio
-playground mounted at `/`. `python app.py` serves it with uvicorn; tests serve it in-process (`serve_in_thread`)."""
+"""One FastAPI app on one port: the OpenAI-compatible API (`server.openai_api`), vLLM's tokenizer endpoints
+(`server.tokenizer_api`), `/health`, `/metrics`, and the Gradio playground mounted at `/`. `python app.py` serves
+it with uvicorn; tests serve it in-process (`serve_in_thread`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from server.metrics import Metrics
 from server.openai_api import OpenAIAPI
+from server.tokenizer_api import TokenizerAPI
 
 
 def create_app(demo: gr.Blocks, pool) -> FastAPI:
@@ -24,6 +26,7 @@ def create_app(demo: gr.Blocks, pool) -> FastAPI:
     pool.loop.add_observer(metrics.observe)
     api = OpenAIAPI(pool, metrics)
     app.include_router(api.router)
+    app.include_router(TokenizerAPI(api).router)
     app.state.api, app.state.metrics = api, metrics
 
     @app.exception_handler(RequestValidationError)

@@ -5,6 +5,7 @@
     POST /v1/chat/completions  messages through the model's chat template
     GET  /health               200 once the model is loaded
     GET  /metrics              Prometheus text (`server.metrics`)
+    POST /tokenize, POST /detokenize, GET /tokenizer_info   vLLM's, beside them (`server.tokenizer_api`)
 
 Requests go to the chat's engine through the pool's one engine loop, so they are batched with the page's chat turns
 (same settings, same engine) and take turns with the races. The fields (`server.api_body`) behave as OpenAI documents,
@@ -22,9 +23,7 @@ disconnects mid-stream cancels its requests at once, and their KV blocks go back
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import time
 
 from fastapi import APIRouter, Request
@@ -32,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inference_core.config import ConfigError
 from inference_core.engine.request import FinishEvent, TokenEvent
-from server.api_body import (API_WORDS, MAX_BODY_BYTES, APIError, bad, param_of, read_request,
+from server.api_body import (API_WORDS, APIError, bad, error_response, param_of, read_body, read_request,
                              refuse_unsupported)
 from server.api_replies import Reply
 from serving.admission import Job, QueueFull, Run
@@ -41,14 +40,6 @@ from serving.policy import LimitExceeded, cache_salt, client_address, looks_like
 log = logging.getLogger(__name__)
 DISCONNECT_CHECK_S = 0.25  # how often a request asks whether its client is still there
 SLOT = "chat"  # the pool slot the API shares with the page's chat: same settings, same engine, batched together
-
-
-def error_response(error: APIError) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-            429: "rate_limit_error"}.get(error.status, "server_error")
-    headers = {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))} if error.retry_after_s else None
-    return JSONResponse({"error": {"message": error.message, "type": kind, "param": error.param,
-                                   "code": error.code}}, status_code=error.status, headers=headers)
 
 
 # --- the API ------------------------------------------------------------------------------------------------------
@@ -115,9 +106,9 @@ class OpenAIAPI:
             or "unknown"
 
     async def _answer(self, http: Request, kind: str):
-        body = await _read_body(http)
+        body = await read_body(http)
         refuse_unsupported(body, kind)
-        self._check_model(body.get("model"))
+        self.check_model(body.get("model"))
         asked = read_request(body, kind, self.policy)
         caller = self.caller(http)
         key = http.headers.get("authorization", "").removeprefix("Bearer ").strip() or None
@@ -145,7 +136,7 @@ class OpenAIAPI:
             return Response(status_code=499)
         return JSONResponse(reply.whole(*collected))
 
-    def _check_model(self, model) -> None:
+    def check_model(self, model) -> None:
         if not isinstance(model, str) or not model:
             raise bad("'model' is required: the served model's id, from GET /v1/models.", "model")
         if self.policy.public and looks_like_path(model):
@@ -221,16 +212,3 @@ class OpenAIAPI:
                                        "type": "server_error", "param": None, "code": None}})
         finally:
             run.close(wait=False)  # a disconnect (or any early end) frees every request's KV now
-
-
-async def _read_body(http: Request) -> dict:
-    raw = await http.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}.")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise bad(f"the body is not valid JSON: {error}.") from None
-    if not isinstance(body, dict):
-        raise bad("the body must be a JSON object.")
-    return body

@@ -35,6 +35,7 @@ class Tokenizer:
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
+        self.pad_token = _token_text(config.get("pad_token"))
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -60,6 +61,11 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def token_string(self, token_id: int) -> str | None:
+        """One token as the vocabulary spells it (a byte-level BPE token's 'Ġ' for a space: transformers'
+        `convert_ids_to_tokens`); None for an id outside it."""
+        return self._tokenizer.id_to_token(token_id)
+
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes (a byte-level BPE token may hold part of a UTF-8 character, which `decode` shows
         as U+FFFD): what OpenAI's log-probabilities report as `bytes`."""
@@ -73,8 +79,8 @@ class Tokenizer:
             return bytes(byte_of[char] for char in piece)
         return piece.replace("\u2581", " ").encode()  # SentencePiece's word boundary
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Render `messages` ([{role, content}]) with the generation prompt appended."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render `messages` ([{role, content}]), with the generation prompt appended unless told not to."""
         if not self.chat_template:
             raise ConfigError("this model has no chat template; use plain completion (--no-chat).")
         if self._compiled_template is None:
@@ -87,7 +93,7 @@ class Tokenizer:
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._compiled_template = env.from_string(self.chat_template)
-        return self._compiled_template.render(messages=messages, add_generation_prompt=True,
+        return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     def encode_chat(self, messages: list[dict]) -> list[int]:

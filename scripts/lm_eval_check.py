@@ -22,7 +22,7 @@ file from disk):
 
     python -m venv /tmp/lm-eval-venv
     /tmp/lm-eval-venv/bin/pip install torch==2.13.0
-    /tmp/lm-eval-venv/bin/pip install "lm-eval[api]==0.4.13"
+    /tmp/lm-eval-venv/bin/pip install "lm-eval[api,hf]==0.4.13"
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from scripts.guidellm_bench import bundled_dir, served_model  # noqa: E402
 
 INSTALL = ("python -m venv /tmp/lm-eval-venv && /tmp/lm-eval-venv/bin/pip install torch==2.13.0 && "
-           "/tmp/lm-eval-venv/bin/pip install 'lm-eval[api]==0.4.13'")
+           "/tmp/lm-eval-venv/bin/pip install 'lm-eval[api,hf]==0.4.13'")
 # (question, choices, index of the right one): general knowledge a small model gets partly right.
 QUESTIONS = [
     ("Which season comes after winter?", ["spring", "summer", "autumn", "night"], 0),

@@ -67,6 +67,10 @@ class Reply:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(f.stats.cached_prompt_tokens for f in finals)}}
 
+    def finish_reason(self, final: FinishEvent) -> str:
+        """OpenAI's word for how a choice ended ("length" for the prompt alone: nothing generated is shown)."""
+        return "length" if self.asked.prompt_only else FINISH_REASONS.get(final.stats.finish_reason, "stop")
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
@@ -109,7 +113,7 @@ class Reply:
     def whole(self, finals: list[FinishEvent], events: list[list[TokenEvent]]) -> dict:
         choices = []
         for i, final in enumerate(finals):
-            reason = "length" if self.asked.prompt_only else FINISH_REASONS.get(final.stats.finish_reason, "stop")
+            reason = self.finish_reason(final)
             logprobs = self.logprobs(i, events[i], echo_prompt=self.asked.echo)
             if self.kind == "chat":
                 choices.append({"index": i, "message": {"role": "assistant", "content": final.text},
@@ -137,8 +141,7 @@ class Reply:
             if first and self.asked.echo:
                 text = self.echo_text(index) + text
             logprobs = self.logprobs(index, [event], echo_prompt=first and self.asked.echo)
-        reason = None if final is None else "length" if self.asked.prompt_only else FINISH_REASONS.get(
-            final.stats.finish_reason, "stop")
+        reason = None if final is None else self.finish_reason(final)
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}

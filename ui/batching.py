@@ -30,8 +30,8 @@ import gradio as gr
 
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams, TokenEvent
 from inference_core.bench.latency import LatencyTargets
-from inference_core.engine.compiled import compile_unavailable
 from inference_core.bench.prompts import load_prompts
+from inference_core.engine.compiled import compile_unavailable
 from serving.cost import duration
 from serving.pool import EnginePool
 from ui.batching_view import (RESULT_COLUMNS, RESULT_NOTES, Arrival, RunRecord, StepRecord, activity_figure,

@@ -27,7 +27,7 @@ from inference_core.config import ConfigError
 from inference_core.engine.request import FinishEvent
 from inference_core.bench.quality import eval_token_ids, perplexity
 from inference_core.config import EngineConfig
-from inference_core.engine.compiled import compile_unavailable
+from inference_core.engine.compiled import compile_unavailable, forwards_words
 from inference_core.quant.linear import weight_bytes
 from inference_core.settings import LaneSettings, command_flags
 from serving.admission import Job, Run
@@ -197,21 +197,6 @@ def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str
         yield _frame(status=f"**Cannot climb:** {refusal(error, words)}", run_button=idle)
     finally:
         control.end()
-
-
-def forwards_words(forwards: dict) -> str:
-    """A compiled rung's forwards (`CompileStats.since`) in a few words: 'all 27 compiled (16 decode, 10 query,
-    1 flat)', or how many ran eager and why."""
-    kinds: dict[str, int] = {}
-    for package, count in forwards["by_package"].items():
-        kind = "flat" if package == "flat" else "query" if package.endswith("query") else "decode"
-        kinds[kind] = kinds.get(kind, 0) + count
-    compiled, eager = sum(kinds.values()), sum(forwards["eager"].values())
-    parts = f" ({', '.join(f'{count} {kind}' for kind, count in kinds.items())})" if kinds else ""
-    if not eager:
-        return f"all {compiled} compiled{parts}"
-    why = "; ".join(f"{count}: {reason}" for reason, count in forwards["eager"].items())
-    return f"{compiled} of {compiled + eager} compiled{parts}, eager: {why}"
 
 
 def _row(pool: EnginePool, rung: Rung, run: Run, stats, rows: list[dict], command_line: str, forwards: str) -> dict:

@@ -57,6 +57,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from inference_core.config import ConfigError
+from inference_core.engine.compiled import forwards_words
 from inference_core.engine.engine import Engine
 from inference_core.generate import add_generate_arguments, generate_config
 from inference_core.model.loader import load_model
@@ -438,12 +439,6 @@ def _timed_step(engine: Engine, inside=contextlib.nullcontext()):
     return time.perf_counter() - started, report
 
 
-def _forwards_line(forwards: dict) -> str:
-    packages = ", ".join(f"{count} {name}" for name, count in forwards["by_package"].items()) or "none"
-    eager = ", ".join(f"{count} {reason}" for reason, count in forwards["eager"].items()) or "none"
-    return f"compiled forwards in the recorded steps: {packages}; eager: {eager}"
-
-
 def format_table(report: dict) -> str:
     work = ", ".join(f"{count} {kind}" for kind, count in report["work"].items())
     lines = [f"{report['model']} ({report['dtype']}) on {report['device']}, "
@@ -451,7 +446,8 @@ def format_table(report: dict) -> str:
              f"{report['batch_size']:.1f} ({work}), {report['step_ms']:.2f} ms per step recorded"
              + (f" ({report['unprofiled_step_ms']:.2f} ms per step just before, unrecorded)"
                 if report["unprofiled_step_ms"] is not None else ""),
-             *([_forwards_line(report["compiled_forwards"])] if report.get("compiled_forwards") else []),
+             *([f"forwards in the recorded steps: {forwards_words(report['compiled_forwards'])}"]
+               if report.get("compiled_forwards") else []),
              "| category | ms per step | share |", "|---|---|---|"]
     for row in report["breakdown"]:
         lines.append(f"| {row['category']} | {row['ms']:.3f} | {100 * row['share']:.1f}% |")

@@ -258,6 +258,21 @@ class CompileStats:
                 "eager": grown(self.fallbacks, before["fallbacks"])}
 
 
+def forwards_words(forwards: dict) -> str:
+    """Compiled forwards (`CompileStats.since`) in a few words, by kind of step: 'all 27 compiled (1 flat, 16
+    decode, 10 query)', or how many ran eager and why (the Stack tab's column, `profile`'s report)."""
+    kinds: dict[str, int] = {}
+    for package, count in forwards["by_package"].items():
+        kind = "flat" if package == "flat" else "query" if package.endswith("query") else "decode"
+        kinds[kind] = kinds.get(kind, 0) + count
+    compiled, eager = sum(kinds.values()), sum(forwards["eager"].values())
+    parts = f" ({', '.join(f'{count} {kind}' for kind, count in kinds.items())})" if kinds else ""
+    if not eager:
+        return f"all {compiled} compiled{parts}"
+    why = "; ".join(f"{count}: {reason}" for reason, count in forwards["eager"].items())
+    return f"{compiled} of {compiled + eager} compiled{parts}, eager: {why}"
+
+
 class CompiledDecoder:
     """Runs decode steps through a compiled `DecodeGraph` for one engine's model and KV cache (contiguous or paged):
     pads the batch to its bucket, fills the bucket's persistent input buffers, calls the graph, and writes the new

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
-log = logging.getLogger(__name__)
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0: free the threads, keep the settings
 
 

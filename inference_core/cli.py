@@ -11,6 +11,7 @@
     quality        [--quant none,int8,int4] [--kv-dtype auto,int8] [--window N] [--no-agreement] [--json PATH] ...
     compile-options [--dtype D] [--options a,b] [--steps N] [--json PATH]
     awq            [--model M] [--quant-group 32] [--out PATH]
+    gptq           [--model M] [--quant-group 32] [--no-act-order] [--no-on-awq] [--out PATH]
     verify-cache   [--model bundled|FILE.gguf]
     random-weights --preset qwen3-0.6b --out DIR [--dtype bfloat16] [--tokenizer DIR]
     memory-plan    [--kv paged] [--kv-dtype int8] [--quant int4] [--context N] [--check] [--json] ...
@@ -41,7 +42,7 @@ from inference_core.bench import (
 )
 from inference_core.config import ConfigError
 from inference_core.model import bundled, random_weights
-from inference_core.quant import awq_file
+from inference_core.quant import calibrated_file
 from inference_core.training import train_draft
 
 # name: (one line of help, the function that adds its flags to a parser, the function that runs it and returns the
@@ -67,7 +68,9 @@ COMMANDS = {
     "compile-options": ("which inductor options make the compiled decode step fastest here",
                         compile_options.add_compile_options_arguments, compile_options.run_compile_options),
     "awq": ("calibrate AWQ int4 weights on the shipped text and save them (used by --quant awq)",
-            awq_file.add_awq_arguments, awq_file.run_awq),
+            calibrated_file.add_awq_arguments, calibrated_file.run_awq),
+    "gptq": ("calibrate GPTQ int4 weights on the shipped text and save them (used by --quant gptq)",
+             calibrated_file.add_gptq_arguments, calibrated_file.run_gptq),
     "verify-cache": ("re-hash a GGUF's converted cache against its manifest and convert again if a file differs",
                      bundled.add_verify_cache_arguments, bundled.run_verify_cache),
     "memory-plan": ("what a configuration weighs in memory, and how many sequences fit; --check: beside what the "

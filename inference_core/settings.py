@@ -26,11 +26,12 @@ from inference_core.structured import Constraint
 
 BLOCK_SIZES = (4, 8, 16, 32)
 DEFAULT_LAYERS = "default"  # draft_layers' value for "the engine's default depth" (a widget needs a value for it)
+AUTO_K = "auto"  # spec_k's value for "the draft length measured best for the source on this setup" (spec.defaults)
 KV_MODE_LABELS = {"paged": "paged KV cache", "contiguous": "contiguous KV cache", "none": "no KV cache (recompute)"}
 SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "early exit", "draft": "draft model",
                       "medusa": "Medusa heads (trained)", "eagle": "EAGLE layer (trained)"}
 WEIGHTS_LABELS = {"none": "model dtype", "int8": "int8 per channel", "int4": "int4 per group",
-                  "awq": "AWQ int4 per group (calibrated)"}
+                  "awq": "AWQ int4 per group (calibrated)", "gptq": "GPTQ int4 per group (calibrated)"}
 KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and head"}
 ATTENTION_LABELS = {"gather": "gather a copy (reference)", "flex": "FlexAttention through the block table"}
 CONSTRAINT_LABELS = {"none": "no constraint", "json_object": "any JSON object", "json_schema": "a JSON schema",
@@ -140,9 +141,14 @@ class LaneSettings:
         help="speculative decoding draft source: ngram = prompt lookup, early-exit = the model's first "
              "--draft-layers layers, draft = --draft-model, medusa / eagle = trained draft heads (shipped for the "
              "bundled model; others: train-draft, or --draft-heads)")
-    spec_k: int = _setting(  # where it starts when adaptive
-        4, label="draft length k", widget="slider", bounds=(1, MAX_K, 1), flag="spec-k",
-        help="draft length k (where adaptive k starts)", applies=SPECULATING, hidden=True)
+    spec_k: int | str = _setting(  # where it starts when adaptive; AUTO_K: the best measured for the source
+        AUTO_K, label="draft length k", widget="dropdown", choices=(AUTO_K, *range(1, MAX_K + 1)),
+        labels={AUTO_K: "best measured"}, kinds=(int, str), flag="spec-k", flag_default=None,
+        info="best measured: the k that decoded fastest for this draft source on this host and setup "
+             "(`spec-bench --keep`), else the project's measurement",
+        help="draft length k (where adaptive k starts; default: the k measured fastest for the source on this host "
+             "and setup, kept by `spec-bench --keep`, else the project's measurement)", applies=SPECULATING,
+        hidden=True)
     spec_adaptive: bool = _setting(
         False, label="adaptive k", widget="checkbox", flag="spec-adaptive",
         help="adapt k: longer after a fully accepted draft, shorter after an early rejection", applies=SPECULATING,
@@ -175,10 +181,11 @@ class LaneSettings:
     weights: str = _setting(
         "none", label="weights", widget="dropdown", choices=SCHEMES, labels=WEIGHTS_LABELS, flag="quant",
         help="weight-only quantization of the projections: int8 per output channel, int4 per group, awq: int4 per "
-             "group after activation-aware scaling (calibrated once and cached)")
+             "group after activation-aware scaling, gptq: int4 per group with each column's rounding error "
+             "compensated (both calibrated once and cached)")
     quant_group: int = _setting(
         32, label="int4 group size", widget="dropdown", choices=GROUP_SIZES, flag="quant-group",
-        help="int4: input features per scale and zero", applies=("weights", _one_of("int4", "awq")))
+        help="int4: input features per scale and zero", applies=("weights", _one_of("int4", "awq", "gptq")))
     kv_dtype: str = _setting(
         "auto", label="KV cache dtype", widget="radio", choices=KV_DTYPES, labels=KV_DTYPE_LABELS, flag="kv-dtype",
         help="KV cache storage: auto (the model dtype) or int8 (per token and head scales)", applies=WITH_KV_CACHE,
@@ -264,7 +271,8 @@ class LaneSettings:
         layers = self.draft_layers if self.spec_method == "early-exit" else None
         layers = None if layers in ("", DEFAULT_LAYERS) else layers
         method = self.spec_method or "none"
-        return SpecConfig(method=method, k=_whole(self.spec_k), adaptive=bool(self.spec_adaptive),
+        k = None if self.spec_k in (None, "", AUTO_K) else _whole(self.spec_k)
+        return SpecConfig(method=method, k=k, adaptive=bool(self.spec_adaptive),
                           draft_layers=_whole(layers),
                           tree_width=_whole(self.spec_tree_width) if method != "none" else 1)
 
@@ -300,7 +308,8 @@ class LaneSettings:
             if self.spec_method == "early-exit" and self.draft_layers not in (None, "", DEFAULT_LAYERS):
                 draft += f" ({_whole(self.draft_layers)} layers)"
             width = _whole(self.spec_tree_width)
-            parts.append(f"{draft} k={_whole(self.spec_k)}" + (" adaptive" if self.spec_adaptive else "")
+            k = "k best measured" if self.spec_k in (None, "", AUTO_K) else f"k={_whole(self.spec_k)}"
+            parts.append(f"{draft} {k}" + (" adaptive" if self.spec_adaptive else "")
                          + (f" tree {width} wide" if width != 1 else ""))
         if float(self.min_p or 0) and not self.greedy:
             parts.append(f"min-p {float(self.min_p):g}")
@@ -397,7 +406,7 @@ def command_flags(settings: LaneSettings, always: tuple[str, ...] = ()) -> list[
     words = []
     for name, setting in SETTINGS.items():
         value = getattr(settings, name)
-        if not setting.flag or value in (None, "", DEFAULT_LAYERS):
+        if not setting.flag or value in (None, "", DEFAULT_LAYERS, AUTO_K):
             continue
         default = cli_default(name)
         changed = value != getattr(DEFAULTS, name) and value != default

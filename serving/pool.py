@@ -23,9 +23,9 @@ from inference_core.engine.engine import Engine
 from inference_core.engine.loop import EngineLoop
 from inference_core.engine.runner import wake_device
 from inference_core.model.loader import LoadedModel
-from inference_core.quant.awq_file import default_path
+from inference_core.quant.calibrated_file import default_path
 from inference_core.quant.kernels import DEVICES as QUANT_DEVICES
-from inference_core.quant.linear import GROUP_SIZES, SCHEMES, QuantConfig
+from inference_core.quant.linear import CALIBRATED, GROUP_SIZES, SCHEMES, QuantConfig
 from inference_core.planner import engine_figures, plan_memory
 from inference_core.quant.quantize import quantize
 from inference_core.roofline import Ceilings, measure_ceilings
@@ -87,11 +87,12 @@ class EnginePool:
 
     def weight_schemes(self) -> list[str]:
         """The weight settings this model can use: quantization on the CPU and on CUDA (the devices with weight-only
-        kernels), AWQ where a calibrated file exists."""
+        kernels), AWQ and GPTQ where a calibrated file exists."""
         if self.loaded.device.type not in QUANT_DEVICES:
             return ["none"]
         return [scheme for scheme in SCHEMES
-                if scheme != "awq" or any(default_path(self.loaded, group).exists() for group in GROUP_SIZES)]
+                if scheme not in CALIBRATED
+                or any(default_path(self.loaded, group, scheme).exists() for group in GROUP_SIZES)]
 
     def first_lane(self) -> str:
         """The lane that takes the next race's first step: A and B take turns, so neither always meets whatever a

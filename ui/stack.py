@@ -29,7 +29,7 @@ from inference_core.bench.quality import eval_token_ids, perplexity
 from inference_core.config import EngineConfig
 from inference_core.engine.compiled import compile_unavailable, forwards_words
 from inference_core.quant.linear import weight_bytes
-from inference_core.settings import LaneSettings, command_flags
+from inference_core.settings import AUTO_K, LaneSettings, command_flags
 from serving.admission import Job, Run
 from serving.cost import duration
 from serving.pool import EnginePool
@@ -39,7 +39,6 @@ from ui.setups import presets
 from ui.words import PAGE_WORDS, refusal
 
 QUALITY_TOKENS = 1024  # tokens of the evaluation text each weight setting's perplexity is measured on
-SPEC_K = 5
 STACK_OUTPUTS = ("figure", "table", "status", "run_button", "roofline")
 BAR_HEADROOM = 1.18  # a chart's height over its tallest bar: room for the value written above that bar
 EMPTY_STACK_TEXT = "Each rung's bar<br>appears here as<br>the ladder is climbed."  # either chart before the climb
@@ -59,10 +58,19 @@ class Rung:
     settings: LaneSettings
 
 
-def ladder(pool: EnginePool, with_compiled: bool = True) -> tuple[list[Rung], list[str]]:
-    """The rungs this device can run (and why any were left out)."""
+INT4_METHODS = {"int4": "round to nearest", "awq": "AWQ (calibrated)", "gptq": "GPTQ (calibrated)"}
+
+
+def int4_choices(pool: EnginePool) -> list[str]:
+    """The int4 methods the int4 rung can use here: round to nearest, and AWQ and GPTQ where calibrated."""
+    return [scheme for scheme in INT4_METHODS if scheme in pool.weight_schemes()]
+
+
+def ladder(pool: EnginePool, with_compiled: bool = True, int4: str = "int4") -> tuple[list[Rung], list[str]]:
+    """The rungs this device can run (and why any were left out); `int4`: the int4 rung's method (int4, awq, gptq),
+    which "everything together" uses too."""
     paged = LaneSettings(kv_mode="paged")
-    spec = dict(spec_method="ngram", spec_k=SPEC_K)
+    spec = dict(spec_method="ngram", spec_k=AUTO_K)  # the draft length measured best for each rung's setup
     can_compile = with_compiled and compile_unavailable(pool.loaded.device) is None
     schemes = pool.weight_schemes()
     rungs = [Rung("no KV cache", "every step recomputes the whole text", LaneSettings(kv_mode="none")),
@@ -73,14 +81,17 @@ def ladder(pool: EnginePool, with_compiled: bool = True) -> tuple[list[Rung], li
         rungs.append(Rung("compiled", "decode step compiled (fused kernels, fixed shapes)", replace(paged, compile=True)))
     else:
         left_out.append("compiled decode (" + (compile_unavailable(pool.loaded.device) or "unticked") + ")")
-    for scheme in ("int8", "int4"):
+    if int4 not in INT4_METHODS or (int4 != "int4" and int4 not in schemes):
+        raise ConfigError(f"the int4 rung's method must be one of {', '.join(int4_choices(pool))}, got {int4!r}.")
+    int4_name = "int4 weights" + (f" ({int4.upper()})" if int4 != "int4" else "")
+    for scheme, name, words in (("int8", "int8 weights", "int8 weight-only quantization"),
+                                (int4, int4_name, f"int4 weight-only quantization, {INT4_METHODS[int4]}")):
         if scheme in schemes:
-            rungs.append(Rung(f"{scheme} weights", f"{scheme} weight-only quantization",
-                              replace(paged, weights=scheme)))
+            rungs.append(Rung(name, words, replace(paged, weights=scheme)))
         else:
             left_out.append(f"{scheme} weights (weight quantization runs on the CPU and on CUDA only)")
-    rungs.append(Rung("speculative", f"prompt lookup drafts, k={SPEC_K}", replace(paged, **spec)))
-    best_weights = "int4" if "int4" in schemes else "none"
+    rungs.append(Rung("speculative", "prompt lookup drafts", replace(paged, **spec)))
+    best_weights = int4 if int4 in schemes else "none"
     rungs.append(Rung("everything together", "all of the above that runs here",
                       replace(paged, compile=can_compile, weights=best_weights, **spec)))
     return rungs, left_out
@@ -151,7 +162,8 @@ def _frame(**values) -> tuple:
     return tuple(values.get(name, gr.skip()) for name in STACK_OUTPUTS)
 
 
-def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str, new_tokens, with_compiled: bool):
+def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str, new_tokens, with_compiled: bool,
+          int4: str = "int4"):
     """Streaming handler: run every rung in turn, yielding (figure, table, status, run button) after each."""
     control = control if control is not None else RunControl()
     idle = gr.update(interactive=True)
@@ -159,7 +171,7 @@ def climb(pool: EnginePool, control: RunControl | None, prompt: str, system: str
         new_tokens = int(new_tokens)
         if not (prompt or "").strip():
             raise ConfigError("the prompt is empty; type some text.")
-        rungs, left_out = ladder(pool, bool(with_compiled))
+        rungs, left_out = ladder(pool, bool(with_compiled), int4 or "int4")
         rows: list[dict] = []
         points: dict[str, list[dict]] = {}  # rung -> its prefill and decode on the roofline
         yield _frame(figure=stack_figure(rows), table=pd.DataFrame(columns=TABLE_COLUMNS), run_button=gr.update(
@@ -204,7 +216,8 @@ def _row(pool: EnginePool, rung: Rung, run: Run, stats, rows: list[dict], comman
     compiled rung how its forwards ran (the rung engine's counts over its run)."""
     ppl, delta = quality_delta(pool, rung.settings)
     decode = round(stats.decode_tokens_per_s, 1)  # the speed-up is the ratio of the speeds shown
-    return {"rung": rung.name, "adds": rung.adds, "decode tokens/s": decode,
+    adds = rung.adds + (f" (prompt lookup k={stats.spec['k']})" if stats.spec else "")  # the k its setup measured
+    return {"rung": rung.name, "adds": adds, "decode tokens/s": decode,
             "vs no KV cache (x)": round(decode / rows[0]["decode tokens/s"], 2) if rows else 1.0,
             "TTFT (ms)": round(stats.ttft_ms), "weights (MiB)": round(weight_bytes(run.engines["rung"].loaded.model)
                                                                        / 2 ** 20),
@@ -242,6 +255,10 @@ def build_stack_tab(pool: EnginePool) -> None:
         with_compiled = gr.Checkbox(value=compile_unavailable(pool.loaded.device) is None, label="compiled rungs",
                                     interactive=compile_unavailable(pool.loaded.device) is None, scale=1,
                                     info="compiles once per configuration (1-2 min on a CPU), then loads from disk")
+        methods = int4_choices(pool)
+        int4 = gr.Dropdown([(INT4_METHODS[m], m) for m in methods], value="int4", label="int4 weights by", scale=1,
+                           visible=len(methods) > 1, elem_id="stack-int4",
+                           info="AWQ and GPTQ appear once calibrated (`python -m inference_core awq` or `gptq`)")
         run = gr.Button("Climb the ladder", variant="primary", elem_id="stack-run", scale=1)
         stop = gr.Button("Stop", variant="stop", elem_id="stack-stop", scale=1)
     status = gr.Markdown(elem_id="stack-status")
@@ -258,7 +275,7 @@ def build_stack_tab(pool: EnginePool) -> None:
                   **quick)
     outputs = {"figure": figure, "table": table, "status": status, "run_button": run, "roofline": roofline}
     run.click(RunControl.arm, control, None, **quick).then(
-        partial(climb, pool), [control, prompt, system, new_tokens, with_compiled],
+        partial(climb, pool), [control, prompt, system, new_tokens, with_compiled, int4],
         [outputs[name] for name in STACK_OUTPUTS], show_progress="hidden", concurrency_limit=1,
         concurrency_id="stack", api_visibility="private")
     stop.click(RunControl.request_stop, control, None, **quick)

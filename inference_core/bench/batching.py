@@ -264,7 +264,8 @@ def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="batch size limit (ours and hf-static)")
     parser.add_argument("--spec", choices=[m for m in SPEC_METHODS if m != "none"],
                         help="also run each of our modes with every request speculating by this method")
-    parser.add_argument("--spec-k", type=int, default=4, help="draft length of --spec")
+    parser.add_argument("--spec-k", type=int, default=None,
+                        help="draft length of --spec (default: the best measured for the source, `spec.defaults`)")
     parser.add_argument("--kinds", help="only the prompt file's prompts of these kinds, comma-separated (e.g. "
                         "grounded)")
     parser.add_argument("--kv-cache-tokens", type=int,
@@ -397,6 +398,9 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
     longest_blocks = math.ceil((max(map(len, prompts)) + max(lengths)) / block_size)
     kv_cache_tokens = kv_cache_tokens or max_num_seqs * longest_blocks * block_size
     warmup = (prompts[:max_num_seqs], [0.0] * min(max_num_seqs, len(prompts)), WARMUP_TOKENS)
+    if spec is not None:  # the draft length a request leaving k open gets in this setup (`spec.defaults`)
+        spec = Engine(loaded, EngineConfig(kv_mode="paged", kv_cache_tokens=block_size, compile=compile)
+                      ).resolve_spec(spec)
     machine = {**machine_info(loaded.device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                "cpu_count": os.cpu_count()}
     peer_count = min(peer_requests or len(prompts), len(prompts))

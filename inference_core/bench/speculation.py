@@ -8,6 +8,10 @@ draft and so shows the cost of drafting with no gain), `medusa` and `eagle` (tra
 file of your own; --tree-width lists tree widths to verify, 1 being the chain). The JSON also keeps acceptance by
 draft position (for a tree: a position counts as accepted when any of its candidates is).
 
+`--keep` keeps each source's best k (the highest geometric mean of its ratios over the kinds) as this host's default
+for the setup (`spec.defaults`): a request that leaves k open (`--spec` without `--spec-k`, the page's "best
+measured", an API request without `spec_k`) gets it.
+
 Speculative runs draft at every step (`EngineConfig(speculate_when_it_pays=False)`): the bench measures what
 speculation itself costs and gains, which is what the engine's own choice (`spec.pays`) weighs at run time.
 
@@ -28,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +47,7 @@ from inference_core.engine.engine import Engine
 from inference_core.model.loader import add_model_arguments, load_model
 from inference_core.sampling import SamplingParams
 from inference_core.sequence import Sequence
+from inference_core.spec.defaults import best_k, keep, setting_key, setup_key
 from inference_core.spec.decoding import HIDDEN_READERS, SPEC_METHODS, SpecConfig, common_prefix_length
 
 
@@ -96,6 +103,9 @@ def add_spec_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", dest="json_path", help="write the results here")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep each source's best k (the highest geometric mean of its ratios over the kinds) as "
+                             "this host's default for the setup: a request that leaves k open gets it")
 
 
 def run_spec_bench(args) -> int:
@@ -132,6 +142,7 @@ def run_spec_bench(args) -> int:
                     spec = engine.resolve_spec(SpecConfig(source, k=k, draft_layers=layers, tree_width=width))
                     name = f"{source} L={spec.draft_layers} k={k}" if spec.draft_layers else f"{source} k={k}"
                     settings[name + (f" w={width}" if width > 1 else "")] = spec
+    keys = {name: setting_key(spec.method, spec.tree_width, spec.draft_layers) for name, spec in settings.items()}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     prompts = [(row["kind"], row["id"], engine.prompt_ids(row["prompt"], row.get("system"))) for row in rows]
     print(f"spec-bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, KV {args.kv}, "
@@ -182,7 +193,8 @@ def run_spec_bench(args) -> int:
         for name in settings:
             drafted, accepted, steps = counts[(kind, name)]
             speed = statistics.median(speeds[(kind, name)])
-            table.append({"kind": kind, "setting": name, "plain_tokens_per_s": round(plain_speed, 2),
+            table.append({"kind": kind, "setting": name, "setting_key": keys[name], "k": settings[name].k,
+                          "plain_tokens_per_s": round(plain_speed, 2),
                           "spec_tokens_per_s": round(speed, 2), "ratio": round(speed / plain_speed, 3),
                           "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
                           "mean_accepted_length": round((accepted + steps) / steps, 2) if steps else 0.0,
@@ -201,8 +213,16 @@ def run_spec_bench(args) -> int:
     for (kind, name), runs in differ.items():
         print(f"{kind}, {name}: greedy ids left plain decoding's in {len(runs)} run(s) ({'; '.join(runs)}): in "
               f"{str(loaded.dtype).removeprefix('torch.')} a verification rounds differently from a one-row decode")
+    chosen = best_k(table)
+    for setting, entry in chosen.items():
+        others = ", ".join(f"k={k} {mean:.2f}x" for k, mean in entry["others"].items())
+        print(f"best k for {setting}: {entry['k']} (geometric mean over {', '.join(entry['ratios'])}: {others})")
+    if getattr(args, "keep", False):
+        setup = setup_key(loaded, args.kv, engine.decoder is not None)
+        path = keep(setup, chosen, "python -m inference_core spec-bench " + " ".join(map(shlex.quote, sys.argv[2:])))
+        print(f"kept as the default k of {setup} in {path}")
     if args.json_path:
-        report = {"model": loaded.name, "sources": sources, "machine": machine_info(loaded.device),
+        report = {"model": loaded.name, "best_k": chosen, "sources": sources, "machine": machine_info(loaded.device),
                   "draft_model": draft.name if draft else None, "device": str(loaded.device),
                   "dtype": str(loaded.dtype).removeprefix("torch."), "kv": args.kv, "compiled": compiled,
                   "compile_stats": engine.compile_stats(),

@@ -41,6 +41,7 @@ from inference_core.roofline import run_points, weights_read_per_step
 from inference_core.sampling import SamplingParams, sample_batch
 from inference_core.spec.decoding import (MAX_K, ChainDraft, DraftModelDrafter, EarlyExitDrafter, NgramDrafter,
                                           SpecConfig, draft_chain, finish_chain, next_k, tree_speculative_step)
+from inference_core.spec import defaults as spec_defaults
 from inference_core.spec.draft_heads import DraftHeads, EagleDrafter, MedusaDrafter, find_heads, load_heads
 from inference_core.spec.pays import SpeculationPolicy
 from inference_core.structured import Grammars
@@ -259,8 +260,13 @@ class Engine:
         return heads
 
     def resolve_spec(self, spec: SpecConfig) -> SpecConfig:
-        """Settle what the speculative settings leave to the model (early exit's default depth), or refuse them."""
+        """Settle what the speculative settings leave to the engine (early exit's default depth, a draft length
+        measured for this setup: `spec.defaults`), or refuse them."""
         num_layers = self.loaded.config.num_layers
+        if spec.enabled and spec.method == "early-exit" and spec.draft_layers is None and num_layers >= 2:
+            spec = replace(spec, draft_layers=num_layers // 2)
+        if spec.enabled and spec.k is None:
+            spec = replace(spec, k=self.default_k(spec)[0])
         if spec.method in ("medusa", "eagle"):
             heads = self.load_draft_heads(spec.method)
             if heads.num_heads and spec.k > heads.num_heads:
@@ -272,12 +278,19 @@ class Engine:
         if spec.method == "early-exit":
             if num_layers < 2:
                 raise ConfigError("early-exit drafting needs a model of at least 2 layers.")
-            if spec.draft_layers is None:
-                return replace(spec, draft_layers=num_layers // 2)
             if spec.draft_layers >= num_layers:
                 raise ConfigError(f"{{draft_layers}} must be below the model's {num_layers} layers (1 to "
                                   f"{num_layers - 1}), got {spec.draft_layers}.")
         return spec
+
+    def default_k(self, spec: SpecConfig) -> tuple[int, str]:
+        """The draft length `spec`'s source gets on this engine when the request leaves it open, and where it came
+        from (this host's measurement of the setup, kept by `spec-bench --keep`, or the project's)."""
+        setup = spec_defaults.setup_key(self.loaded, self.config.kv_mode, self.decoder is not None)
+        k, where = spec_defaults.default_k(setup, spec.method, spec.tree_width, spec.draft_layers)
+        if spec.method in ("medusa", "eagle") and (heads := self.load_draft_heads(spec.method)).num_heads:
+            k = min(k, heads.num_heads)
+        return k, where
 
     # --- the step -------------------------------------------------------------------------------------------------
 
@@ -673,6 +686,7 @@ class Engine:
         one-token decode steps on CUDA's torch.compile backend so far."""
         if spec is None or not spec.enabled or self.decoder is None or self.decoder.backend != "aoti":
             return ()
+        spec = self.resolve_spec(spec)
         return (1 + spec.max_k * spec.tree_width,)
 
     def num_requests(self) -> int:

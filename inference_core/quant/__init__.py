@@ -1,3 +1,3 @@
 """Weight quantization as a module swap: the quantized layer and its settings (`linear`), the swap (`quantize`), and
-AWQ's calibration (`awq`) and files (`awq_file`). Imports `model`, `kv`, the engine's runner for calibration forwards
-and the root vocabulary; never `bench` or a front end."""
+the calibrated int4 methods, AWQ (`awq`) and GPTQ (`gptq`), with their files (`calibrated_file`). Imports `model`,
+`kv`, the engine's runner for calibration forwards and the root vocabulary; never `bench` or a front end."""

@@ -16,7 +16,7 @@ restricted to the group (kept only where it lowers the whole projection's error)
 
 The model runs in its own dtype over the calibration text layer by layer (only one layer's statistics are held),
 each layer fed the float model's outputs of the one before, on the model's device (the CPU or CUDA: statistics and
-search stay there). Saving, loading and the CLI are `awq_file`'s.
+search stay there). Saving, loading and the CLI are `calibrated_file`'s.
 """
 
 from __future__ import annotations
@@ -209,14 +209,19 @@ def search_clip(weight: torch.Tensor, gram: torch.Tensor, group_size: int, compu
     return best_clip
 
 
-def calibrate(loaded, group_size: int, sequences: list[list[int]], alphas=ALPHAS, clip_ratios=CLIP_RATIOS,
-              on_projection=None) -> Calibration:
-    """The AWQ choice of every projection (the LM head included) of `loaded`'s float model."""
+def check_group_size(loaded, group_size: int) -> None:
+    """Refuse a group size that does not divide the input features of every projection (ConfigError)."""
     widths = {module.weight.shape[0 if module.in_out else 1] for module in loaded.model.modules()
               if isinstance(module, Linear)}
     if any(width % group_size for width in widths):
         raise ConfigError(f"int4 groups of {group_size} do not divide the input features of every projection of "
                           f"this model ({', '.join(map(str, sorted(widths)))}); pick another --quant-group.")
+
+
+def calibrate(loaded, group_size: int, sequences: list[list[int]], alphas=ALPHAS, clip_ratios=CLIP_RATIOS,
+              on_projection=None) -> Calibration:
+    """The AWQ choice of every projection (the LM head included) of `loaded`'s float model."""
+    check_group_size(loaded, group_size)
     compute = compute_dtype(loaded.device.type, loaded.dtype, "awq")
     calibration = Calibration(group_size, num_tokens=sum(len(ids) for ids in sequences))
     for name, linear, stats in walk_inputs(loaded, sequences):

@@ -34,13 +34,14 @@ from inference_core.model import row_kernel
 from inference_core.model.llama import Linear
 from inference_core.quant import kernels
 
-SCHEMES = ("none", "int8", "int4", "awq")
+SCHEMES = ("none", "int8", "int4", "awq", "gptq")
+CALIBRATED = ("awq", "gptq")  # int4 schemes calibrated once on the shipped text, then loaded from their file
 GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    scheme: str = "none"  # none, int8 (per output channel), int4 (per group) or awq (int4 after AWQ scaling)
+    scheme: str = "none"  # none, int8 (per output channel), int4 (per group), awq (int4 after AWQ scaling) or gptq
     group_size: int = 32  # int4 and awq: input features sharing a scale and zero
     lm_head: bool = True  # quantize the LM head too (about a fifth of a small model's weights)
 
@@ -56,7 +57,8 @@ class QuantConfig:
         """e.g. 'int4 g32', 'awq int4 g32', 'int8 (LM head in the model dtype)'."""
         if self.scheme == "none":
             return "none"
-        words = {"int8": "int8", "int4": f"int4 g{self.group_size}", "awq": f"awq int4 g{self.group_size}"}[self.scheme]
+        words = {"int8": "int8", "int4": f"int4 g{self.group_size}", "awq": f"awq int4 g{self.group_size}",
+                 "gptq": f"gptq int4 g{self.group_size}"}[self.scheme]
         return words + ("" if self.lm_head else " (LM head in the model dtype)")
 
 
@@ -188,7 +190,7 @@ def compute_dtype(device_type: str, model_dtype: torch.dtype, scheme: str = "int
     """The activation dtype of `scheme`'s kernels: the model's, except on a CPU where bf16 measures faster (the
     kernels are tuned for it; an fp32 model's activations are then cast around each projection) and for int4 (and
     awq) on CUDA, whose kernel takes bf16 only."""
-    if device_type == "cuda" and scheme in ("int4", "awq"):
+    if device_type == "cuda" and scheme in ("int4", "awq", "gptq"):
         return torch.bfloat16
     if device_type != "cpu" or model_dtype == torch.bfloat16:
         return model_dtype

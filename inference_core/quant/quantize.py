@@ -1,7 +1,7 @@
 """Weight quantization as a module swap: `quantize(loaded, QuantConfig(...))` returns a LoadedModel whose every
 `Linear` (the LM head too, unless `lm_head=False`) is a `QuantLinear`; embeddings and norms stay in the model dtype
-and are shared with the original, which is left as it was (the playground keeps both, one per lane). Scheme `awq`
-loads (or calibrates once and saves) activation-aware scaled int4 weights through `inference_core.quant.awq_file`.
+and are shared with the original, which is left as it was (the playground keeps both, one per lane). Schemes `awq`
+and `gptq` load (or calibrate once and save) calibrated int4 weights through `inference_core.quant.calibrated_file`.
 Quantized weights run on the CPU and on CUDA; `inference_core.quant.kernels` owns the kernels of each.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 from inference_core.model.llama import Linear
-from inference_core.quant.awq_file import load_or_calibrate
+from inference_core.quant.calibrated_file import load_or_calibrate
 from inference_core.quant.kernels import check_device
-from inference_core.quant.linear import QuantConfig, QuantLinear, compute_dtype, shared_copy
+from inference_core.quant.linear import CALIBRATED, QuantConfig, QuantLinear, compute_dtype, shared_copy
 
 
 def quantize(loaded, config: QuantConfig):
@@ -20,7 +20,7 @@ def quantize(loaded, config: QuantConfig):
     if config.scheme == "none":
         return loaded
     check_device(loaded.device)
-    if config.scheme == "awq":
+    if config.scheme in CALIBRATED:
         return load_or_calibrate(loaded, config)
     model = shared_copy(loaded.model)
     compute = compute_dtype(loaded.device.type, loaded.dtype, config.scheme)

@@ -51,10 +51,11 @@ class SpecConfig:
     target's first `draft_layers` layers as the draft), 'draft' (the engine's separate draft model), or 'medusa' /
     'eagle' (trained draft heads). With
     `adaptive`, k is where the draft length starts: it grows by one after a fully accepted step (up to 2k, at most
-    MAX_K) and shrinks by one after a rejection in the first half of the drafts (down to 1)."""
+    MAX_K) and shrinks by one after a rejection in the first half of the drafts (down to 1). k None leaves the draft
+    length to the engine (`Engine.resolve_spec`: the best measured for the source, `spec.defaults`)."""
 
     method: str = "none"
-    k: int = 4  # draft length (the starting one when adaptive)
+    k: int | None = None  # draft length (the starting one when adaptive); None: the engine's measured default
     adaptive: bool = False
     draft_layers: int | None = None  # early exit: layers the draft runs (None: half the model's)
     # Prompt lookup: the longest and shortest suffix to match. Shorter matches than 3 tokens propose far more drafts
@@ -69,7 +70,8 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"unknown speculative method {self.method!r}; use one of: {', '.join(SPEC_METHODS)}.")
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
+        if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int)
+                                   or not 1 <= self.k <= MAX_K):
             raise ConfigError(f"draft length k must be an integer from 1 to {MAX_K} ({{spec_k}}), got {self.k!r}.")
         if self.draft_layers is not None and (isinstance(self.draft_layers, bool)
                                               or not isinstance(self.draft_layers, int) or self.draft_layers < 1):
@@ -98,7 +100,9 @@ class SpecConfig:
 
     @property
     def max_k(self) -> int:
-        """The longest draft this setting can propose."""
+        """The longest draft this setting can propose (once the engine has settled k)."""
+        if self.k is None:
+            raise ValueError("the draft length is left to the engine: settle it with Engine.resolve_spec first")
         return min(2 * self.k, MAX_K) if self.adaptive else self.k
 
 

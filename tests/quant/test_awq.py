@@ -1,7 +1,7 @@
-"""AWQ int4 weights (`inference_core.quant.awq`, `awq_file`) on a tiny random Llama: a layer against its dequantized float
-reference, alpha 0 as plain round to nearest bit for bit, folding that keeps the float function, the searched error
-never above RTN's on the calibration inputs (and the reported error being the built layer's), save and load giving
-the same logits, a file for other weights refused, and the CLI."""
+"""AWQ int4 weights (`inference_core.quant.awq`, `calibrated_file`) on a tiny random Llama: a layer against its
+dequantized float reference, alpha 0 as plain round to nearest bit for bit, folding that keeps the float function,
+the searched error never above RTN's on the calibration inputs (and the reported error being the built layer's), save
+and load giving the same logits, a file for other weights refused, and the CLI."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inference_core import ConfigError, Engine, EngineConfig
-from inference_core.quant import awq, awq_file
+from inference_core.quant import awq, calibrated_file
 from inference_core.cli import main
 from inference_core.kv.cache import RecomputeKVCache
 from inference_core.model.llama import Linear
@@ -43,7 +43,7 @@ def sequences():
 def calibrated(tiny, sequences, tmp_path_factory):
     """(AWQ LoadedModel, Calibration, file path) at group 32."""
     path = tmp_path_factory.mktemp("awq") / "tiny-g32.safetensors"
-    quantized, calibration, _ = awq_file.calibrate_and_save(tiny, GROUP, path, sequences=sequences)
+    quantized, calibration, _ = calibrated_file.calibrate_and_save(tiny, GROUP, path, sequences=sequences)
     return quantized, calibration, path
 
 
@@ -72,7 +72,7 @@ def test_awq_layer_matches_its_dequantized_float_reference(tiny, calibrated):
 
 def test_alpha_zero_is_round_to_nearest_bit_for_bit(tiny, sequences, tmp_path):
     """With the grid cut to alpha 0 and no clipping, every layer and logit equals `--quant int4`'s."""
-    awq_zero, calibration, _ = awq_file.calibrate_and_save(tiny, GROUP, tmp_path / "zero.safetensors",
+    awq_zero, calibration, _ = calibrated_file.calibrate_and_save(tiny, GROUP, tmp_path / "zero.safetensors",
                                                            sequences=sequences, alphas=(0.0,), clip_ratios=(1.0,))
     assert all(choice.alpha == 0 and choice.clip is None for choice in calibration.choices.values())
     assert all(torch.equal(choice.scale, torch.ones_like(choice.scale)) for choice in calibration.choices.values())
@@ -118,8 +118,9 @@ def test_other_families_fold_and_load_back(family, sequences, tmp_path):
     ids = prompt(30, 2)
     torch.testing.assert_close(all_logits(awq.fold_scales(loaded, random_scales(loaded, 6)), ids),
                                all_logits(loaded, ids), rtol=1e-4, atol=1e-4)
-    quantized, _, _ = awq_file.calibrate_and_save(loaded, GROUP, tmp_path / "awq.safetensors", sequences=sequences)
-    assert torch.equal(all_logits(awq_file.load(loaded, tmp_path / "awq.safetensors"), ids), all_logits(quantized, ids))
+    path = tmp_path / "awq.safetensors"
+    quantized, _, _ = calibrated_file.calibrate_and_save(loaded, GROUP, path, sequences=sequences)
+    assert torch.equal(all_logits(calibrated_file.load(loaded, path), ids), all_logits(quantized, ids))
     if family == "qwen2":
         assert quantized.model.layers[0].self_attn.qkv_proj.bias is not None
 
@@ -159,14 +160,14 @@ def test_alpha_scored_on_sampled_rows_is_still_checked_against_rtn(tiny, sequenc
 
 def test_save_then_load_gives_the_same_logits(tiny, calibrated):
     quantized, _, path = calibrated
-    metadata = awq_file.read_metadata(path)
+    metadata = calibrated_file.read_metadata(path)
     assert metadata["group_size"] == "32" and metadata["calibration_tokens"] == "256"
     assert set(json.loads(metadata["alphas"])) == set(PROJECTIONS)
-    loaded = awq_file.load(tiny, path)
+    loaded = calibrated_file.load(tiny, path)
     assert loaded.quant.name == "awq int4 g32"
     ids = prompt(50, 3)
     assert torch.equal(all_logits(loaded, ids), all_logits(quantized, ids))
-    without_head = awq_file.load(tiny, path, lm_head=False)
+    without_head = calibrated_file.load(tiny, path, lm_head=False)
     # The LM head in the model dtype, and the final norm unfolded with it (both the original's tensors).
     assert isinstance(without_head.model.lm_head, Linear)
     assert without_head.model.lm_head.weight is tiny.model.lm_head.weight
@@ -178,19 +179,19 @@ def test_a_file_for_other_weights_or_a_group_that_does_not_fit_is_refused(tiny, 
     _, calibration, path = calibrated
     other = awq.fold_scales(tiny, {name: choice.scale for name, choice in calibration.choices.items()})
     with pytest.raises(ConfigError, match="was calibrated for other weights"):
-        awq_file.load(other, path)
+        calibrated_file.load(other, path)
     with pytest.raises(ConfigError, match="holds int4 groups of 32, not 64"):
-        awq_file.load(tiny, path, group_size=64)
+        calibrated_file.load(tiny, path, group_size=64)
     with pytest.raises(ConfigError, match=r"groups of 128 do not divide .* \(64, 128\); pick another"):
-        awq_file.calibrate_and_save(tiny, 128, path.with_name("never-written.safetensors"), sequences=[[5] * 8])
+        calibrated_file.calibrate_and_save(tiny, 128, path.with_name("never-written.safetensors"), sequences=[[5] * 8])
     assert not path.with_name("never-written.safetensors").exists()
 
 
 def test_quantize_calibrates_once_then_loads(tiny, sequences, monkeypatch, capsys):
     """`quantize(..., QuantConfig('awq'))` calibrates into the cache (conftest points it at a temporary directory),
     then reads the file back; the two give the same greedy ids."""
-    monkeypatch.setattr(awq_file, "calibration_sequences", lambda tokenizer: sequences)
-    path = awq_file.default_path(tiny, 64)
+    monkeypatch.setattr(calibrated_file, "calibration_sequences", lambda tokenizer: sequences)
+    path = calibrated_file.default_path(tiny, 64)
     path.unlink(missing_ok=True)
     first = quantize(tiny, QuantConfig("awq", 64))
     assert path.exists() and "calibrated in" in capsys.readouterr().err
@@ -208,7 +209,7 @@ def test_cli_calibrates_and_generate_loads_it(tiny, capsys):
     assert main(["awq", *cpu, "--quant-group", "32"]) == 0
     printed = capsys.readouterr().out
     assert "layers.1.mlp.down_proj" in printed and "alpha" in printed
-    assert f"wrote {awq_file.default_path(tiny, 32)}" in printed
+    assert f"wrote {calibrated_file.default_path(tiny, 32)}" in printed
     assert main(["generate", "--prompt", "t5 t9 t33", *cpu, "--no-chat", "--max-new-tokens", "4", "--ignore-eos",
                  "--quant", "awq"]) == 0
     err = capsys.readouterr().err

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from inference_core import ConfigError
 from inference_core.model.llama import Linear
-from inference_core.quant import awq_file, kernels
+from inference_core.quant import calibrated_file, kernels
 from inference_core.quant.linear import QuantConfig, QuantLinear, compute_dtype, round_int4
 from inference_core.quant.quantize import quantize
 
@@ -118,7 +118,7 @@ def test_devices_without_kernels_are_refused(tmp_path):
         with pytest.raises(ConfigError, match="runs on the CPU and on CUDA, not on mps; load the model with"):
             quantize(on_mps, QuantConfig(scheme))
     with pytest.raises(ConfigError, match="not on mps"):
-        awq_file.load(on_mps, tmp_path / "any.safetensors")
+        calibrated_file.load(on_mps, tmp_path / "any.safetensors")
 
 
 def fake_cuda_linear(mode: FakeTensorMode, out_features: int, in_features: int) -> Linear:

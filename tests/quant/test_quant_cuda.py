@@ -16,7 +16,7 @@ from inference_core import Engine, EngineConfig, load_model
 from inference_core.engine.runner import ModelRunner
 from inference_core.kv.cache import RecomputeKVCache, dequantize_int8, quantize_int8
 from inference_core.model.llama import Linear
-from inference_core.quant import awq_file, kernels
+from inference_core.quant import calibrated_file, kernels
 from inference_core.quant.linear import QuantConfig, QuantLinear, compute_dtype, round_int4, shared_copy
 from inference_core.quant.quantize import quantize
 from inference_core.sequence import Sequence
@@ -140,24 +140,24 @@ def test_quantized_tiny_llama_runs_on_cuda(tiny_dir, scheme, dtype):
 
 
 @pytest.mark.cuda
-def test_awq_file_from_the_cpu_loads_onto_cuda_and_calibration_runs_there(tiny_dir, tmp_path):
+def test_calibrated_file_from_the_cpu_loads_onto_cuda_and_calibration_runs_there(tiny_dir, tmp_path):
     """bf16 (a layout both devices share, so one fingerprint): a file calibrated on the CPU loads onto the GPU in
     tinygemm's layout with logits close to the CPU's; calibrating on the GPU keeps every projection at most RTN's
     error, and its file loads back to the same logits."""
     sequences = [prompt(64, seed) for seed in range(4)]
     on_cpu = load_model(str(tiny_dir), device="cpu", dtype="bfloat16")
-    cpu_awq, _, _ = awq_file.calibrate_and_save(on_cpu, 32, tmp_path / "cpu.safetensors", sequences=sequences)
+    cpu_awq, _, _ = calibrated_file.calibrate_and_save(on_cpu, 32, tmp_path / "cpu.safetensors", sequences=sequences)
     loaded = on_cuda(tiny_dir, "bfloat16")
-    cuda_awq = awq_file.load(loaded, tmp_path / "cpu.safetensors")
+    cuda_awq = calibrated_file.load(loaded, tmp_path / "cpu.safetensors")
     down = cuda_awq.model.layers[0].mlp.down_proj
     assert isinstance(down, QuantLinear) and down.qweight.is_cuda and down.qweight.dim() == 4
     assert cuda_awq.model.layers[0].input_layernorm.weight.is_cuda
     ids = prompt(30, 2)
     assert_close_relative(all_logits(cuda_awq, ids), all_logits(cpu_awq, ids), 3e-2)
-    calibrated, calibration, _ = awq_file.calibrate_and_save(loaded, 32, tmp_path / "cuda.safetensors",
+    calibrated, calibration, _ = calibrated_file.calibrate_and_save(loaded, 32, tmp_path / "cuda.safetensors",
                                                              sequences=sequences)
     assert all(choice.awq_error <= choice.rtn_error for choice in calibration.choices.values())
-    reloaded = awq_file.load(loaded, tmp_path / "cuda.safetensors")
+    reloaded = calibrated_file.load(loaded, tmp_path / "cuda.safetensors")
     torch.testing.assert_close(all_logits(reloaded, ids), all_logits(calibrated, ids), rtol=1e-3, atol=1e-3)
 
 

@@ -257,18 +257,32 @@ def test_paged_blocks_follow_the_accepted_tokens_and_return_on_cancel(bundled, b
     assert_nothing_held(engine)
 
 
-def test_spec_bench_writes_rows_per_kind(bundled, tmp_path, capsys):
+def test_spec_bench_writes_rows_per_kind_and_keeps_the_best_k_for_the_setup(bundled, tmp_path, capsys, monkeypatch):
     from inference_core.cli import main
+    from inference_core.spec import defaults
 
+    monkeypatch.setattr(defaults, "_path", lambda: tmp_path / defaults.FILE_NAME)
     path = tmp_path / "spec.json"
     assert main(["spec-bench", "--kinds", "grounded", "--spec-k", "2,4", "--max-new-tokens", "16", "--repeats", "1",
-                 "--device", "cpu", "--dtype", "float32", "--json", str(path)]) == 0
-    rows = json.loads(path.read_text())["rows"]
+                 "--device", "cpu", "--dtype", "float32", "--json", str(path), "--keep"]) == 0
+    report = json.loads(path.read_text())
+    rows = report["rows"]
     assert [(row["kind"], row["setting"]) for row in rows] == [("grounded", "ngram k=2"), ("grounded", "ngram k=4")]
     for row in rows:
         assert row["ratio"] == pytest.approx(row["spec_tokens_per_s"] / row["plain_tokens_per_s"], abs=0.01)
         assert 0 <= row["acceptance_rate"] <= 1 and 1 <= row["mean_accepted_length"] <= 5
-    assert "| grounded | ngram k=2 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| grounded | ngram k=2 |" in out and "kept as the default k of" in out
+    best = max(rows, key=lambda row: (row["ratio"], -row["k"]))["k"]  # one kind: its best ratio is the best mean
+    assert report["best_k"]["ngram"]["k"] == best
+    # A request of the same setup (the bundled model in fp32, paged, eager) that leaves k open gets the kept k; one
+    # that names k keeps it; another setup (contiguous KV) gets the project's default.
+    engine = Engine(bundled, EngineConfig(kv_mode="paged"))
+    assert engine.resolve_spec(SpecConfig("ngram")).k == best
+    assert engine.default_k(SpecConfig("ngram"))[1].startswith("measured on this host")
+    assert engine.resolve_spec(SpecConfig("ngram", k=3)).k == 3
+    assert Engine(bundled, EngineConfig(kv_mode="contiguous")).resolve_spec(SpecConfig("ngram")).k == \
+        defaults.BUILT_IN_K["ngram"]
 
 
 @pytest.fixture(scope="module")

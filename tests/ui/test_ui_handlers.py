@@ -374,7 +374,7 @@ def test_lane_settings_spec_passes_the_early_exit_depth_only_to_early_exit():
     assert LaneSettings(spec_method="early-exit", draft_layers=8).spec().draft_layers == 8
     assert LaneSettings(spec_method="ngram", draft_layers=8).spec().draft_layers is None
     assert LaneSettings(spec_method="early-exit", draft_layers=8, spec_adaptive=True).describe().endswith(
-        "early exit (8 layers) k=4 adaptive")
+        "early exit (8 layers) k best measured adaptive")
     assert LaneSettings().spec() == SpecConfig() and LaneSettings().describe().endswith("greedy")
 
 
@@ -493,6 +493,18 @@ def test_a_compiled_rungs_forwards_in_words():
                                                    "than 8 sequences")
 
 
+def test_the_stacks_int4_rung_takes_a_calibrated_method_only_where_its_file_exists(pool, monkeypatch):
+    from ui.stack import int4_choices, ladder
+
+    monkeypatch.setattr(pool, "weight_schemes", lambda: ["none", "int8", "int4", "gptq"])
+    assert int4_choices(pool) == ["int4", "gptq"]
+    rungs, _ = ladder(pool, False, "gptq")
+    named = {rung.name: rung.settings.weights for rung in rungs}
+    assert named["int4 weights (GPTQ)"] == "gptq" and named["everything together"] == "gptq"
+    with pytest.raises(ConfigError, match="must be one of int4, gptq, got 'awq'"):
+        ladder(pool, False, "awq")
+
+
 def test_stack_climbs_every_rung_and_reports_measured_rows(pool):
     """Without compiled rungs: seven rungs, each generating the asked-for tokens, with a command that names its
     settings; the quantized rungs store fewer weight bytes and change perplexity, the others measure the model as
@@ -514,7 +526,9 @@ def test_stack_climbs_every_rung_and_reports_measured_rows(pool):
     unchanged = ["no KV cache", "KV cache", "paged + prefix cache", "speculative"]
     assert (rows.loc[unchanged, "quality delta (%)"] == 0).all()
     assert rows.loc["int4 weights", "quality delta (%)"] != 0
-    assert "--spec ngram --spec-k 5 --quant int4 --quant-group 32" in rows.loc["everything together", "command"]
+    assert "--spec ngram --quant int4 --quant-group 32" in rows.loc["everything together", "command"]
+    # k left to the engine: each speculating rung says the k its setup measured best (`spec.defaults`)
+    assert re.fullmatch(r"prompt lookup drafts \(prompt lookup k=\d+\)", rows.loc["speculative", "adds"])
     assert frames[-1]["status"].startswith("Finished: 7 rungs") and "compiled decode (unticked)" in frames[-1]["status"]
     assert len(pool.perplexities) == 3
     assert pool.active_requests() == 0 and pool.blocks_in_use() == 0

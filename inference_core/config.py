@@ -21,7 +21,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",  # Llama + RMSNorm on q and k (per head) before RoPE
 }
 KV_MODES = ("none", "contiguous", "paged")
-KV_DTYPES = ("auto", "int8")  # auto: the model dtype; int8: per token and head scales (see inference_core.kv.cache)
+# auto: the model dtype; int8: per token and head scales (inference_core.kv.cache); int4: keys per channel and
+# values per token in groups, the newest block in the model dtype (inference_core.kv.int4)
+KV_DTYPES = ("auto", "int8", "int4")
+INT4_KV_GROUP = 32  # an int4 KV cache's channels per value scale
+
+
+def int4_value_group(head_dim: int) -> int:
+    """Channels per value scale of an int4 KV cache: 32, or the whole head where 32 does not divide it."""
+    return INT4_KV_GROUP if head_dim % INT4_KV_GROUP == 0 else head_dim
 BATCHING_MODES = ("none", "static", "dynamic", "continuous")  # see inference_core.engine.scheduler
 # How paged attention reads the pool: gather (a contiguous copy per step, the reference) or flex (FlexAttention through
 # the block tables, no copy: inference_core.kv.flex). Gather is the default because it measured faster on this CPU and
@@ -123,11 +131,17 @@ class ModelConfig:
                               f"{config.num_kv_heads} KV heads.")
         return config
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    def kv_bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto", block_size: int = 16) -> int:
         """Bytes of K and V that one token occupies across all layers: head_dim values in the model dtype per layer
-        and KV head, or with an int8 KV cache head_dim int8 values and one fp32 scale."""
-        per_head = self.head_dim + 4 if kv_dtype == "int8" else self.head_dim * torch.finfo(dtype).bits // 8
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+        and KV head; with an int8 KV cache head_dim int8 values and one fp32 scale; with an int4 one (`kv.int4`) K
+        and V's head_dim 4-bit codes each, the fp16 minimum and scale of each key channel over a block of
+        `block_size` tokens, and those of each value group of the token (a full-precision last block per sequence
+        aside)."""
+        d, heads = self.head_dim, self.num_layers * self.num_kv_heads
+        if kv_dtype == "int4":
+            return math.ceil(heads * (d + 4 * d / block_size + 4 * (d // int4_value_group(d))))
+        per_head = d + 4 if kv_dtype == "int8" else d * torch.finfo(dtype).bits // 8
+        return 2 * heads * per_head
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -182,6 +196,8 @@ class EngineConfig:
     compile: bool = False  # decode steps through torch.compile (inference_core.engine.compiled); needs a KV cache
     kv_dtype: str = "auto"  # KV cache storage: "auto" (the model dtype) or "int8" (see inference_core.kv.cache)
     sliding_window: int | None = None  # attend to the last N tokens only; None: the checkpoint's own window, if any
+    # StreamingLLM's attention sinks: with a sliding window, every token also attends to its sequence's first S tokens
+    attention_sinks: int = 0
     attention: str = "gather"  # paged attention: "gather" or "flex" (see ATTENTIONS)
     # Compiled decode: up to this many steps back to back per host round trip for greedy requests, each step's token
     # fed to the next on the device (Engine._burst_steps says when); 1: one step, then the host reads its token.
@@ -224,21 +240,32 @@ class EngineConfig:
                               "set {decode_steps} to 1.")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"unknown KV dtype {self.kv_dtype!r}; use one of: {', '.join(KV_DTYPES)}.")
-        if self.kv_dtype == "int8" and self.kv_mode == "none":
-            raise ConfigError("an int8 KV cache needs a KV cache (contiguous or paged); KV mode none keeps nothing.")
-        if self.kv_dtype == "int8" and self.compile:
-            raise ConfigError("compiled decode reads the KV cache in the model dtype; an int8 KV cache runs eager "
-                              "only (turn one of them off).")
+        if self.kv_dtype != "auto" and self.kv_mode == "none":
+            raise ConfigError(f"an {self.kv_dtype} KV cache needs a KV cache (contiguous or paged); KV mode none "
+                              "keeps nothing.")
+        if self.kv_dtype != "auto" and self.compile:
+            raise ConfigError(f"compiled decode reads the KV cache in the model dtype; an {self.kv_dtype} KV cache "
+                              "runs eager only (turn one of them off).")
         if self.sliding_window is not None and not _positive_int(self.sliding_window):
             raise ConfigError(f"the sliding window must be a positive number of tokens, got {self.sliding_window!r}.")
+        if isinstance(self.attention_sinks, bool) or not isinstance(self.attention_sinks, int) \
+                or self.attention_sinks < 0:
+            raise ConfigError(f"attention sinks must be 0 or a positive number of tokens, got "
+                              f"{self.attention_sinks!r}.")
+        if self.attention_sinks and self.compile:
+            raise ConfigError("the compiled steps' attention knows sliding windows but not attention sinks: "
+                              "sinks run eager only (turn {compile} off, or set {attention_sinks} to 0).")
+        if self.attention_sinks and self.attention == "flex":
+            raise ConfigError("flex attention's block masks know sliding windows but not attention sinks: set "
+                              "{attention} to gather or {attention_sinks} to 0.")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"unknown attention {self.attention!r}; use one of: {', '.join(ATTENTIONS)}.")
         if self.attention == "flex" and self.kv_mode != "paged":
             raise ConfigError("flex attention reads the paged KV pool through its block tables; it needs the paged "
                               "cache: set {kv_mode} to paged or {attention} to gather.")
-        if self.attention == "flex" and self.kv_dtype == "int8":
-            raise ConfigError("flex attention reads the pool in the model dtype; an int8 KV cache is dequantized on a "
-                              "gathered copy: set {attention} to gather or {kv_dtype} to auto.")
+        if self.attention == "flex" and self.kv_dtype != "auto":
+            raise ConfigError(f"flex attention reads the pool in the model dtype; an {self.kv_dtype} KV cache is "
+                              "dequantized on a gathered copy: set {attention} to gather or {kv_dtype} to auto.")
         if not _positive_int(self.join_every):
             raise ConfigError(f"join_every must be a positive whole number of steps, got {self.join_every!r}.")
         if not self.batch_window_ms >= 0:
@@ -257,6 +284,13 @@ class EngineConfig:
         the window covers the whole context (full attention)."""
         window = self.sliding_window or model.sliding_window
         return window if window and window < self.context_length(model) else None
+
+    def sink_tokens(self, model: ModelConfig) -> int:
+        """The attention sinks beside the window (0: none); a ConfigError where sinks are asked for without one."""
+        if self.attention_sinks and self.attention_window(model) is None:
+            raise ConfigError("attention sinks keep a sequence's first tokens beside a sliding window: set "
+                              "{sliding_window} to fewer tokens than the context, or {attention_sinks} to 0.")
+        return self.attention_sinks
 
     def num_kv_blocks(self, model: ModelConfig) -> int:
         tokens = self.kv_cache_tokens or self.context_length(model)

@@ -10,8 +10,10 @@ use (dtype, weight quantization, KV mode and dtype, block size, sliding window, 
   feature in the kernels' compute dtype; int4 and AWQ: half a byte per weight, in either device's packed layout, and
   a scale and a zero per group and output feature).
 - `kv_bytes_per_token`, `kv_bytes_per_sequence` (a sequence of `context_len` tokens: whole blocks when paged, only
-  the window's blocks with a sliding window; its whole slot when contiguous) and `kv_pool_bytes` (what the engine
-  allocates for these settings: the paged pool with FlexAttention's spare blocks, or every contiguous slot).
+  the window's blocks with a sliding window, and those of its attention sinks; its whole slot when contiguous) and
+  `kv_pool_bytes` (what the engine allocates for these settings: the paged pool with FlexAttention's spare blocks, or
+  every contiguous slot). An int4 KV cache's figures are its 4-bit codes with their scales and minimums; beside them
+  it writes each sequence's newest block in the model dtype (`kv_tail_bytes`: one block per sequence).
 - `activation_bytes`: an estimate of one step's largest transient tensors from the shapes (the logits in fp32, the
   MLP's two intermediate projections, and one layer's attention scores for a prefill chunk), not a measurement.
 - `sequences_that_fit`: how many sequences of `context_len` tokens fit in the device's free memory beside the weights
@@ -38,6 +40,7 @@ import torch
 from inference_core.config import EngineConfig
 from inference_core.engine.engine import Engine
 from inference_core.kv import flex
+from inference_core.kv.cache import INT4_BLOCK
 from inference_core.model.llama import Linear
 from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
 from inference_core.quant.linear import QuantConfig, compute_dtype, weight_bytes
@@ -51,6 +54,7 @@ class MemoryPlan:
     kv_bytes_per_token: int
     kv_bytes_per_sequence: int
     kv_pool_bytes: int
+    kv_tail_bytes: int
     activation_bytes: int
     free_bytes: int | None
     sequences_that_fit: int | None
@@ -70,10 +74,14 @@ def plan_memory(loaded: LoadedModel, config: EngineConfig, quant: QuantConfig = 
     max_seq_len = config.context_length(model_config)
     context_len = min(context_len or max_seq_len, max_seq_len)
     num_seqs = num_seqs or config.max_num_seqs
-    per_token = model_config.kv_bytes_per_token(loaded.dtype, config.kv_dtype) if config.kv_mode != "none" else 0
+    block = config.block_size if config.kv_mode == "paged" else INT4_BLOCK  # int4 keys' scales span a block
+    per_token = model_config.kv_bytes_per_token(loaded.dtype, config.kv_dtype, block) \
+        if config.kv_mode != "none" else 0
     window = config.attention_window(model_config)
+    tail = num_seqs * block * model_config.kv_bytes_per_token(loaded.dtype) if config.kv_dtype == "int4" else 0
     if config.kv_mode == "paged":
-        held = context_len if window is None else min(context_len, window + config.block_size)
+        sinks = math.ceil(config.sink_tokens(model_config) / config.block_size) * config.block_size
+        held = context_len if window is None else min(context_len, window + config.block_size + sinks)
         per_sequence = math.ceil(held / config.block_size) * config.block_size * per_token
         pool_blocks = config.num_kv_blocks(model_config)
         if config.attention == "flex":
@@ -89,8 +97,8 @@ def plan_memory(loaded: LoadedModel, config: EngineConfig, quant: QuantConfig = 
     free = free_bytes if free_bytes is not None else device_free_bytes(loaded.device)
     fits = None
     if free is not None and per_sequence:
-        fits = max(0, (free - weights - activations) // per_sequence)
-    return MemoryPlan(weights, per_token, per_sequence, pool, activations, free, fits, context_len, num_seqs)
+        fits = max(0, (free - weights - activations - tail) // per_sequence)
+    return MemoryPlan(weights, per_token, per_sequence, pool, tail, activations, free, fits, context_len, num_seqs)
 
 
 def quantized_weight_bytes(loaded: LoadedModel, quant: QuantConfig) -> int:
@@ -149,10 +157,15 @@ def device_free_bytes(device: torch.device) -> int | None:
 def engine_figures(engine) -> dict:
     """What a built engine holds: its weights' bytes, its KV bytes per token and the KV tensors it allocated."""
     cache = engine.kv_cache
-    tensors = [tensor for tensor in (getattr(cache, "k", None), getattr(cache, "v", None)) if tensor is not None]
+    if getattr(cache, "int4", None) is not None:
+        tensors, tail = cache.int4.pool_tensors(), cache.int4.tail_bytes()
+    else:
+        tensors, tail = [tensor for tensor in (getattr(cache, "k", None), getattr(cache, "v", None))
+                         if tensor is not None], 0
     return {"weights_bytes": weight_bytes(engine.loaded.model),
             "kv_bytes_per_token": getattr(cache, "bytes_per_token", 0),
-            "kv_pool_bytes": sum(tensor.numel() * tensor.element_size() for tensor in tensors)}
+            "kv_pool_bytes": sum(tensor.numel() * tensor.element_size() for tensor in tensors),
+            "kv_tail_bytes": tail}
 
 
 def add_memory_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,6 +202,8 @@ def run_memory_plan(args) -> int:
     rows = [("weights", plan.weights_bytes / mib, "MiB"), ("KV per token", plan.kv_bytes_per_token / 1024, "KiB"),
             (f"KV per sequence of {plan.context_len} tokens", plan.kv_bytes_per_sequence / mib, "MiB"),
             ("KV pool these settings allocate", plan.kv_pool_bytes / mib, "MiB"),
+            *([("int4 KV: newest blocks in the model dtype", plan.kv_tail_bytes / mib, "MiB")]
+              if plan.kv_tail_bytes else []),
             ("activations of one step (estimate)", plan.activation_bytes / mib, "MiB")]
     if plan.free_bytes is not None:
         rows.append(("free memory", plan.free_bytes / mib, "MiB"))

@@ -32,7 +32,8 @@ SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "e
                       "medusa": "Medusa heads (trained)", "eagle": "EAGLE layer (trained)"}
 WEIGHTS_LABELS = {"none": "model dtype", "int8": "int8 per channel", "int4": "int4 per group",
                   "awq": "AWQ int4 per group (calibrated)", "gptq": "GPTQ int4 per group (calibrated)"}
-KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and head"}
+KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and head",
+                   "int4": "int4: keys per channel, values per token (newest block in the model dtype)"}
 ATTENTION_LABELS = {"gather": "gather a copy (reference)", "flex": "FlexAttention through the block table"}
 CONSTRAINT_LABELS = {"none": "no constraint", "json_object": "any JSON object", "json_schema": "a JSON schema",
                      "regex": "a regular expression", "choice": "one of a list of choices"}
@@ -188,7 +189,9 @@ class LaneSettings:
         help="int4: input features per scale and zero", applies=("weights", _one_of("int4", "awq", "gptq")))
     kv_dtype: str = _setting(
         "auto", label="KV cache dtype", widget="radio", choices=KV_DTYPES, labels=KV_DTYPE_LABELS, flag="kv-dtype",
-        help="KV cache storage: auto (the model dtype) or int8 (per token and head scales)", applies=WITH_KV_CACHE,
+        help="KV cache storage: auto (the model dtype), int8 (per token and head scales) or int4 (KIVI: keys per "
+             "channel over a block, values per token in groups, each sequence's newest block in the model dtype)",
+        applies=WITH_KV_CACHE,
         off_value="auto")
     attention: str = _setting(
         "gather", label="attention (paged)", widget="radio", choices=ATTENTIONS, labels=ATTENTION_LABELS,
@@ -205,6 +208,14 @@ class LaneSettings:
              "its memory stays flat as the text grows", flag="sliding-window", flag_default=None,
         help="attend to the last N tokens only (default: the checkpoint's own window, if any); paged KV gives back "
              "the blocks that fall out of it")
+    attention_sinks: int = _setting(
+        0, label="attention sinks (tokens)", widget="number", bounds=(0, 64, 1),
+        info="with a sliding window, every token also attends to the text's first N tokens (StreamingLLM: 4), whose "
+             "blocks stay in the pool; a model trained with full attention keeps its footing past the window",
+        flag="attention-sinks",
+        help="with --sliding-window: every token also attends to its sequence's first N tokens (StreamingLLM's "
+             "attention sinks; the paged cache keeps their blocks)",
+        applies=("sliding_window", lambda window: bool(_whole(window))), off_value=0)
     # An external OpenAI-compatible server (vLLM, SGLang, llama.cpp's server, this app's API elsewhere): the lane runs
     # there through `serving.remote` instead of on this engine, and only the sampling settings above apply.
     endpoint: str = _setting(
@@ -235,7 +246,7 @@ class LaneSettings:
         return EngineConfig(kv_mode=self.kv_mode, block_size=_whole(self.block_size),
                             prefix_cache=bool(self.prefix_cache), max_seq_len=max_seq_len, compile=bool(self.compile),
                             kv_dtype=self.kv_dtype, sliding_window=window, attention=self.attention,
-                            decode_steps=steps, **engine)
+                            attention_sinks=_whole(self.attention_sinks) or 0, decode_steps=steps, **engine)
 
     def quant(self, lm_head: bool = True) -> QuantConfig:
         return QuantConfig(self.weights or "none", _whole(self.quant_group), lm_head)
@@ -328,12 +339,14 @@ class LaneSettings:
                 parts.append(f"{_whole(self.decode_steps)} steps a round trip")
         if self.weights not in (None, "", "none"):
             parts.append(f"{self.quant().name} weights")
-        if self.kv_dtype == "int8":
-            parts.append("int8 KV")
+        if self.kv_dtype in ("int8", "int4"):
+            parts.append(f"{self.kv_dtype} KV")
         if self.attention == "flex" and self.kv_mode == "paged":
             parts.append("flex attention")
         if _whole(self.sliding_window):
             parts.append(f"window {_whole(self.sliding_window)}")
+            if _whole(self.attention_sinks):
+                parts.append(f"{_whole(self.attention_sinks)} sinks")
         return ", ".join(parts)
 
 

@@ -16,7 +16,8 @@ from inference_core.quant.linear import QuantConfig
 from inference_core.quant.quantize import quantize
 
 KV_SETTINGS = [dict(kv_mode="paged"), dict(kv_mode="paged", kv_dtype="int8"), dict(kv_mode="paged", attention="flex"),
-               dict(kv_mode="contiguous"), dict(kv_mode="contiguous", kv_dtype="int8")]
+               dict(kv_mode="paged", kv_dtype="int4"), dict(kv_mode="contiguous"),
+               dict(kv_mode="contiguous", kv_dtype="int8"), dict(kv_mode="contiguous", kv_dtype="int4")]
 
 
 @pytest.mark.parametrize("quant", [QuantConfig("none"), QuantConfig("int8"), QuantConfig("int4", 64),
@@ -44,6 +45,14 @@ def test_a_run_reserves_what_the_plan_says_per_sequence(bundled):
     windowed = Engine(bundled, windowed_config).complete(prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))
     plan = plan_memory(bundled, windowed_config, context_len=400)
     assert windowed.stats.kv_bytes_reserved == plan.kv_bytes_per_sequence == 48 * plan.kv_bytes_per_token
+    # 4 attention sinks keep their block beside the window's; an int4 cache also writes a block per sequence in the
+    # model dtype.
+    sinks_config = EngineConfig(kv_mode="paged", block_size=16, max_seq_len=512, sliding_window=32, attention_sinks=4,
+                                kv_dtype="int4", max_num_seqs=2)
+    sinks = Engine(bundled, sinks_config).complete(prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))
+    plan = plan_memory(bundled, sinks_config, context_len=400)
+    assert sinks.stats.kv_bytes_reserved == plan.kv_bytes_per_sequence == 64 * plan.kv_bytes_per_token
+    assert plan.kv_tail_bytes == 2 * 16 * bundled.config.kv_bytes_per_token(bundled.dtype)
 
 
 def test_the_sequences_that_fit_follow_from_the_free_memory(bundled):

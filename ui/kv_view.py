@@ -4,7 +4,9 @@ block tables and the memory they hold next to what a contiguous cache would rese
 
 Cell kinds: a block a request holds (its colour; the filled part darker, so a partly written last block shows its
 fill), a block reused from the prefix cache for that request (outlined) or shared by several requests (reference
-count > 1, marked xN), a cached-but-free block (no owner, still holding a reusable prefix), and a free block.
+count > 1, marked xN), a cached-but-free block (no owner, still holding a reusable prefix), and a free block. With an
+int4 KV cache a block still written in the model dtype (a request's newest) has a dashed border, the others are int4;
+with attention sinks the blocks holding a request's first tokens are marked S (they stay while the window moves on).
 Hovering a cell tells which tokens it holds, for blocks the viewer's own requests hold (`request_labels`); blocks of
 other requests appear as "in use by another request", and a cached-but-free block's tokens are not shown either,
 since on a shared deployment they may be another visitor's text.
@@ -61,6 +63,9 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
     # Blocks a request got from the prefix cache: the first cached_prompt_tokens / block_size of its table.
     reused = {block_id for request in requests
               for block_id in request["block_table"][:request["cached_prompt_tokens"] // block_size]}
+    sink_blocks = -(-(snapshot.get("attention_sinks") or 0) // block_size) if snapshot.get("sliding_window") else 0
+    sinks = {block_id for request in requests for block_id in request["block_table"][:sink_blocks]
+             if block_id != FREED}
     cells = []
     for block in snapshot["blocks"]:
         mine = any(owner in labels for owner in block["owners"])
@@ -82,6 +87,8 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
                 state += f"; shared by {block['ref_count']} requests through the prefix cache"
             elif block["id"] in reused:
                 state += "; reused from the prefix cache"
+            if block["id"] in sinks:
+                state += "; holds the attention sinks, kept beside the window"
         elif block["state"] == "cached":
             style, state = (f"background:{CACHED_COLOUR};", "free, still caching a prefix (reusable until evicted; "
                             "its text is not shown, as it may be another visitor's)")
@@ -89,12 +96,19 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
             style, state = f"background:{FREE_COLOUR};", "free"
         outline = "outline:2px solid #111827;outline-offset:-2px;" if block["id"] in reused or block["ref_count"] > 1 \
             else ""
-        mark = f"x{block['ref_count']}" if block["ref_count"] > 1 else ("&#8635;" if block["id"] in reused else "")
+        mark = f"x{block['ref_count']}" if block["ref_count"] > 1 else ("&#8635;" if block["id"] in reused else
+                                                                         "S" if block["id"] in sinks else "")
         tip = f"block {block['id']}: {state}; {block['num_filled']}/{block_size} slots filled"
+        border = f"1px solid {BORDER}"
+        if block.get("storage") == "tail" and block["state"] == "used":
+            border, tip = "1px dashed #111827", tip + "; in the model dtype until it fills, then quantized to int4"
+        elif block.get("storage") == "int4" and block["state"] != "free":
+            tip += "; int4 (keys per channel over the block, values per token in groups)"
         if tokens:
             tip += f"\ntokens {tokens}\n{text!r}"
-        cells.append(f'<div class="kv-cell" data-state="{block["state"]}" data-block="{block["id"]}" '
-                     f'title="{html.escape(tip)}" style="width:22px;height:22px;border:1px solid {BORDER};'
+        storage = f' data-storage="{block["storage"]}"' if "storage" in block else ""
+        cells.append(f'<div class="kv-cell" data-state="{block["state"]}" data-block="{block["id"]}"{storage} '
+                     f'title="{html.escape(tip)}" style="width:22px;height:22px;border:{border};'
                      f'font-size:9px;line-height:22px;text-align:center;color:#111827;{style}{outline}">{mark}</div>')
     grid = f'<div style="display:flex;flex-wrap:wrap;gap:2px;margin:6px 0">{"".join(cells)}</div>'
 
@@ -129,11 +143,16 @@ def render_pool(snapshot: dict | None, decode: Callable[[list[int]], str], title
                      "&#8635; reused from the prefix cache / xN shared"),
         _legend_chip(f"background:{CACHED_COLOUR}", "free, prefix still cached"),
         _legend_chip(f"background:{FREE_COLOUR}", "free")])
-    storage = (f" KV stored in int8 with a scale per token and head: {bytes_per_token / 1024:.1f} KiB per token, so the "
-               f"pool holds {snapshot['num_blocks'] * block_size} tokens in {_mib(pool_bytes)}."
-               if snapshot.get("kv_dtype") == "int8" else "")
+    stored_as = {"int8": "int8 with a scale per token and head",
+                 "int4": "int4 (keys per channel over a block, values per token in groups; each request's newest "
+                         "block in the model dtype until it fills, dashed)"}.get(snapshot.get("kv_dtype"))
+    storage = (f" KV stored in {stored_as}: {bytes_per_token / 1024:.1f} KiB per token, so the pool holds "
+               f"{snapshot['num_blocks'] * block_size} tokens in {_mib(pool_bytes)}." if stored_as else "")
     window = (f" Sliding window of {snapshot['sliding_window']} tokens: blocks wholly before it go back to the pool "
               "(&#10005; in a block table)." if snapshot.get("sliding_window") else "")
+    if window and sink_blocks:
+        window += (f" The first {snapshot['attention_sinks']} tokens stay in view as attention sinks, and so do "
+                   "their blocks (S).")
     header = (f"<b>{html.escape(title)}</b>: {snapshot['num_blocks']} blocks of {block_size} tokens; "
               f"{used_blocks} held, {cached_blocks} cached, {free_blocks} free.{storage}{window} Hover a block to see "
               "its tokens.")

@@ -278,7 +278,8 @@ def lossless_check(traces: list[LaneTrace], finished: bool) -> tuple[str, str]:
         common = min(len(a), len(b))
         agree = next((i for i in range(common) if a[i] != b[i]), common)
         return _verdict("agreement", "Greedy agreement: the lanes compute with different weights, KV precision or "
-                        f"attention window, and their token ids agree on the first <b>{agree}</b> of {common} tokens. "
+                        "attention window (or sinks), and their token ids agree on the first "
+                        f"<b>{agree}</b> of {common} tokens. "
                         "(Near-ties flip under small numeric changes; after the first difference the texts go their "
                         "own ways. `python -m inference_core quality` measures perplexity.)")
     if reason:
@@ -305,15 +306,15 @@ def lossless_check(traces: list[LaneTrace], finished: bool) -> tuple[str, str]:
     return _verdict("identical", f"Lossless check: <b>identical</b>. Both {how} produced the same {common} token ids.")
 
 
-DIFFERENT_ARITHMETIC = ("the lanes compute with different weights, KV precision or attention window, so their texts "
-                        "may differ")
+DIFFERENT_ARITHMETIC = ("the lanes compute with different weights, KV precision or attention window (or sinks), so "
+                        "their texts may differ")
 
 
 def not_comparable(a: LaneSettings, b: LaneSettings) -> str | None:
     """Why the two lanes' token ids say nothing about losslessness, or None when they should match: both greedy, or
     both sampling with the same temperature, top-p and seed without speculation (the same draws from the same seeded
     generator; speculative sampling keeps the distribution but draws differently)."""
-    if (a.quant(), a.kv_dtype, a.sliding_window or 0) != (b.quant(), b.kv_dtype, b.sliding_window or 0):
+    if _arithmetic(a) != _arithmetic(b):
         return DIFFERENT_ARITHMETIC
     if _shaping(a) != _shaping(b):
         return "the lanes shape the model's choices differently (penalties, logit bias or a constraint)"
@@ -328,6 +329,12 @@ def not_comparable(a: LaneSettings, b: LaneSettings) -> str | None:
     if a.speculates or b.speculates:
         return "speculative sampling keeps the model's distribution but not the exact draws of plain sampling"
     return None
+
+
+def _arithmetic(settings: LaneSettings) -> tuple:
+    """What changes the numbers the model computes: its weights, the KV cache's precision, the window and sinks."""
+    window = settings.sliding_window or 0
+    return settings.quant(), settings.kv_dtype, window, (settings.attention_sinks or 0) if window else 0
 
 
 def _shaping(settings: LaneSettings) -> tuple:

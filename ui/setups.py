@@ -98,6 +98,19 @@ RACE_SETUPS = {
         "Lane A stores each token's keys and values as int8 with a scale per head: the same pool holds about 2x "
         "(vs 16-bit) or 4x (vs fp32) the tokens ('KV bytes per token' and 'KV memory' in the table, blocks in the "
         "KV view). It saves memory, not time: reads are dequantized on the fly."),
+    "int4 KV cache vs model dtype": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged", kv_dtype="int4"), "B": LaneSettings(kv_mode="paged")}, "long-2",
+        "Lane A stores keys and values in 4 bits as KIVI does: keys per channel over each 16-token block, values per "
+        "token in groups of 32 channels, a sequence's newest block in the model dtype until it fills. Compare 'KV "
+        "bytes per token' (about a sixth of fp32's, a third of bf16's, scales included), the greedy agreement below "
+        "and, in the KV view, which blocks are int4 and which are still in full precision."),
+    "sliding window with and without sinks on a long text": RaceSetup(
+        {"A": LaneSettings(kv_mode="paged", sliding_window=128, attention_sinks=4),
+         "B": LaneSettings(kv_mode="paged", sliding_window=128)}, "long-1",
+        "Both lanes attend to the last 128 tokens of a 475-token text, and the paged pool gives back the blocks that "
+        "fall out of the window. Lane A also keeps the text's first 4 tokens in view (StreamingLLM's attention sinks): "
+        "a model trained with full attention puts much of its attention there, and without them (lane B) it loses "
+        "its footing and tends to repeat itself. The KV view shows the sink block kept beside the window."),
 }
 
 

@@ -340,23 +340,27 @@ def parse_config(name: str) -> tuple[EngineConfig, str, bool]:
     mode, with '+compile' for compiled decode, '+stepsN' for N compiled decode steps a host round trip, '+inductor-mm'
     for compiled decode with the matmuls inductor picks instead of our projection kernel (model.row_kernel),
     '+inductor-attention' with the attention inductor compiles instead of ours (model.attention_kernel), '+int8' or
-    '+int4' for quantized weights and, with one of them, '+float-lm-head' to keep the LM head in the model dtype
-    (e.g. paged+compile+int8, paged+compile+steps8, paged+compile+int4+float-lm-head)."""
+    '+int4' for quantized weights and, with one of them, '+float-lm-head' to keep the LM head in the model dtype,
+    '+kv-int8' or '+kv-int4' for a quantized KV cache (eager) (e.g. paged+compile+int8, paged+compile+steps8,
+    paged+compile+int4+float-lm-head, paged+kv-int4)."""
     kv_mode, *extras = name.split("+")
     quant = [extra for extra in extras if extra in ("int8", "int4")]
+    kv_dtype = [extra[3:] for extra in extras if extra in ("kv-int8", "kv-int4")]
     steps = [int(extra[5:]) for extra in extras if re.fullmatch(r"steps\d+", extra)]
-    if any(extra not in ("compile", "int8", "int4", "inductor-mm", "inductor-attention", "float-lm-head")
+    if any(extra not in ("compile", "int8", "int4", "inductor-mm", "inductor-attention", "float-lm-head", "kv-int8",
+                         "kv-int4")
            and not re.fullmatch(r"steps\d+", extra)
            for extra in extras) \
-            or len(quant) > 1 or len(steps) > 1 or len(set(extras)) < len(extras) \
+            or len(quant) > 1 or len(steps) > 1 or len(kv_dtype) > 1 or len(set(extras)) < len(extras) \
             or ("float-lm-head" in extras and not quant):
         raise ConfigError(f"unknown bench configuration {name!r}: use a KV mode (none, contiguous, paged), with "
                           "'+compile' for compiled decode, '+stepsN' for N decode steps a round trip, '+inductor-mm' "
                           "for inductor's matmuls instead of our projection kernel, '+inductor-attention' for "
                           "inductor's attention instead of our attention kernel, '+int8' or '+int4' for quantized "
-                          "weights and, with one of them, '+float-lm-head' to keep the LM head in the model dtype "
-                          "(e.g. paged+compile+int8).")
+                          "weights and, with one of them, '+float-lm-head' to keep the LM head in the model dtype, "
+                          "'+kv-int8' or '+kv-int4' for a quantized KV cache (e.g. paged+compile+int8).")
     return (EngineConfig(kv_mode=kv_mode, compile="compile" in extras, decode_steps=steps[0] if steps else 1,
+                         kv_dtype=kv_dtype[0] if kv_dtype else "auto",
                          row_kernel="inductor-mm" not in extras, attention_kernel="inductor-attention" not in extras),
             quant[0] if quant else "none", "float-lm-head" not in extras)
 

@@ -76,14 +76,15 @@ class StepReport:
 
 
 def make_kv_cache(loaded: LoadedModel, config: EngineConfig, max_seq_len: int):
-    window = config.attention_window(loaded.config)
+    window, sinks = config.attention_window(loaded.config), config.sink_tokens(loaded.config)
     if config.kv_mode == "contiguous":
         return ContiguousKVCache(loaded.config, max_seq_len, config.max_num_seqs, loaded.dtype, loaded.device,
-                                 config.kv_dtype, window)
+                                 config.kv_dtype, window, sinks)
     if config.kv_mode == "paged":
         return PagedKVCache(loaded.config, config.num_kv_blocks(loaded.config), config.block_size,
-                            config.prefix_cache, loaded.dtype, loaded.device, config.kv_dtype, window, config.attention)
-    return RecomputeKVCache(window)
+                            config.prefix_cache, loaded.dtype, loaded.device, config.kv_dtype, window, config.attention,
+                            sinks)
+    return RecomputeKVCache(window, sinks)
 
 
 class Engine:
@@ -736,4 +737,8 @@ class Engine:
         snapshot["context_length"] = self.max_seq_len
         snapshot["kv_dtype"] = self.kv_cache.kv_dtype
         snapshot["sliding_window"] = self.kv_cache.sliding_window
+        snapshot["attention_sinks"] = self.kv_cache.attention_sinks
+        if self.kv_cache.int4 is not None:
+            for info in snapshot["blocks"]:
+                info["storage"] = self.kv_cache.int4.storage(info["id"])
         return snapshot

@@ -36,6 +36,14 @@ from inference_core.sequence import PAD_TOKEN, Sequence
 CHUNK_PADDING = 1.5
 
 
+def window_mask(keys: torch.Tensor, query_positions: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """Which keys (positions, broadcast against the queries') a query sees under a sliding window: those at positions
+    p - window + 1 .. p for a query at p, and the sequence's first `sinks` tokens (attention sinks). Causality is the
+    caller's."""
+    seen = keys > query_positions - window
+    return seen | (keys < sinks) if sinks else seen
+
+
 @dataclass(slots=True)
 class ChunkBatch:
     """The forward's sequences from `first` on (its prefill chunks, after the decodes), attended in one call: their
@@ -75,6 +83,7 @@ class ForwardBatch:
     cache_slots: list[int] = field(default_factory=list)
     decode_slots: torch.Tensor | None = None  # [decodes] contiguous slots of the decodes
     slot_mapping: torch.Tensor | None = None  # [tokens] flat write slot of each new token (paged)
+    tail_slots: torch.Tensor | None = None  # [tokens] int4 KV: each new token's slot in the full-precision tail
     block_tables: torch.Tensor | None = None  # [sequences, max_blocks] int32, padded with block 0 (paged)
     num_blocks: list[int] = field(default_factory=list)  # per sequence: blocks its context spans (paged)
     flex: FlexBatch | None = None  # paged with flex attention: the block masks of the forward's calls (kv.flex)
@@ -130,7 +139,7 @@ class ModelRunner:
             contexts = batch.context_lens_tensor[:num_decodes, None]
             visible = keys[None, :] < contexts
             if window is not None:  # the decode's query is at position context - 1
-                visible &= keys[None, :] >= contexts - window
+                visible &= window_mask(keys[None, :], contexts - 1, window, self.kv_cache.attention_sinks)
             batch.decode_mask = visible[:, None, None, :]
         if getattr(self.kv_cache, "flex_layout", None) is None:  # flex attention has block masks of its own
             batch.chunks = self._chunk_batch(batch, window)
@@ -149,7 +158,7 @@ class ModelRunner:
         if window is not None and context > window:  # query at position p sees keys p - window + 1 .. p
             query_positions = torch.arange(first, context, device=self.device)[:, None]
             keys = torch.arange(context, device=self.device)[None, :]
-            return (keys <= query_positions) & (keys > query_positions - window)
+            return (keys <= query_positions) & window_mask(keys, query_positions, window, self.kv_cache.attention_sinks)
         if context - first == 1 or first == 0:  # one query sees everything before it; or plain causal
             return None
         # New tokens after a cached prefix: query i (position first + i) sees keys 0..first + i.
@@ -181,7 +190,7 @@ class ModelRunner:
         keys = torch.arange(longest, device=self.device)
         mask = keys <= query_positions  # causal; a sequence's context ends at its last query
         if window is not None:
-            mask &= keys > query_positions - window
+            mask &= window_mask(keys, query_positions, window, self.kv_cache.attention_sinks)
         return ChunkBatch(first, len(ranges), longest, as_tensor(query_index), as_tensor(rows), mask[:, None])
 
     @torch.inference_mode()
@@ -294,7 +303,7 @@ class ModelRunner:
         mask[root - first:, root:] = tree_mask.to(self.device)
         window = self.kv_cache.sliding_window
         if window is not None:  # a query at position p sees keys at positions p - window + 1 .. p
-            mask &= key_positions[None, :] > positions[:, None] - window
+            mask &= window_mask(key_positions[None, :], positions[:, None], window, self.kv_cache.attention_sinks)
         batch.positions, batch.attention_masks[0], batch.is_causal[0] = positions, mask, False
         if batch.flex is not None:  # flex attention: the tree's own block mask
             self.kv_cache.prepare_tree(seq, batch, positions, mask)

@@ -213,11 +213,12 @@ class BlockManager:
                 self._unregister(last_block)
             last_block.num_filled = min(last_block.num_filled, num_in_last_block)
 
-    def release_before(self, seq: Sequence, position: int) -> None:
+    def release_before(self, seq: Sequence, position: int, keep: int = 0) -> None:
         """Sliding window: give back `seq`'s blocks that lie wholly before token `position` (no query will read
-        them again); their entries become FREED."""
+        them again) but for those holding any of its first `keep` tokens (attention sinks); their entries become
+        FREED."""
         table = seq.block_table
-        for index in range(min(max(position, 0) // self.block_size, len(table))):
+        for index in range(self.blocks_needed(keep), min(max(position, 0) // self.block_size, len(table))):
             if table[index] != FREED:
                 self._release(seq.seq_id, [table[index]])
                 table[index] = FREED

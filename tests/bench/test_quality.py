@@ -137,10 +137,35 @@ def test_cli_prints_the_table_and_writes_rows_and_host(tiny, tmp_path, capsys):
     assert [row["name"] for row in rows] == ["reference", "int4 g32 (LM head in the model dtype)"]
 
 
+def test_cli_reads_any_text_and_measures_an_int4_cache_and_sinks(tiny, tmp_path, capsys):
+    """`--eval-text` scores any file; an int4 KV row carries its KL divergence from the model-dtype cache (a
+    reference row has none); `--sliding-window` and `--attention-sinks` apply to every row and are recorded."""
+    _, loaded = tiny
+    text, path = tmp_path / "text.txt", tmp_path / "quality.json"
+    text.write_text(" ".join(f"t{(7 * i) % 40}" for i in range(300)))
+    argv = ["quality", "--model", loaded.name, "--device", "cpu", "--quant", "none", "--kv-dtype", "auto,int4",
+            "--window", "128", "--slice-tokens", "16", "--eval-text", str(text), "--no-agreement", "--json", str(path)]
+    assert main(argv) == 0
+    report = json.loads(path.read_text())
+    assert (report["eval_text"], report["slice_tokens"]) == ("text.txt", 16)
+    reference, int4_kv = report["rows"]
+    assert int4_kv["name"] == "kv int4" and reference["kv_kl"] is None and int4_kv["kv_kl"] > 0
+    assert int4_kv["perplexity"] != reference["perplexity"] and abs(int4_kv["delta_pct"]) < 10
+    assert int4_kv["kv_bytes_per_token"] == 2 * 2 * (16 + 4 + 4)  # 16-token blocks, one value group a head
+    assert main(argv[:-2] + ["--sliding-window", "32", "--attention-sinks", "4", "--json", str(path)]) == 0
+    windowed = json.loads(path.read_text())
+    assert (windowed["sliding_window"], windowed["attention_sinks"]) == (32, 4)
+    assert windowed["rows"][0]["perplexity"] != reference["perplexity"]
+    capsys.readouterr()
+    assert main(argv[:-2] + ["--eval-text", str(tmp_path / "missing.txt")]) == 2
+    assert "--eval-text: no file at" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--quant", "int3"], "--quant: unknown value 'int3'"),
     (["--kv-dtype", "auto,fp8"], "--kv-dtype: unknown value 'fp8'"),
     (["--window", "1"], "--window must be at least 2"),
+    (["--slice-tokens", "0"], "--slice-tokens must be at least 1"),
     (["--prompt-ids", "chat-short-1,nope"], "--prompt-ids: unknown value 'nope'"),
 ])
 def test_cli_bad_values_name_their_flag(argv, message, capsys):

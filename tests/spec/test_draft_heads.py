@@ -177,6 +177,25 @@ def test_greedy_tree_verification_is_lossless_on_tiny(tiny, tiny_heads, kind, kv
     assert_nothing_held(engine)
 
 
+@pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
+def test_tree_verification_with_an_int4_kv_cache(tiny, tiny_heads, kv_mode, monkeypatch):
+    """With an int4 KV cache an accepted leaf's K and V move within the full-precision tail (`Int4Blocks.copy_token`):
+    the tree's ids follow plain int4 decoding (up to near-ties: a verification that fills a block reads it unquantized
+    where a decode reads it quantized) and nothing is left held."""
+    engine = Engine(tiny, EngineConfig(kv_mode=kv_mode, block_size=4, kv_dtype="int4"))
+    engine.load_draft_heads("eagle", tiny_heads["eagle"][0])
+    moves = []
+    copy_token = engine.kv_cache.copy_token
+    monkeypatch.setattr(engine.kv_cache, "copy_token", lambda *args: (moves.append(args[1:]), copy_token(*args)))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for prompt in ([1, 5, 9, 3], [7, 7, 4], [2, 11, 6, 6, 8]):
+        plain = engine.complete(prompt, params)
+        tree = engine.complete(prompt, params, spec=SpecConfig("eagle", k=3, tree_width=3))
+        assert len(tree.token_ids) == 40 and tree.token_ids[:12] == plain.token_ids[:12], prompt
+    assert moves
+    assert_nothing_held(engine)
+
+
 def test_a_draft_tree_is_laid_out_masked_and_walked_as_greedy_decoding_would():
     tree = DraftTree.from_candidates([[10, 11, 12], [20, 21, 22], [30, 31, 32]], eos_ids={99})
     assert tree.tokens == [10, 20, 30, 11, 12, 21, 22, 31, 32]

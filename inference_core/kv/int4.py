@@ -125,6 +125,9 @@ class Int4Blocks:
         self.tail_of: dict[int, int] = {}  # block id -> its tail block, while the block is written in full precision
         self.free_tail = list(range(self.INITIAL_TAIL))
         self._overlays: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        # A read in one op (`model.kv_kernel.read`), where the engine found it built; else torch ops
+        self.fused: Callable | None = None
+        self._fused_args: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def sweep(self, state: Callable[[int], str]) -> None:
         """Before a forward: each tail block whose block is now `FULL` is quantized into the int4 pool, each whose
@@ -166,6 +169,7 @@ class Int4Blocks:
         """(block, offset) of each new token -> their flat slots in the tail [tail blocks * block_size]; a forward's
         first call, after `sweep`."""
         self._overlays.clear()
+        self._fused_args.clear()
         size = self.block_size
         return torch.tensor([self.tail_block(block) * size + offset for block, offset in blocks_and_offsets],
                             dtype=torch.long, device=self.device)
@@ -177,6 +181,10 @@ class Int4Blocks:
 
     def read(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks [n] (int32 or int64) -> their keys and values [n, block_size, heads, d] in the model dtype."""
+        if self.fused is not None:
+            indices, tails = self._fused_indices(blocks)
+            return self.fused(self.codes[layer], self.ranges[layer], indices, tails, self.tail_k[layer],
+                              self.tail_v[layer], self.group)
         codes = _unpack(self.codes[layer].index_select(0, blocks))  # [n, 2, block_size, heads, d] fp32
         ranges = self.ranges[layer].index_select(0, blocks).float()
         n, heads, d = blocks.shape[0], codes.shape[-2], codes.shape[-1]
@@ -189,6 +197,15 @@ class Int4Blocks:
             k.index_copy_(0, rows, self.tail_k[layer].index_select(0, tails))
             v.index_copy_(0, rows, self.tail_v[layer].index_select(0, tails))
         return k, v
+
+    def _fused_indices(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blocks as int64, each one's tail block or -1) for the op, worked out once a forward like `_overlay`."""
+        key = tuple(blocks.tolist())
+        if key not in self._fused_args:
+            self._fused_args[key] = (torch.tensor(key, dtype=torch.long, device=self.device),
+                                     torch.tensor([self.tail_of.get(block, -1) for block in key], dtype=torch.long,
+                                                  device=self.device))
+        return self._fused_args[key]
 
     def _overlay(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of `blocks` still in the tail, their tail blocks), or None; worked out once a forward per list of

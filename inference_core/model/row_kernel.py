@@ -62,7 +62,8 @@ Where they cannot run (neither AVX-512 nor AVX2, not bf16 activations, more rows
 the projection stays `F.linear` (or ATen's int8 or int4 kernel), whose kernels inductor picks itself.
 
 The same build holds our paged attention op (`model.attention_kernel`) and the host's work between compiled greedy
-steps (`model.step_kernel`): one extension, one build, one `unavailable`.
+steps (`model.step_kernel`), the int4 KV cache's read (`model.kv_kernel`): one extension, one build, one
+`unavailable`.
 A compiled package calls each of our ops as a C function (`SHIMS`, `c_shims`), not through AOTInductor's proxy executor.
 """
 
@@ -82,7 +83,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.cpp_extension
 
-from inference_core.model import attention_kernel, step_kernel
+from inference_core.model import attention_kernel, kv_kernel, step_kernel
 from inference_core.model.paths import cache_root
 
 BLOCK = 48  # output features per packed block (three 16-lane fp32 vectors, or six 8-lane ones)
@@ -796,7 +797,7 @@ def _build() -> str | None:
     if capability not in FLAGS:
         return f"it needs AVX-512 or AVX2 (this CPU: {capability})"
     flags = FLAGS[capability]
-    source = SOURCE + attention_kernel.SOURCE + step_kernel.SOURCE + SHIMS  # one extension: all of our ops
+    source = SOURCE + attention_kernel.SOURCE + step_kernel.SOURCE + kv_kernel.SOURCE + SHIMS  # all of our ops
     name = "inference_core_rows_" + hashlib.blake2b((source + repr(flags) + torch.__version__).encode(),
                                                      digest_size=6).hexdigest()
     directory = cache_root() / "row-kernel" / name

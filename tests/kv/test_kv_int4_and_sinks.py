@@ -222,3 +222,40 @@ def test_bench_rows_name_their_kv_dtype():
     assert parse_config("contiguous+kv-int8")[0].kv_dtype == "int8" and parse_config("paged")[0].kv_dtype == "auto"
     with pytest.raises(ConfigError, match="unknown bench configuration"):
         parse_config("paged+kv-int4+kv-int8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_our_read_op_equals_the_torch_read(full_attention, our_ops, dtype):
+    """`model.kv_kernel`'s op reads what the torch ops read: quantized blocks dequantized, a block still in the tail
+    taken from there, padding block 0 among them."""
+    from inference_core.model import kv_kernel
+
+    torch.manual_seed(0)
+    config = full_attention.config
+    pool = int4.Int4Blocks(config, 12, 4, dtype, "cpu")
+    writes = [(block, offset) for block in range(10) for offset in range(4)]
+    slots = pool.write_slots(writes)
+    for layer in range(config.num_layers):
+        shape = (len(writes), config.num_kv_heads, config.head_dim)
+        pool.write(layer, torch.randn(shape) * torch.logspace(-1, 1, config.head_dim), torch.randn(shape), slots)
+    pool.sweep(lambda block: int4.PARTIAL if block == 9 else int4.FULL)
+    assert set(pool.tail_of) == {9}
+    table = torch.tensor([3, 0, 7, 9, 0, 5], dtype=torch.int32)
+    for layer in range(config.num_layers):
+        pool.fused = None
+        reference = pool.read(layer, table)
+        pool.fused = kv_kernel.read
+        pool._fused_args.clear()
+        ours = pool.read(layer, table)
+        for got, want in zip(ours, reference):
+            assert got.dtype == dtype and got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+        assert torch.equal(ours[0][3], pool.tail_k[layer][pool.tail_of[9]])
+
+
+def test_an_engine_reads_an_int4_cache_through_our_op_where_it_is_built(full_attention, our_ops):
+    engine = Engine(full_attention, EngineConfig(kv_mode="paged", block_size=4, kv_dtype="int4"))
+    assert engine.kv_cache.int4.fused is not None
+    fused = engine.complete(list(PROMPT), greedy(16)).token_ids
+    engine.kv_cache.int4.fused = None
+    assert engine.complete(list(PROMPT), greedy(16)).token_ids[:8] == fused[:8]

@@ -27,6 +27,7 @@ block is full, partly written or free comes from the cache through `sweep`'s `st
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -124,10 +125,10 @@ class Int4Blocks:
         self.tail_v = torch.zeros_like(self.tail_k)
         self.tail_of: dict[int, int] = {}  # block id -> its tail block, while the block is written in full precision
         self.free_tail = list(range(self.INITIAL_TAIL))
-        self._overlays: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
         # A read in one op (`model.kv_kernel.read`), where the engine found it built; else torch ops
         self.fused: Callable | None = None
-        self._fused_args: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Where a list of blocks finds its tail blocks, worked out once a forward (every layer reads the same lists)
+        self._lookups: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def sweep(self, state: Callable[[int], str]) -> None:
         """Before a forward: each tail block whose block is now `FULL` is quantized into the int4 pool, each whose
@@ -168,8 +169,7 @@ class Int4Blocks:
     def write_slots(self, blocks_and_offsets) -> torch.Tensor:
         """(block, offset) of each new token -> their flat slots in the tail [tail blocks * block_size]; a forward's
         first call, after `sweep`."""
-        self._overlays.clear()
-        self._fused_args.clear()
+        self._lookups.clear()
         size = self.block_size
         return torch.tensor([self.tail_block(block) * size + offset for block, offset in blocks_and_offsets],
                             dtype=torch.long, device=self.device)
@@ -182,7 +182,7 @@ class Int4Blocks:
     def read(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks [n] (int32 or int64) -> their keys and values [n, block_size, heads, d] in the model dtype."""
         if self.fused is not None:
-            indices, tails = self._fused_indices(blocks)
+            indices, tails = self._lookup(blocks)
             return self.fused(self.codes[layer], self.ranges[layer], indices, tails, self.tail_k[layer],
                               self.tail_v[layer], self.group)
         codes = _unpack(self.codes[layer].index_select(0, blocks))  # [n, 2, block_size, heads, d] fp32
@@ -191,34 +191,28 @@ class Int4Blocks:
         k = _dequantize_keys(codes[:, 0], ranges[:, :self.key_ranges].view(n, 2, heads, d), self.dtype)
         v = _dequantize_values(codes[:, 1], ranges[:, self.key_ranges:].view(n, -1, heads, d // self.group, 2),
                                self.dtype)
-        overlay = self._overlay(blocks)
+        overlay = self._lookup(blocks) if self.tail_of else None
         if overlay is not None:
             rows, tails = overlay
             k.index_copy_(0, rows, self.tail_k[layer].index_select(0, tails))
             v.index_copy_(0, rows, self.tail_v[layer].index_select(0, tails))
         return k, v
 
-    def _fused_indices(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(blocks as int64, each one's tail block or -1) for the op, worked out once a forward like `_overlay`."""
-        key = tuple(blocks.tolist())
-        if key not in self._fused_args:
-            self._fused_args[key] = (torch.tensor(key, dtype=torch.long, device=self.device),
-                                     torch.tensor([self.tail_of.get(block, -1) for block in key], dtype=torch.long,
-                                                  device=self.device))
-        return self._fused_args[key]
-
-    def _overlay(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows of `blocks` still in the tail, their tail blocks), or None; worked out once a forward per list of
-        blocks (every layer reads the same ones), forgotten when the next forward's writes are placed."""
-        if not self.tail_of:
-            return None
-        key = tuple(blocks.tolist())
-        if key not in self._overlays:
-            rows = [i for i, block in enumerate(key) if block in self.tail_of]
-            self._overlays[key] = None if not rows else (
-                torch.tensor(rows, dtype=torch.long, device=self.device),
-                torch.tensor([self.tail_of[key[i]] for i in rows], dtype=torch.long, device=self.device))
-        return self._overlays[key]
+    def _lookup(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where `blocks` find their tail blocks, for the read at hand: for the op, (the blocks as int64, each one's
+        tail block or -1); for the torch ops, (the rows still in the tail, their tail blocks), or None where no row
+        is. Worked out once a forward per list of blocks, forgotten when the next forward's writes are placed."""
+        key = (self.fused is not None, tuple(blocks.tolist()))
+        if key not in self._lookups:
+            fused, listed = key
+            as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=self.device)
+            if fused:
+                self._lookups[key] = as_tensor(listed), as_tensor([self.tail_of.get(block, -1) for block in listed])
+            else:
+                rows = [i for i, block in enumerate(listed) if block in self.tail_of]
+                self._lookups[key] = (as_tensor(rows), as_tensor([self.tail_of[listed[i]] for i in rows])) \
+                    if rows else None
+        return self._lookups[key]
 
     def copy_token(self, source: tuple[int, int], target: tuple[int, int]) -> None:
         """Every layer's K and V of the token at (block, offset) `source` written to `target` (both still in the

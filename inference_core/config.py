@@ -243,18 +243,18 @@ class EngineConfig:
         if self.kv_dtype != "auto" and self.kv_mode == "none":
             raise ConfigError(f"an {self.kv_dtype} KV cache needs a KV cache (contiguous or paged); KV mode none "
                               "keeps nothing.")
-        if self.kv_dtype != "auto" and self.compile:
-            raise ConfigError(f"compiled decode reads the KV cache in the model dtype; an {self.kv_dtype} KV cache "
-                              "runs eager only (turn one of them off).")
+        if self.kv_dtype == "int8" and self.compile:
+            raise ConfigError("compiled decode reads the KV cache in the model dtype or int4; an int8 KV cache runs "
+                              "eager only (turn one of them off, or choose int4).")
+        if self.kv_dtype == "int4" and self.compile and self.kv_mode != "paged":
+            raise ConfigError("the compiled steps read an int4 KV cache over a paged KV cache only: set {kv_mode} to "
+                              "paged, or turn {compile} off.")
         if self.sliding_window is not None and not _positive_int(self.sliding_window):
             raise ConfigError(f"the sliding window must be a positive number of tokens, got {self.sliding_window!r}.")
         if isinstance(self.attention_sinks, bool) or not isinstance(self.attention_sinks, int) \
                 or self.attention_sinks < 0:
             raise ConfigError(f"attention sinks must be 0 or a positive number of tokens, got "
                               f"{self.attention_sinks!r}.")
-        if self.attention_sinks and self.compile:
-            raise ConfigError("the compiled steps' attention knows sliding windows but not attention sinks: "
-                              "sinks run eager only (turn {compile} off, or set {attention_sinks} to 0).")
         if self.attention_sinks and self.attention == "flex":
             raise ConfigError("flex attention's block masks know sliding windows but not attention sinks: set "
                               "{attention} to gather or {attention_sinks} to 0.")

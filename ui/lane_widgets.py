@@ -134,7 +134,8 @@ def _model_facts(pool: EnginePool, label: str) -> dict[str, dict]:
         "kv_dtype": {"labels": {name: f"{SETTINGS['kv_dtype'].labels[name]} ({per_token[name] / 1024:.1f} KiB per "
                                       "token)" for name in KV_DTYPES},
                      "info": f"int8 holds {per_token['auto'] / per_token['int8']:.1f}x the tokens in the same memory, "
-                             f"int4 {per_token['auto'] / per_token['int4']:.1f}x; eager decode only"},
+                             f"int4 {per_token['auto'] / per_token['int4']:.1f}x; int8 decodes eager only, int4 "
+                             "compiled too (paged)"},
         "sliding_window": {"label": "sliding window (tokens; 0 = "
                                     f"{f'the checkpoint window, {own}' if own else 'off'})"},
     }

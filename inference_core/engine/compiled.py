@@ -69,9 +69,11 @@ import torch
 from torch import nn
 
 from inference_core.config import ConfigError
+from inference_core.config import int4_value_group
 from inference_core.engine import package_weights, query_graph, triton_attention
-from inference_core.engine.query_graph import MAX_QUERIES, FlatGraph, QueryGraph, forward_layers
+from inference_core.engine.query_graph import MAX_QUERIES, FlatGraph, QueryGraph, forward_layers, layer_pool
 from inference_core.engine.query_graph import read_context as _read_context
+from inference_core.engine.runner import window_mask
 from inference_core.model import attention_kernel, row_kernel
 from inference_core.model.llama import CausalLM, model_fingerprint
 from inference_core.model.paths import cache_root
@@ -152,27 +154,28 @@ class DecodeGraph(nn.Module):
         # can specialize it (on CUDA inductor split the softmax over the width and fixed the width to a constant).
         self.opaque_attention = opaque_attention
         self.our_attention = our_attention  # our CPU kernel where it takes a layer (`model.attention_kernel`)
+        self.group = int4_value_group(model.config.head_dim)  # an int4 pool's (`query_graph.layer_pool`)
 
     def width_dims(self) -> dict[int, int]:
         """The dimension of each input that is the key width (dynamic in a package): the block table's (paged) and
         the key mask's."""
         return {2: 1, 3: 1} if self.paged else {3: 1}
 
-    def forward(self, input_ids, positions, read_index, key_mask, k_pool, v_pool):
+    def forward(self, input_ids, positions, read_index, key_mask, *pool):
         """input_ids, positions: [B]; read_index: contiguous [B] slots, paged [B, blocks] int32 block table;
-        key_mask: [B, width] bool, True where a cached key is attended. k_pool, v_pool: the cache's whole tensors.
-        Returns fp32 logits [B, vocab] and the new k, v [layers, B, kv_heads, head_dim]."""
+        key_mask: [B, width] bool, True where a cached key is attended. pool: the cache's whole tensors
+        (`query_graph.layer_pool`). Returns fp32 logits [B, vocab] and the new k, v [layers, B, kv_heads, head_dim]."""
         width = key_mask.shape[1]
 
         def attend(index, attn, q, k, v):  # q: [B, heads, d]; k, v: [B, kv_heads, d]
+            k_layer, v_layer = layer_pool(pool, index, self.group)
             if self.opaque_attention:
                 dtype = attn.attention_dtype
-                return decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), k_pool[index], v_pool[index],
-                                        read_index, key_mask, positions, attn.scale, self.paged)
-            if self.paged and self.our_attention and attention_kernel.takes(q, k, k_pool):
-                return attention_kernel.attend(q, k, v, k_pool[index], v_pool[index], read_index, key_mask,
-                                               attn.scale)
-            k_ctx, v_ctx = _read_context(k_pool[index], v_pool[index], read_index, width, self.paged)
+                return decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), k_layer, v_layer, read_index,
+                                        key_mask, positions, attn.scale, self.paged)
+            if self.paged and self.our_attention and attention_kernel.takes(q, k, k_layer):
+                return attention_kernel.attend(q, k, v, k_layer, v_layer, read_index, key_mask, attn.scale)
+            k_ctx, v_ctx = _read_context(k_layer, v_layer, read_index, width, self.paged)
             return _attend_one_fused(q, k, v, k_ctx, v_ctx, key_mask, attn.scale)
 
         x, new_k, new_v = forward_layers(self.model, input_ids, positions, attend)
@@ -292,11 +295,14 @@ class CompiledDecoder:
         self.backend = backend or default_backend(device)
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown compile backend {self.backend!r}; one of {', '.join(BACKENDS)}")
+        if kv_cache.int4 is not None and (reason := self._int4_unavailable()) is not None:
+            raise ConfigError(f"the compiled steps cannot read this int4 KV cache: {reason}; turn compile off, or "
+                              "use another KV dtype.")
         # The key width the graph takes. torch.compile (CUDA's backend) records a CUDA graph per shape: with the
         # Triton attention, which reads each sequence up to its own position only, the graph takes the buffers'
         # whole width (one recording a bucket, whatever the contexts); with the ATen ops, which read the whole width
         # they are given, the width the batch needs rounded up to a power of two. AOTInductor: the width needed.
-        attention = (device, model.layers[0].self_attn.attention_dtype, kv_cache.k[0], self.paged)
+        attention = (device, model.layers[0].self_attn.attention_dtype, self._layer_pool(), self.paged)
         self.whole_width = self.backend == "torch.compile" and triton_attention.used(*attention)
         self.width_buckets = self.backend == "torch.compile" and not self.whole_width
         self.options = dict(options if options is not None else default_options(device, model))
@@ -315,7 +321,8 @@ class CompiledDecoder:
                 self.options.pop(name)
         # Greedy steps back to back (`run_greedy`): the host's work between two packages' calls in one op of ours
         # (`model.step_kernel`), where the extension builds; else the same work from Python (`_step`).
-        self.host_advance = self.backend == "aoti" and device.type == "cpu" and row_kernel.unavailable() is None
+        self.host_advance = self.backend == "aoti" and device.type == "cpu" and row_kernel.unavailable() is None \
+            and kv_cache.int4 is None  # its op writes the pool; an int4 cache is written through its tail
         self.stats = CompileStats(mode=describe_options(device, self.options, self.backend),
                                   warmup_s=time.perf_counter() - started)
         if self.backend == "torch.compile" and device.type == "cuda":  # its attention: `decode_attention`
@@ -328,7 +335,7 @@ class CompiledDecoder:
                                      our_attention="attention_kernel" in self.options).eval()
         self.flat_step = FlatGraph(model).eval()  # any mix of sequences and new tokens (prefill chunks, mixed steps)
         self.flat_off = self._flat_unavailable()
-        self._window = torch.tensor([kv_cache.sliding_window or 0], dtype=torch.int32)
+        self._window = torch.tensor([kv_cache.sliding_window or 0, kv_cache.attention_sinks], dtype=torch.int32)
         # Inductor options are applied as a config patch around each call, not through torch.compile(options=...):
         # freezing (weights as constants, prepacked for oneDNN) is decided outside what `options` patches, and
         # measured no faster than no freezing when passed that way.
@@ -420,6 +427,34 @@ class CompiledDecoder:
             return "the end of the compiled key width"
         return None
 
+    def _int4_unavailable(self) -> str | None:
+        """Why the compiled steps cannot read this engine's int4 KV cache (None: they can, through our op)."""
+        if not self.paged:
+            return "they read an int4 cache over a paged KV cache only"
+        if self.backend != "aoti":
+            return "they read it through our CPU op (the aoti backend's)"
+        if self.kv_cache.int4.fused is None:
+            return "our CPU op that reads it is not built here" + (
+                f" ({row_kernel.unavailable()})" if row_kernel.unavailable() else "")
+        return None
+
+    def _layer_pool(self) -> torch.Tensor:
+        """A layer's keys as the compiled attention reads them, for the checks of what takes it: the pool's (an int4
+        cache's are read into the model dtype, as its full-precision tail holds them)."""
+        int4 = self.kv_cache.int4
+        return self.kv_cache.k[0] if int4 is None else int4.tail_k[0]
+
+    def _pool_inputs(self, table: torch.Tensor) -> tuple:
+        """The pool tensors a step's graph takes (`query_graph.layer_pool`): the cache's two pools; for an int4 cache
+        its tensors and the blocks the step reads, each once (`Int4Blocks.read_plan`), with `table` (the step's block
+        tables, int32) renumbered in place to index them. Call after `settle` and the step's tables are filled."""
+        cache = self.kv_cache
+        if cache.int4 is None:
+            return cache.k, cache.v
+        renumbered, blocks, tails = cache.int4.read_plan(table)
+        table.copy_(renumbered)
+        return cache.int4.codes, cache.int4.ranges, cache.int4.tail_k, cache.int4.tail_v, blocks, tails
+
     def _flat_unavailable(self) -> str | None:
         """Why this engine has no flat step (None: it has one)."""
         if self.backend != "aoti":
@@ -433,7 +468,7 @@ class CompiledDecoder:
             return f"prefill chunks and mixed steps compile with our attention op only ({reason})"
         attn = self.model.layers[0].self_attn
         q = torch.empty(1, attn.num_heads, attn.head_dim)
-        if not attention_kernel.takes_flat(q, q[:, :attn.num_kv_heads], self.kv_cache.k):
+        if not attention_kernel.takes_flat(q, q[:, :attn.num_kv_heads], self._layer_pool()):
             return (f"prefill chunks and mixed steps compile for bf16 or fp32 KV pools, head_dim "
                     f"{', '.join(map(str, attention_kernel.FLAT_HEAD_DIMS))} and at most "
                     f"{attention_kernel.MAX_GROUP} query heads a KV head only")
@@ -466,6 +501,7 @@ class CompiledDecoder:
         (`query_graph.FlatGraph`), where `flat_refusal` found none. Returns what `run_queries` does: the fp32 logits
         of each sequence's last `num_logits` new tokens, [rows, vocab], and per sequence the final-normed hidden
         states of its new tokens. Writes the new KV (the caller has made room, and commits)."""
+        self.kv_cache.settle()
         rows = self.buckets[-1]
         firsts = [seq.num_computed_tokens for seq in seqs]
         input_ids, positions, starts = [], [], [0]
@@ -480,10 +516,10 @@ class CompiledDecoder:
             starts.append(real + 1)
         starts += [len(input_ids)] * (rows + 1 - len(starts))
         width = self._width(max(-(-first // self.block_size) for first in firsts))
-        args = (torch.tensor(input_ids), torch.tensor(positions), self._block_rows(seqs, rows, width),
-                torch.tensor(starts, dtype=torch.int32),
-                torch.tensor(firsts + [0] * (rows - len(seqs)), dtype=torch.int32), self._window,
-                self.kv_cache.k, self.kv_cache.v)
+        table = self._block_rows(seqs, rows, width)
+        pool = self._pool_inputs(table)
+        args = (torch.tensor(input_ids), torch.tensor(positions), table, torch.tensor(starts, dtype=torch.int32),
+                torch.tensor(firsts + [0] * (rows - len(seqs)), dtype=torch.int32), self._window, *pool)
         hidden, new_k, new_v = self._call_package(("flat",), args, self.flat_step)
         token_seqs = [seq for seq, new in zip(seqs, num_new_tokens) for _ in range(new)]
         self._store(new_k[:, :real], new_v[:, :real], token_seqs, positions[:real], None, None)
@@ -497,9 +533,11 @@ class CompiledDecoder:
         """Compile (or load) the flat step with a step of one padding sequence of 2 tokens (the cache is read, not
         written)."""
         rows = self.buckets[-1]
-        args = (torch.zeros(2, dtype=torch.long), torch.arange(2), torch.zeros(rows, 2, dtype=torch.int32),
+        table = torch.zeros(rows, 2, dtype=torch.int32)
+        pool = self._pool_inputs(table)
+        args = (torch.zeros(2, dtype=torch.long), torch.arange(2), table,
                 torch.tensor([0] + [2] * rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32), self._window,
-                self.kv_cache.k, self.kv_cache.v)
+                *pool)
         self._call_package(("flat",), args, self.flat_step)
 
     @torch.inference_mode()
@@ -511,6 +549,7 @@ class CompiledDecoder:
         `tree` = (depths, mask): one sequence's new tokens are a draft tree (`ModelRunner.run_tree`), node i at
         position first + depths[i], seeing the nodes mask[i] marks ([nodes, nodes] bool) instead of the ones before
         it."""
+        self.kv_cache.settle()
         count, bucket = len(seqs), self.bucket_for(len(seqs))
         # Queries a sequence: the fewest of a package already loaded that hold the step's, else the step's own.
         queries = min((key[2] for key in self._programs if isinstance(key, tuple) and key[0] == "queries"
@@ -534,6 +573,9 @@ class CompiledDecoder:
             read_index = self._block_rows(seqs, bucket, width)
         else:
             read_index = torch.tensor([seq.cache_slot for seq in seqs] + [seqs[0].cache_slot] * (bucket - count))
+        slot_rows = None if self.paged else read_index[[row for row, new in enumerate(num_new_tokens)
+                                                        for _ in range(new)]]
+        pool = self._pool_inputs(read_index)
         key_positions = torch.arange(width * self.block_size)
         # [B, T, width], whole (a package exported with one shape reads the strides of that shape: a mask broadcast
         # over T here gave every query after the first another query's row).
@@ -543,21 +585,19 @@ class CompiledDecoder:
             nodes = num_new_tokens[0]
             new_mask[0, :nodes, :nodes] = tree[1]
         new_mask |= torch.eye(queries, dtype=torch.bool)  # [B, T, T]: every query (padding too) sees its own key
-        window = self.kv_cache.sliding_window
-        if window is not None:  # a query at position p sees keys at positions p - window + 1 .. p
-            key_mask = key_mask & (key_positions[None, None, :] > positions[:, :, None] - window)
-            new_mask &= positions[:, None, :] > positions[:, :, None] - window
-        args = (input_ids, positions, read_index, key_mask, new_mask, self.kv_cache.k, self.kv_cache.v)
+        window, sinks = self.kv_cache.sliding_window, self.kv_cache.attention_sinks
+        if window is not None:  # a query at position p sees keys at positions p - window + 1 .. p, and the sinks
+            key_mask = key_mask & window_mask(key_positions[None, None, :], positions[:, :, None], window, sinks)
+            new_mask &= window_mask(positions[:, None, :], positions[:, :, None], window, sinks)
+        args = (input_ids, positions, read_index, key_mask, new_mask, *pool)
         logits, hidden, new_k, new_v = self._call_package(("queries", bucket, queries), args, self.query_step)
         # The real queries' rows of the flat [B * T] outputs, in the sequences' order.
         rows = [row * queries + offset for row, new in enumerate(num_new_tokens) for offset in range(new)]
         token_seqs = [seq for seq, new in zip(seqs, num_new_tokens) for _ in range(new)]
         token_positions = [first + offset for first, new in zip(firsts, num_new_tokens) for offset in range(new)]
         index = torch.tensor(rows)
-        slots = read_index[[row for row, new in enumerate(num_new_tokens) for _ in range(new)]] if not self.paged \
-            else None
         self._store(new_k.index_select(1, index), new_v.index_select(1, index), token_seqs, token_positions,
-                    torch.tensor(token_positions), slots)
+                    torch.tensor(token_positions), slot_rows)
         logit_rows = [row * queries + offset for row, new in enumerate(num_new_tokens)
                       for offset in range(new - min(num_logits, new), new)]
         return logits[logit_rows], [hidden[row * queries:row * queries + new] for row, new in enumerate(num_new_tokens)]
@@ -566,6 +606,7 @@ class CompiledDecoder:
     def run(self, seqs) -> torch.Tensor:
         """One decode token for each of `seqs` (each has its whole context but the last token cached). Returns fp32
         logits [len(seqs), vocab]; writes the new KV (the caller commits)."""
+        self.kv_cache.settle()
         logits = self._step(seqs, [seq.num_computed_tokens for seq in seqs])
         # A CUDA graph's output is overwritten by its next replay; an exported program's is new at every call.
         return logits if self.backend == "aoti" else logits.clone()
@@ -578,6 +619,7 @@ class CompiledDecoder:
         sampler's, the read itself) then no longer leaves the device idle. Returns the ids, [steps][len(seqs)].
         Writes the KV of each sequence's next `steps` positions (the caller has made room, and commits each position
         once the token at it is in the sequence)."""
+        self.kv_cache.settle()
         if self.host_advance:
             return self._run_greedy_advancing(seqs, steps)
         firsts = [seq.num_computed_tokens for seq in seqs]
@@ -594,16 +636,16 @@ class CompiledDecoder:
         count, firsts = len(seqs), [seq.num_computed_tokens for seq in seqs]
         bucket = self.bucket_for(count)
         tokens = torch.empty(steps, count, dtype=torch.long)
-        window = self.kv_cache.sliding_window or 0
+        window, sinks = self.kv_cache.sliding_window or 0, self.kv_cache.attention_sinks
         width = None
         for step in range(steps):
             if self._width_needed(max(firsts) + step) != width:
-                buffers, read_index, key_mask, width = self._prepare(
+                buffers, read_index, key_mask, width, pool = self._prepare(
                     seqs, [first + step for first in firsts], tokens[step - 1] if step else None)
-            logits, new_k, new_v = self._call(bucket, buffers, read_index, key_mask)
+            logits, new_k, new_v = self._call(bucket, buffers, read_index, key_mask, pool)
             torch.ops.inference_core.greedy_advance(
                 logits, new_k, new_v, self.kv_cache.k, self.kv_cache.v, read_index, buffers["input_ids"],
-                buffers["positions"], key_mask, tokens, step, count, self.block_size, window, self.paged)
+                buffers["positions"], key_mask, tokens, step, count, self.block_size, window, sinks, self.paged)
         return tokens.tolist()
 
     def _step(self, seqs, positions: list[int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -611,15 +653,16 @@ class CompiledDecoder:
         device tensor: the previous step's tokens). Returns the logits of the bucket's real rows (a view of the
         graph's output)."""
         count = len(seqs)
-        buffers, read_index, key_mask, _ = self._prepare(seqs, positions, input_ids)
-        logits, new_k, new_v = self._call(self.bucket_for(count), buffers, read_index, key_mask)
+        buffers, read_index, key_mask, _, pool = self._prepare(seqs, positions, input_ids)
+        logits, new_k, new_v = self._call(self.bucket_for(count), buffers, read_index, key_mask, pool)
         self._store(new_k[:, :count], new_v[:, :count], seqs, positions, buffers["positions"][:count],
                     read_index[:count])
         return logits[:count]
 
     def _prepare(self, seqs, positions: list[int], input_ids: torch.Tensor | None):
         """Fill the bucket's buffers for a step of `seqs` at `positions` (padding rows after them). Returns the
-        buffers, the read index and key mask the graph takes, and the key width (blocks, or positions)."""
+        buffers, the read index and key mask the graph takes, the key width (blocks, or positions) and the pool
+        tensors (`_pool_inputs`)."""
         count = len(seqs)
         bucket = self.bucket_for(count)
         buffers = self._bucket_buffers(bucket)
@@ -650,13 +693,14 @@ class CompiledDecoder:
         key_positions = self._key_positions[:keys]
         torch.lt(key_positions, position_tensor[:, None], out=key_mask[:count, :keys])
         if self.kv_cache.sliding_window is not None:  # the own key (scored apart) is the window's last one
-            key_mask[:count, :keys] &= key_positions > position_tensor[:, None] - self.kv_cache.sliding_window
+            key_mask[:count, :keys] &= window_mask(key_positions, position_tensor[:, None],
+                                                   self.kv_cache.sliding_window, self.kv_cache.attention_sinks)
         if count < bucket:  # padding rows: token 0 at position 0 in block 0 (or the first row's slot), no cached key
             read_index[count:] = 0 if self.paged else read_index[0]
             buffers["input_ids"][count:] = 0
             buffers["positions"][count:] = 0
             key_mask[count:] = False
-        return buffers, read_index, key_mask, width
+        return buffers, read_index, key_mask, width, self._pool_inputs(read_index)
 
     def _width_needed(self, last_position: int) -> int:
         """The key width (`_width`) of a step whose furthest sequence is at `last_position`."""
@@ -670,7 +714,8 @@ class CompiledDecoder:
         buffers = self._bucket_buffers(bucket)
         for buffer in buffers.values():
             buffer.zero_()
-        self._call(bucket, buffers, *self._graph_inputs(buffers, self._width(2)))
+        read_index, key_mask = self._graph_inputs(buffers, self._width(2))
+        self._call(bucket, buffers, read_index, key_mask, self._pool_inputs(read_index))
 
     def _graph_inputs(self, buffers: dict[str, torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The read index and the key mask the graph takes: views of the bucket's buffers `width` wide (blocks, or
@@ -700,8 +745,8 @@ class CompiledDecoder:
             width = 1 << (width - 1).bit_length()
         return min(width, self.max_width)
 
-    def _call(self, bucket: int, buffers: dict[str, torch.Tensor], read_index, key_mask):
-        args = (buffers["input_ids"], buffers["positions"], read_index, key_mask, self.kv_cache.k, self.kv_cache.v)
+    def _call(self, bucket: int, buffers: dict[str, torch.Tensor], read_index, key_mask, pool: tuple):
+        args = (buffers["input_ids"], buffers["positions"], read_index, key_mask, *pool)
         if self.backend == "aoti":
             return self._call_package(bucket, args)
         return self._call_compiled(bucket, args)
@@ -728,7 +773,7 @@ class CompiledDecoder:
         return program.loader.boxed_run(list(args))
 
     def _call_compiled(self, bucket: int, args: tuple):
-        input_ids, positions, read_index, key_mask, _, _ = args
+        input_ids, positions, read_index, key_mask = args[:4]
         # maybe_mark_dynamic: where the compiler specializes a size after all, it compiles again (counted in
         # `recompiles`, which the tests hold at 0) instead of failing the step.
         if self.max_width >= 2 and not self.whole_width:
@@ -779,7 +824,12 @@ class CompiledDecoder:
     def _build_package(self, args: tuple, path: Path, graph: nn.Module) -> None:
         flat = isinstance(graph, FlatGraph)
         dynamic = self._dynamic_sizes(graph, len(args))
-        dynamic = tuple(sizes or None for sizes in dynamic) if any(dynamic) else None
+        if any(dynamic):  # as the forward's signature nests them: its named inputs, then the pool's (`*pool`)
+            dynamic = [sizes or None for sizes in dynamic]
+            fixed = _fixed_inputs(graph)
+            dynamic = tuple(dynamic[:fixed]) + (tuple(dynamic[fixed:]),)
+        else:
+            dynamic = None
         with torch.inference_mode(False), torch.no_grad():
             # Shapes are what export needs: the values are not read, the cache tensors are not copied.
             example = tuple(torch.zeros_like(t) if t.numel() < 1 << 20 else torch.empty_like(t) for t in args)
@@ -824,6 +874,10 @@ class CompiledDecoder:
             for index, dim in graph.token_dims().items():
                 if index < count:
                     sizes[index][dim] = tokens
+        if count - _fixed_inputs(graph) == INT4_POOL_INPUTS:  # an int4 pool: its tail's blocks, the blocks read
+            first, tail, read = _fixed_inputs(graph), torch.export.Dim("tail", min=2), torch.export.Dim("read", min=2)
+            sizes[first + 2][1] = sizes[first + 3][1] = tail
+            sizes[first + 4][0] = sizes[first + 5][0] = read
         return sizes
 
     def _package_key(self, args: tuple, graph: nn.Module | None = None) -> str:
@@ -860,9 +914,9 @@ class CompiledDecoder:
         mask = torch.eye(queries, dtype=torch.bool).expand(bucket, queries, queries).contiguous()
         read_index = (torch.zeros(bucket, width, dtype=torch.int32) if self.paged
                       else torch.zeros(bucket, dtype=torch.long))
+        pool = self._pool_inputs(read_index) if self.paged else (self.kv_cache.k, self.kv_cache.v)
         args = (torch.zeros(bucket, queries, dtype=torch.long), torch.zeros(bucket, queries, dtype=torch.long),
-                read_index, torch.zeros(bucket, queries, width * self.block_size, dtype=torch.bool), mask,
-                self.kv_cache.k, self.kv_cache.v)
+                read_index, torch.zeros(bucket, queries, width * self.block_size, dtype=torch.bool), mask, *pool)
         self._call_package(("queries", bucket, queries), args, self.query_step)
 
     def weight_memory(self) -> list[torch.Tensor]:
@@ -876,7 +930,11 @@ class CompiledDecoder:
     def _store(self, new_k, new_v, seqs, positions: list[int], position_tensor, read_index) -> None:
         """Write each layer's new k/v ([layers, B, kv_heads, d]) at the sequences' positions."""
         cache = self.kv_cache
-        if self.paged:
+        if cache.int4 is not None:  # into the full-precision tail (`kv.int4`)
+            size = self.block_size
+            slots = cache.int4.write_slots((seq.block_table[p // size], p % size) for seq, p in zip(seqs, positions))
+            cache.int4.write_layers(new_k, new_v, slots)
+        elif self.paged:
             size = self.block_size
             slots = [seq.block_table[p // size] * size + p % size for seq, p in zip(seqs, positions)]
             k_flat = cache.k.view(cache.k.shape[0], -1, *cache.k.shape[3:])
@@ -891,6 +949,15 @@ class CompiledDecoder:
         else:
             cache.k[:, read_index, :, position_tensor] = new_k.transpose(0, 1)
             cache.v[:, read_index, :, position_tensor] = new_v.transpose(0, 1)
+
+
+INT4_POOL_INPUTS = 6  # an int4 pool's tensors a graph takes (`query_graph.layer_pool`); the others take 2
+
+
+def _fixed_inputs(graph: nn.Module) -> int:
+    """How many inputs `graph`'s forward names before its pool's tensors (`*pool`)."""
+    parameters = inspect.signature(graph.forward).parameters.values()
+    return sum(parameter.kind == parameter.POSITIONAL_OR_KEYWORD for parameter in parameters)
 
 
 _STEP_NUMBERS = itertools.count()

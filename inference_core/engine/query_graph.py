@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_core.model import attention_kernel
+from inference_core.config import int4_value_group
+from inference_core.model import attention_kernel, kv_kernel
 from inference_core.model.llama import CausalLM
 
 # The most new tokens a sequence forwards through the graph: the last token and the longest chain
@@ -44,26 +45,28 @@ class QueryGraph(nn.Module):
         self.paged = paged
         self.block_size = block_size
         self.our_attention = our_attention  # our CPU kernel where it takes a layer (`model.attention_kernel`)
+        self.group = int4_value_group(model.config.head_dim)  # an int4 pool's (`layer_pool`)
 
     def width_dims(self) -> dict[int, int]:
         """The dimension of each input that is the key width (dynamic in a package): the block table's (paged) and
         the key mask's."""
         return {2: 1, 3: 2} if self.paged else {3: 2}
 
-    def forward(self, input_ids, positions, read_index, key_mask, new_mask, k_pool, v_pool):
+    def forward(self, input_ids, positions, read_index, key_mask, new_mask, *pool):
         """input_ids, positions: [B, T]; read_index: contiguous [B] slots, paged [B, blocks] int32 block table;
         key_mask: [B, T, width] bool, True where query t attends cached key j; new_mask: [B, T, T] bool, True where
-        query t attends new key u. k_pool, v_pool: the cache's whole tensors. Returns fp32 logits [B * T, vocab], the
-        final-normed hidden states [B * T, hidden] and the new k, v [layers, B * T, kv_heads, head_dim]."""
+        query t attends new key u. pool: the cache's whole tensors (`layer_pool`). Returns fp32 logits [B * T,
+        vocab], the final-normed hidden states [B * T, hidden] and the new k, v [layers, B * T, kv_heads, head_dim]."""
         batch, queries = input_ids.shape
         width = key_mask.shape[2]
 
         def attend(index, attn, q, k, v):  # q: [B * T, heads, d]; k, v: [B * T, kv_heads, d]
             q, k, v = (x.view(batch, queries, *x.shape[1:]) for x in (q, k, v))
-            if self.paged and self.our_attention and attention_kernel.takes(q[:, 0], k[:, 0], k_pool):
-                return attention_kernel.attend_queries(q, k, v, k_pool[index], v_pool[index], read_index, key_mask,
-                                                       new_mask, attn.scale)
-            k_ctx, v_ctx = read_context(k_pool[index], v_pool[index], read_index, width, self.paged)
+            k_layer, v_layer = layer_pool(pool, index, self.group)
+            if self.paged and self.our_attention and attention_kernel.takes(q[:, 0], k[:, 0], k_layer):
+                return attention_kernel.attend_queries(q, k, v, k_layer, v_layer, read_index, key_mask, new_mask,
+                                                       attn.scale)
+            k_ctx, v_ctx = read_context(k_layer, v_layer, read_index, width, self.paged)
             return attend_queries(q, k, v, k_ctx, v_ctx, key_mask, new_mask, attn.scale)
 
         x, new_k, new_v = forward_layers(self.model, input_ids.reshape(-1), positions.reshape(-1), attend)
@@ -83,6 +86,7 @@ class FlatGraph(nn.Module):
     def __init__(self, model: CausalLM):
         super().__init__()
         self.model = model
+        self.group = int4_value_group(model.config.head_dim)  # an int4 pool's (`layer_pool`)
 
     def width_dims(self) -> dict[int, int]:
         """The block table's width (dynamic in a package)."""
@@ -92,15 +96,16 @@ class FlatGraph(nn.Module):
         """The token count's dimension of each input that has one (dynamic in a package)."""
         return {0: 0, 1: 0}
 
-    def forward(self, input_ids, positions, table, starts, cached, window, k_pool, v_pool):
+    def forward(self, input_ids, positions, table, starts, cached, window, *pool):
         """input_ids, positions: [N]; table: [S, blocks] int32 block tables; starts: [S + 1] int32, sequence s's
-        tokens at [starts[s], starts[s + 1]); cached: [S] int32, its keys in the pool before them; window: [1] int32,
-        a sliding window's size (0: none). k_pool, v_pool: the cache's whole tensors. Returns the final-normed hidden
-        states [N, hidden] and the new k, v [layers, N, kv_heads, head_dim]."""
+        tokens at [starts[s], starts[s + 1]); cached: [S] int32, its keys in the pool before them; window: [2] int32,
+        a sliding window's size (0: none) and the attention sinks beside it. pool: the cache's whole tensors
+        (`layer_pool`). Returns the final-normed hidden states [N, hidden] and the new k, v [layers, N, kv_heads,
+        head_dim]."""
 
         def attend(index, attn, q, k, v):
-            return attention_kernel.attend_flat(q, k, v, k_pool[index], v_pool[index], table, starts, cached, window,
-                                                attn.scale)
+            k_layer, v_layer = layer_pool(pool, index, self.group)
+            return attention_kernel.attend_flat(q, k, v, k_layer, v_layer, table, starts, cached, window, attn.scale)
 
         x, new_k, new_v = forward_layers(self.model, input_ids, positions, attend)
         return self.model.norm.forward(x), new_k, new_v
@@ -124,6 +129,19 @@ def forward_layers(model: CausalLM, input_ids, positions, attend):
         x = x + attn.o_proj.forward(out.reshape(x.shape[0], attn.q_size).to(x.dtype))
         x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
     return x, torch.stack(new_k), torch.stack(new_v)
+
+
+def layer_pool(pool: tuple, index: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `index`'s keys and values as a compiled step's attention reads them, from the pool tensors the step takes:
+    (k, v), the cache's whole pools ([layers, blocks, block, kv_heads, d] paged, [layers, slots, kv_heads, positions,
+    d] contiguous), give that layer's; an int4 pool (`kv.int4`: codes, ranges, tail k, tail v, and the step's blocks
+    and their tail blocks, `Int4Blocks.read_plan`) gives the step's blocks, each once, dequantized to the model dtype
+    by our op (`model.kv_kernel`), [blocks read, block, kv_heads, d]: the step's block tables are renumbered to index
+    them."""
+    if len(pool) == 2:
+        return pool[0][index], pool[1][index]
+    codes, ranges, tail_k, tail_v, blocks, tails = pool
+    return kv_kernel.read(codes[index], ranges[index], blocks, tails, tail_k[index], tail_v[index], group)
 
 
 def read_context(k_pool, v_pool, read_index, width: int, paged: bool):

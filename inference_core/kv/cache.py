@@ -108,6 +108,12 @@ class _Storage:
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         return dequantize_int8(x, self.dtype) if self.kv_dtype == "int8" else x
 
+    def settle(self) -> None:
+        """int4, before a forward: the tail blocks whose blocks have filled are quantized, those of freed blocks
+        dropped (`Int4Blocks.sweep`). `prepare` does it for an eager forward; the compiled steps call it."""
+        if self.int4 is not None:
+            self.int4.sweep(self._block_state)
+
 
 class RecomputeKVCache:
     """Mode `none`: no memory between steps. Attention reads the k/v this very forward computed."""
@@ -281,7 +287,7 @@ class ContiguousKVCache(_Storage):
             batch.chunks.slots = torch.tensor(batch.cache_slots[batch.chunks.first:], dtype=torch.long,
                                               device=self.device)
         if self.int4 is not None:
-            self.int4.sweep(self._block_state)
+            self.settle()
             batch.tail_slots = self.int4.write_slots(
                 self._int4_block(slot, position) for slot, (first, last) in zip(batch.cache_slots,
                                                                                 batch.position_ranges)
@@ -443,7 +449,7 @@ class PagedKVCache(_Storage):
         rows = [[max(block, 0) for block in seq.block_table[:count]] + [0] * (width - count)
                 for seq, count in zip(seqs, needed)]
         if self.int4 is not None:
-            self.int4.sweep(self._block_state)
+            self.settle()
             batch.tail_slots = self.int4.write_slots(writes)
         else:
             batch.slot_mapping = torch.tensor([block * block_size + offset for block, offset in writes],

@@ -179,6 +179,25 @@ class Int4Blocks:
         self.tail_k[layer].flatten(0, 1).index_copy_(0, slots, k.to(self.dtype))
         self.tail_v[layer].flatten(0, 1).index_copy_(0, slots, v.to(self.dtype))
 
+    def write_layers(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Every layer's k, v [layers, tokens, heads, d] into the tail at `slots` (from `write_slots`): a compiled
+        step's new KV, which its graph returns."""
+        layers = self.tail_k.shape[0]
+        self.tail_k.view(layers, -1, *self.tail_k.shape[3:]).index_copy_(1, slots, k.to(self.dtype))
+        self.tail_v.view(layers, -1, *self.tail_v.shape[3:]).index_copy_(1, slots, v.to(self.dtype))
+
+    def read_plan(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a compiled step reads through `model.kv_kernel`'s op, a layer at a time: for block tables [rows,
+        width] (int32), (the tables renumbered to index the blocks read, int32; the blocks read, each once, int64 [n];
+        each one's tail block or -1, int64 [n]). n is at least 2 (a dynamic size of the step's package)."""
+        blocks, renumbered = torch.unique(table, return_inverse=True)
+        listed = blocks.tolist()
+        if len(listed) < 2:
+            listed.append(listed[0])
+        as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=self.device)
+        return (renumbered.to(torch.int32), as_tensor(listed),
+                as_tensor([self.tail_of.get(block, -1) for block in listed]))
+
     def read(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks [n] (int32 or int64) -> their keys and values [n, block_size, heads, d] in the model dtype."""
         if self.fused is not None:

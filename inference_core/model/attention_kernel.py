@@ -21,10 +21,10 @@ Three ops: `attend_paged` (the decode step's: q [B, H, D]) and `attend_paged_que
 [B, T, H, D], a mask per query), the first the second's case T = 1, called from the compiled steps where `takes` says
 so while exporting (paged, bf16 pool, head_dim 64 or 128, at most 8 query heads a KV head); and `attend_paged_flat`
 (the flat step's: the new tokens of several sequences one after another, q [N, H, D], any number a sequence, causal
-after its cached keys, within a sliding window given as an input; bf16 or fp32 pools, head_dim 16 to 128), the
-flat step's only attention (`takes_flat`). A flat step's short sequences (decodes, small chunks) go through the same
-loops as the others, in runs of 8 queries; its long ones (64 new tokens or more) through ATen's SDPA on their keys
-gathered in fp32. They are built into the same extension as the projection kernel (`model.row_kernel`, which owns the
+after its cached keys, within a sliding window and beside attention sinks given as inputs; bf16 or fp32 pools,
+head_dim 16 to 128), the flat step's only attention (`takes_flat`). A flat step's short sequences (decodes, small
+chunks) go through the same loops as the others, in runs of 8 queries; its long ones (64 new tokens or more) through
+ATen's SDPA on their keys gathered in fp32. They are built into the same extension as the projection kernel (`model.row_kernel`, which owns the
 build).
 """
 
@@ -425,14 +425,22 @@ constexpr int64_t FLAT_QUERIES = 8;
 constexpr int64_t FLAT_LONG = 64;
 static_assert(FLAT_LONG <= MAXQ, "a short sequence's new keys fit `own`");
 
+// A sliding window (size 0: none) and the attention sinks beside it: the sequence's first `sinks` keys, which every
+// query sees whatever the window.
+struct Window {
+  int64_t size, sinks;
+};
+
 // Query u of a sequence (at position cached + u) sees cached key j where no window cuts it.
-inline bool in_window(int64_t position, int64_t key, int64_t window) { return window == 0 || key > position - window; }
+inline bool in_window(int64_t position, int64_t key, Window window) {
+  return window.size == 0 || key > position - window.size || key < window.sinks;
+}
 
 // A sequence of n >= FLAT_LONG new tokens (flat rows [start, start + n)) after its c cached keys: its keys gathered in
 // fp32, [KVH, c + n, D], and ATen's SDPA (causal where nothing is cached and no window cuts the keys, else a mask).
 template <int D, typename P>
 void attend_long(const float* qf, const float* kf, const float* vf, const P* kp, const P* vp, const int32_t* table,
-                 int64_t BS, int64_t start, int64_t n, int64_t c, int64_t H, int64_t KVH, int64_t window, double scale,
+                 int64_t BS, int64_t start, int64_t n, int64_t c, int64_t H, int64_t KVH, Window window, double scale,
                  float* o) {
   const int64_t L = c + n, G = H / KVH, row = KVH * D;
   auto keys = at::empty({1, KVH, L, D}, at::kFloat), values = at::empty({1, KVH, L, D}, at::kFloat);
@@ -457,7 +465,7 @@ void attend_long(const float* qf, const float* kf, const float* vf, const P* kp,
   });
   auto query =
       at::from_blob(const_cast<float*>(qf) + start * H * D, {n, H, D}, at::kFloat).transpose(0, 1).unsqueeze(0);
-  const bool causal = c == 0 && (window == 0 || n <= window);
+  const bool causal = c == 0 && (window.size == 0 || n <= window.size);
   std::optional<at::Tensor> mask;
   if (!causal) {  // query u at position c + u sees key j <= c + u within the window
     auto m = at::empty({n, L}, at::kBool);
@@ -474,7 +482,7 @@ void attend_long(const float* qf, const float* kf, const float* vf, const P* kp,
 
 template <int D, typename P>
 at::Tensor attend_flat(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const P* kp, const P* vp,
-                       int64_t BS, const at::Tensor& table, const int32_t* st, const int32_t* ca, int64_t window,
+                       int64_t BS, const at::Tensor& table, const int32_t* st, const int32_t* ca, Window window,
                        double scale) {
   const int64_t N = q.size(0), H = q.size(1), KVH = k.size(1), G = H / KVH, S = table.size(0), TB = table.size(1);
   std::vector<float> buffer((N * H + 2 * N * KVH) * D);
@@ -547,7 +555,7 @@ at::Tensor attend_flat(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 template <int D>
 at::Tensor flat_of_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
                         const at::Tensor& v_pool, const at::Tensor& table, const int32_t* st, const int32_t* ca,
-                        int64_t window, double scale) {
+                        Window window, double scale) {
   const int64_t BS = k_pool.size(1);
   if (k_pool.scalar_type() == at::kFloat)
     return attend_flat<D>(q, k, v, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), BS, table, st, ca, window,
@@ -559,7 +567,8 @@ at::Tensor flat_of_pool(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
 // q [N, H, D], k, v [N, KVH, D]: the N new tokens of S sequences, sequence s's at [starts[s], starts[s + 1]) after
 // its cached[s] keys in the pool (k_pool, v_pool one layer's [blocks, BS, KVH, D], bf16 or fp32), read through
-// table [S, blocks] int32. window [1] int32: a sliding window's size (0: none). Returns fp32 [N, H, D].
+// table [S, blocks] int32. window [1] or [2] int32: a sliding window's size (0: none), then the attention sinks beside
+// it (0 where left out). Returns fp32 [N, H, D].
 at::Tensor attend_paged_flat(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
                              const at::Tensor& v_pool, const at::Tensor& table, const at::Tensor& starts,
                              const at::Tensor& cached, const at::Tensor& window, double scale) {
@@ -575,15 +584,17 @@ at::Tensor attend_paged_flat(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 2 && starts.scalar_type() == at::kInt &&
               starts.dim() == 1 && starts.size(0) == table.size(0) + 1 && cached.scalar_type() == at::kInt &&
               cached.dim() == 1 && cached.size(0) == table.size(0) && window.scalar_type() == at::kInt &&
-              window.numel() == 1,
-              "attend_paged_flat: int32 table [S, blocks], starts [S + 1], cached [S] and window [1]");
+              (window.numel() == 1 || window.numel() == 2),
+              "attend_paged_flat: int32 table [S, blocks], starts [S + 1], cached [S] and window [1] or [2]");
   const auto sc = starts.contiguous(), cc = cached.contiguous(), tc = table.contiguous();
   const int32_t* st = sc.data_ptr<int32_t>();
   const int32_t* ca = cc.data_ptr<int32_t>();
   const int32_t* tp = tc.data_ptr<int32_t>();
   const int64_t S = table.size(0), TB = table.size(1), BS = k_pool.size(1), blocks = k_pool.size(0);
-  const int64_t w = window.contiguous().data_ptr<int32_t>()[0];
-  TORCH_CHECK(st[0] == 0 && st[S] == N && w >= 0, "attend_paged_flat: starts from 0 to the N tokens, a window >= 0");
+  const auto wc = window.contiguous();
+  const Window w{wc.data_ptr<int32_t>()[0], wc.numel() == 2 ? wc.data_ptr<int32_t>()[1] : 0};
+  TORCH_CHECK(st[0] == 0 && st[S] == N && w.size >= 0 && w.sinks >= 0,
+              "attend_paged_flat: starts from 0 to the N tokens, a window and sinks >= 0");
   for (int64_t s = 0; s < S; ++s) {
     TORCH_CHECK(st[s] <= st[s + 1] && ca[s] >= 0 && ca[s] <= TB * BS,
                 "attend_paged_flat: starts in order, each sequence's cached keys within its table's blocks");
@@ -637,11 +648,11 @@ def _queries_output_shape(q, *pools_tables_and_scale):
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, k_pool: torch.Tensor) -> bool:
-    """Whether the op takes this layer's attention: a bf16 paged pool on the CPU ([layers, blocks, block, KVH, D]),
+    """Whether the op takes this layer's attention: a layer's bf16 paged pool on the CPU ([blocks, block, KVH, D]),
     head_dim 64 or 128, at most MAX_GROUP query heads a KV head (q [B, H * D] or [B, H, D], k [B, KVH, D])."""
     kv_heads, head_dim = k.shape[-2:]
     heads = q.shape[-1] // head_dim if q.dim() == 2 else q.shape[1]
-    return (k_pool.device.type == "cpu" and k_pool.dtype == torch.bfloat16 and k_pool.dim() == 5
+    return (k_pool.device.type == "cpu" and k_pool.dtype == torch.bfloat16 and k_pool.dim() == 4
             and tuple(k_pool.shape[-2:]) == (kv_heads, head_dim) and head_dim in HEAD_DIMS
             and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP)
 
@@ -665,10 +676,10 @@ FLAT_HEAD_DIMS = (16, 32, 64, 128)
 
 
 def takes_flat(q: torch.Tensor, k: torch.Tensor, k_pool: torch.Tensor) -> bool:
-    """Whether the flat op takes this layer's attention: a bf16 or fp32 paged pool on the CPU ([layers, blocks, block,
+    """Whether the flat op takes this layer's attention: a layer's bf16 or fp32 paged pool on the CPU ([blocks, block,
     KVH, D]), head_dim in FLAT_HEAD_DIMS, at most MAX_GROUP query heads a KV head (q [N, H, D], k [N, KVH, D])."""
     kv_heads, head_dim = k.shape[-2:]
-    return (k_pool.device.type == "cpu" and k_pool.dtype in (torch.bfloat16, torch.float32) and k_pool.dim() == 5
+    return (k_pool.device.type == "cpu" and k_pool.dtype in (torch.bfloat16, torch.float32) and k_pool.dim() == 4
             and tuple(k_pool.shape[-2:]) == (kv_heads, head_dim) and head_dim in FLAT_HEAD_DIMS
             and q.shape[1] % kv_heads == 0 and q.shape[1] // kv_heads <= MAX_GROUP)
 
@@ -677,8 +688,9 @@ def attend_flat(q, k, v, k_pool, v_pool, table, starts, cached, window, scale: f
     """The flat step's attention (`engine.query_graph.FlatGraph`) through the op: N new tokens of S sequences one after
     another, q [N, heads, D]; k, v [N, KVH, D]; k_pool, v_pool one layer's [blocks, block, KVH, D]; table [S, blocks],
     starts [S + 1] (sequence s's tokens are rows [starts[s], starts[s + 1])), cached [S] (its keys in the pool before
-    them), all int32; window a sliding window's size (an int32 [1] tensor, an int, or None: no window). Each token
-    sees its sequence's cached keys and its new keys up to itself, within the window. Returns fp32 [N, heads, D]."""
+    them), all int32; window a sliding window's size and the attention sinks beside it (an int32 [2] tensor, or [1]
+    for a window alone; an int; None: no window). Each token sees its sequence's cached keys and its new keys up to
+    itself, within the window, and its sequence's first sinks keys. Returns fp32 [N, heads, D]."""
     if not isinstance(window, torch.Tensor):
         window = torch.tensor([window or 0], dtype=torch.int32)
     return torch.ops.inference_core.attend_paged_flat(q, k, v, k_pool, v_pool, table, starts, cached, window, scale)

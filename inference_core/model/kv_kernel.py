@@ -125,6 +125,18 @@ TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
 """
 
 
+def register_fake() -> None:
+    """The op's output shapes for export, as a torch.library fake kernel (called once the extension is built): the
+    compiled steps read an int4 pool through it (`engine.query_graph.layer_pool`)."""
+    torch.library.register_fake("inference_core::int4_kv_read")(_read_output_shape)
+
+
+def _read_output_shape(codes, ranges, blocks, tails, tail_k, tail_v, group):
+    """`int4_kv_read`'s outputs without computing them: k, v [n, block, KVH, D] in the tail's dtype."""
+    shape = (blocks.shape[0],) + tuple(tail_k.shape[1:])
+    return tail_k.new_empty(shape), tail_k.new_empty(shape)
+
+
 def read(codes: torch.Tensor, ranges: torch.Tensor, blocks: torch.Tensor, tails: torch.Tensor, tail_k: torch.Tensor,
          tail_v: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`Int4Blocks.read` in one op (see the module docstring); tails [n]: each block's tail block or -1."""

@@ -737,6 +737,17 @@ AOTITorchError aoti_torch_cpu_attend_paged_flat(AtenTensorHandle q, AtenTensorHa
         tensor(cached), tensor(window), scale));
   });
 }
+AOTITorchError aoti_torch_cpu_int4_kv_read(AtenTensorHandle codes, AtenTensorHandle ranges, AtenTensorHandle blocks,
+                                           AtenTensorHandle tails, AtenTensorHandle tail_k, AtenTensorHandle tail_v,
+                                           int64_t group, AtenTensorHandle* k_out, AtenTensorHandle* v_out) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    RECORD_FUNCTION("inference_core::int4_kv_read", std::vector<c10::IValue>());
+    auto [k, v] = int4kv::int4_kv_read(tensor(codes), tensor(ranges), tensor(blocks), tensor(tails), tensor(tail_k),
+                                       tensor(tail_v), group);
+    *k_out = torch::aot_inductor::new_tensor_handle(std::move(k));
+    *v_out = torch::aot_inductor::new_tensor_handle(std::move(v));
+  });
+}
 }
 """
 
@@ -813,6 +824,7 @@ def _build() -> str | None:
     for op in ("linear_rows", "linear_rows_int8", "linear_rows_int4"):
         torch.library.register_fake(f"inference_core::{op}")(_projection_output_shape)
     attention_kernel.register_fake()
+    kv_kernel.register_fake()
     _state_tuning.update(_tuned(directory / "tuning.json", capability))
     apply_tuning()
     return None
@@ -1038,8 +1050,9 @@ def c_shims() -> dict:
     queries = ", ".join(["AtenTensorHandle"] * 8 + ["double", "AtenTensorHandle*"])
     flat = ", ".join(["AtenTensorHandle"] * 9 + ["double", "AtenTensorHandle*"])
     int4 = "AtenTensorHandle, AtenTensorHandle, int64_t, int64_t, AtenTensorHandle*"
+    int4_kv = ", ".join(["AtenTensorHandle"] * 6 + ["int64_t", "AtenTensorHandle*", "AtenTensorHandle*"])
     arguments = {"linear_rows": bf16, "linear_rows_int8": int8, "linear_rows_int4": int4, "attend_paged": attention,
-                 "attend_paged_queries": queries, "attend_paged_flat": flat}
+                 "attend_paged_queries": queries, "attend_paged_flat": flat, "int4_kv_read": int4_kv}
     return {getattr(torch.ops.inference_core, name).default: [f"AOTITorchError aoti_torch_cpu_{name}({types})"]
             for name, types in arguments.items()}
 

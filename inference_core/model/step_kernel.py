@@ -68,7 +68,7 @@ int64_t first_max(const float* x, int64_t n) {
 void greedy_advance(const at::Tensor& logits, const at::Tensor& new_k, const at::Tensor& new_v, at::Tensor k_pool,
                     at::Tensor v_pool, const at::Tensor& read_index, at::Tensor input_ids, at::Tensor positions,
                     at::Tensor key_mask, at::Tensor tokens, int64_t step, int64_t count, int64_t block_size,
-                    int64_t window, bool paged) {
+                    int64_t window, int64_t sinks, bool paged) {
   TORCH_CHECK(new_k.dim() == 4 && new_k.sizes() == new_v.sizes() && new_k.is_contiguous() && new_v.is_contiguous() &&
               new_k.scalar_type() == k_pool.scalar_type() && new_v.scalar_type() == v_pool.scalar_type() &&
               k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
@@ -125,11 +125,12 @@ void greedy_advance(const at::Tensor& logits, const at::Tensor& new_k, const at:
     const int64_t best = first_max(scores + r * V, V);
     out[r] = ids[r] = best;
     pos[r] = p + 1;
-    // The next position's mask: the key just written joins; with a window, the key that leaves it goes.
+    // The next position's mask: the key just written joins; with a window, the key that leaves it goes (unless it
+    // is one of the attention sinks, the first `sinks`, which stay).
     bool* mask = key_mask.data_ptr<bool>() + r * key_mask.stride(0);
     if (p < keys) mask[p] = true;
     const int64_t leaving = p + 1 - window;
-    if (window > 0 && 0 <= leaving && leaving < keys) mask[leaving] = false;
+    if (window > 0 && std::max<int64_t>(sinks, 0) <= leaving && leaving < keys) mask[leaving] = false;
   }
 }
 
@@ -138,7 +139,7 @@ void greedy_advance(const at::Tensor& logits, const at::Tensor& new_k, const at:
 TORCH_LIBRARY_FRAGMENT(inference_core, m) {
   m.def("greedy_advance(Tensor logits, Tensor new_k, Tensor new_v, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor read_index, Tensor(c!) input_ids, Tensor(d!) positions, Tensor(e!) key_mask, Tensor(f!) tokens, "
-        "int step, int count, int block_size, int window, bool paged) -> ()");
+        "int step, int count, int block_size, int window, int sinks, bool paged) -> ()");
 }
 TORCH_LIBRARY_IMPL(inference_core, CPU, m) { m.impl("greedy_advance", step::greedy_advance); }
 """

@@ -203,12 +203,10 @@ def test_the_kv_view_marks_the_sink_block(windowed):
 def test_unsupported_combinations_say_what_to_change(full_attention):
     with pytest.raises(ConfigError, match="int4 KV cache needs a KV cache"):
         EngineConfig(kv_mode="none", kv_dtype="int4")
-    with pytest.raises(ConfigError, match="int4 KV cache runs eager only"):
-        EngineConfig(kv_mode="paged", kv_dtype="int4", compile=True)
+    with pytest.raises(ConfigError, match="int4 KV cache over a paged KV cache only"):
+        EngineConfig(kv_mode="contiguous", kv_dtype="int4", compile=True)
     with pytest.raises(ConfigError, match="flex attention reads the pool in the model dtype"):
         EngineConfig(kv_mode="paged", kv_dtype="int4", attention="flex")
-    with pytest.raises(ConfigError, match="sinks run eager only"):
-        EngineConfig(attention_sinks=4, sliding_window=64, compile=True)
     with pytest.raises(ConfigError, match="attention sinks must be 0 or a positive"):
         EngineConfig(attention_sinks=-1)
     with pytest.raises(ConfigError, match="beside a sliding window"):

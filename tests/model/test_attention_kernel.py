@@ -63,15 +63,15 @@ def test_the_op_refuses_a_pool_of_another_layout(our_ops):
 
 def test_it_takes_bf16_paged_pools_of_the_head_sizes_it_knows():
     q, k = torch.zeros(1, 9 * 64).bfloat16(), torch.zeros(1, 3, 64).bfloat16()
-    pool = torch.zeros(2, 8, 16, 3, 64)  # [layers, blocks, block, KV heads, head_dim]
+    pool = torch.zeros(8, 16, 3, 64)  # a layer's [blocks, block, KV heads, head_dim]
     assert attention_kernel.takes(q, k, pool.bfloat16())
     assert not attention_kernel.takes(q, k, pool)  # fp32
     assert not attention_kernel.takes(q, k, pool.to(torch.int8))  # the int8 KV cache
-    assert not attention_kernel.takes(q, k, torch.zeros(2, 4, 3, 16, 64).bfloat16())  # a contiguous cache's layout:
-    # [layers, slots, KV heads, positions, head_dim]
+    assert not attention_kernel.takes(q, k, torch.zeros(4, 3, 16, 64).bfloat16())  # a contiguous cache's layout:
+    # [slots, KV heads, positions, head_dim]
     assert not attention_kernel.takes(torch.zeros(1, 27 * 64), k, pool.bfloat16())  # 9 query heads a KV head
     odd = torch.zeros(1, 3, 96)
-    assert not attention_kernel.takes(torch.zeros(1, 9 * 96), odd, torch.zeros(2, 8, 16, 3, 96).bfloat16())
+    assert not attention_kernel.takes(torch.zeros(1, 9 * 96), odd, torch.zeros(8, 16, 3, 96).bfloat16())
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +168,9 @@ def flat_case(news: list[int], cached: list[int], kv_heads: int, group: int, hea
     return q, k, v, k_pool, v_pool, table, starts, torch.tensor(cached, dtype=torch.int32)
 
 
-def flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale):
-    """The flat op's attention written plainly: each sequence's keys (cached, then new) and a causal, windowed mask."""
+def flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale, sinks: int = 0):
+    """The flat op's attention written plainly: each sequence's keys (cached, then new) and a causal, windowed mask
+    that keeps the first `sinks` keys."""
     out = torch.empty(q.shape, dtype=torch.float32)
     group = q.shape[1] // k.shape[1]
     for s in range(len(cached)):
@@ -183,7 +184,7 @@ def flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale
         key_positions = torch.arange(c + last - first)[None, :]
         mask = key_positions <= query_positions
         if window:
-            mask &= key_positions > query_positions - window
+            mask &= (key_positions > query_positions - window) | (key_positions < sinks)
         scores = torch.einsum("nhd,jhd->hnj", q[first:last].float(), k_all.repeat_interleave(group, 1)) * scale
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         out[first:last] = torch.einsum("hnj,jhd->nhd", probs, v_all.repeat_interleave(group, 1))
@@ -199,13 +200,16 @@ def flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale
     ([100, 2], [37, 60], 2, 2, 32, torch.bfloat16, None),  # a long chunk after a prefix: SDPA with a mask
     ([70, 3, 1], [0, 21, 48], 2, 2, 16, torch.float32, 24),  # sliding windows, long and short
     ([12, 1], [80, 130], 1, 8, 64, torch.bfloat16, 40),
+    ([70, 3, 1], [0, 21, 48], 2, 2, 16, torch.float32, (24, 4)),  # windows beside attention sinks
+    ([12, 1], [80, 130], 1, 8, 64, torch.bfloat16, (40, 5)),
     ([0, 5, 0, 1], [0, 19, 0, 3], 2, 2, 16, torch.float32, None),  # empty rows (a bucket's padding sequences)
     ([2], [0], 4, 1, 16, torch.float32, None),  # the smallest flat step
 ])
 def test_the_flat_op_equals_a_plain_attention(our_ops, news, cached, kv_heads, group, head_dim, dtype, window):
     case = flat_case(news, cached, kv_heads, group, head_dim, dtype, seed=sum(news))
-    want = flat_reference(*case, window, head_dim**-0.5)
-    got = attention_kernel.attend_flat(*case, window, head_dim**-0.5)
+    window, sinks = window if isinstance(window, tuple) else (window, 0)
+    want = flat_reference(*case, window, head_dim**-0.5, sinks)
+    got = attention_kernel.attend_flat(*case, torch.tensor([window or 0, sinks], dtype=torch.int32), head_dim**-0.5)
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 

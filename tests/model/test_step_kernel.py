@@ -39,16 +39,22 @@ def step_inputs(paged: bool, dtype: torch.dtype, window: int | None, generator: 
                 count=count, keys=keys)
 
 
-def mask_at(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+def mask_at(keys: torch.Tensor, positions: torch.Tensor, window: int | tuple | None) -> torch.Tensor:
+    """The keys a query at each position sees: those before it, within a window (size, or (size, sinks): the first
+    `sinks` keys stay in view)."""
     mask = keys < positions[:, None]
-    return mask & (keys > positions[:, None] - window) if window is not None else mask
+    if window is None:
+        return mask
+    size, sinks = window if isinstance(window, tuple) else (window, 0)
+    return mask & ((keys > positions[:, None] - size) | (keys < sinks))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("paged", [True, False])
-@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("window", [None, 4, (4, 7)])  # (4, 7): the key that leaves row 0's window is a sink
 def test_the_op_does_what_the_torch_ops_do(greedy_advance, paged, dtype, window):
-    s = step_inputs(paged, dtype, window, torch.Generator().manual_seed(3 * paged + 5 * (window or 0)))
+    size, sinks = window if isinstance(window, tuple) else (window or 0, 0)
+    s = step_inputs(paged, dtype, window, torch.Generator().manual_seed(3 * paged + 5 * size + sinks))
     count, (new_k, new_v), (k_pool, v_pool) = s["count"], s["new"], s["pools"]
     want_k, want_v = k_pool.clone(), v_pool.clone()
     for row, position in enumerate(s["positions"][:count].tolist()):
@@ -67,7 +73,7 @@ def test_the_op_does_what_the_torch_ops_do(greedy_advance, paged, dtype, window)
     input_ids = torch.tensor([1, 2, 0])
     tokens = torch.full((4, count), -1, dtype=torch.long)
     greedy_advance(s["logits"], new_k, new_v, k_pool, v_pool, s["read_index"], input_ids, s["positions"], s["mask"],
-                   tokens, 2, count, BLOCK_SIZE if paged else 1, window or 0, paged)
+                   tokens, 2, count, BLOCK_SIZE if paged else 1, size, sinks, paged)
 
     assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
     assert tokens[2].tolist() == want_tokens.tolist() and (tokens[[0, 1, 3]] == -1).all()
@@ -86,7 +92,7 @@ def test_the_op_refuses_what_it_cannot_take(greedy_advance):
 
     def call(**changes):
         values = {**args, **changes}
-        greedy_advance(*values.values(), 0, s["count"], BLOCK_SIZE, 0, True)
+        greedy_advance(*values.values(), 0, s["count"], BLOCK_SIZE, 0, 0, True)
 
     with pytest.raises(RuntimeError, match="pools' dtype"):
         call(new_k=new_k.float(), new_v=new_v.float())
@@ -120,5 +126,5 @@ def test_the_tokens_are_torch_argmax(greedy_advance, vocab):
     tokens = torch.zeros(1, rows, dtype=torch.long)
     greedy_advance(logits, new, new, pool, pool.clone(), read_index, torch.zeros(rows, dtype=torch.long),
                    torch.zeros(rows, dtype=torch.long), torch.zeros(rows, BLOCK_SIZE, dtype=torch.bool), tokens, 0,
-                   rows, BLOCK_SIZE, 0, True)
+                   rows, BLOCK_SIZE, 0, 0, True)
     assert tokens[0].tolist() == logits.argmax(dim=-1).tolist()

@@ -209,7 +209,11 @@ def absent_row(model_spec: str, reason: str, peer: str = "llama.cpp") -> dict:
         name = row_name(peer_gguf_path(model_spec))
     except (PeerUnavailable, ConfigError):  # not a GGUF model, or the bundled file missing: the reason says so
         name = row_name(None)
-    name = name.replace("llama.cpp", peer, 1)
+    return empty_row(name.replace("llama.cpp", peer, 1), reason)
+
+
+def empty_row(name: str, reason: str) -> dict:
+    """A bench row of a peer that could not run: the fields every row has, no numbers, and why (`absent`)."""
     return {"name": name, "kv": None, "quant": None, "weights_mib": None, "compile": None, "compile_warmup_s": None,
             "compile_rss_mib": None, "decode_tokens_per_s": None, "ttft_ms": None, "prefill_tokens_per_s": None,
             "prefill_long_tokens_per_s": None, "roofline_pct": None, "roofline_pct_paired": None,

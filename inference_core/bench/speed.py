@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from inference_core.bench.llama_bench import GEN_TOKENS, PROMPT_TOKENS, llama_bench_binary, median_row, run_llama_bench
+from inference_core.bench import process_peers
 from inference_core.bench.llama_cpp import PEERS, PeerUnavailable, absent_row, open_peers, peer_gguf_path
 from inference_core.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from inference_core.config import ConfigError, EngineConfig
@@ -111,27 +112,34 @@ class _HFRunner:
         self.token_times.clear()
         synchronize(self.device)
         start = time.perf_counter()
-        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                            eos_token_id=None, pad_token_id=0, stopping_criteria=[self.clock])
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0, stopping_criteria=[self.clock])
         first, last = self.token_times[0], self.token_times[-1]
         return {"ttft_ms": (first - start) * 1e3, "prefill_tokens_per_s": len(prompt_ids) / (first - start),
-                "decode_tokens_per_s": (len(self.token_times) - 1) / (last - first)}
+                "decode_tokens_per_s": (len(self.token_times) - 1) / (last - first),
+                "token_ids": out[0, len(prompt_ids):].tolist()}
 
 
 def _run_ours(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> dict:
     engine.reset_prefix_cache()
-    stats = engine.complete(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)).stats
-    return {"ttft_ms": stats.ttft_ms, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
-            "decode_tokens_per_s": stats.decode_tokens_per_s}
+    finish = engine.complete(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    return {"ttft_ms": finish.stats.ttft_ms, "prefill_tokens_per_s": finish.stats.prefill_tokens_per_s,
+            "decode_tokens_per_s": finish.stats.decode_tokens_per_s, "token_ids": list(finish.token_ids)}
+
+
+ALL_PEERS = PEERS + tuple(process_peers.PEERS)
 
 
 def peer_list(value: str) -> list[str]:
-    """`--peer a,b` -> ['a', 'b'], each a known bench peer."""
+    """`--peer a,b:p1+p2` -> ['a', 'b:p1+p2'], each a known bench peer (and precisions it has)."""
     names = [name.strip() for name in value.split(",") if name.strip()]
-    unknown = [name for name in names if name not in PEERS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(unknown) or repr(value)}; choose from: "
-                                         f"{', '.join(PEERS)}")
+    if not names:
+        raise argparse.ArgumentTypeError(f"no peer named in {value!r}; choose from: {', '.join(ALL_PEERS)}")
+    for name in names:
+        try:
+            process_peers.parse_peer(name, ALL_PEERS)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
     return names
 
 
@@ -151,7 +159,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="other engines on the same model, repeatable or comma-separated: llama-cpp (llama.cpp on "
                              "the same GGUF file, where llama-cpp-python is installed; reported as absent otherwise), "
                              "llama-bench (llama.cpp's own benchmark, tg128 and pp512; built once from "
-                             "llama-cpp-python's source with CMake)")
+                             "llama-cpp-python's source with CMake), openvino (OpenVINO GenAI on the GGUF file: f32, "
+                             "bf16), onnxruntime-genai (ONNX Runtime GenAI on its builder's conversion: int4, int8, "
+                             "fp32), ctranslate2 (on its converter's conversion: int8, int8_float32, float32, "
+                             "bfloat16); each of the last three in a virtual environment of its own, installed from "
+                             "the package registry on first use; NAME:P1+P2 runs those precisions only")
     parser.add_argument("--long-prompt-tokens", type=int, default=512,
                         help="every row also prefills a prompt of this many tokens (cold; 0: no such row), the "
                              "prompt llama-bench's pp test processes")
@@ -189,9 +201,17 @@ def run_bench(args) -> int:
     long_ids = long_prompt(tokenizing, rows, args.long_prompt_tokens, min(
         engine.max_seq_len for engine in engines.values()) if engines else loaded.config.max_position_embeddings)
     peers, absent_peers = {}, []  # --peer llama-cpp: llama.cpp on the same GGUF file, or a row that says why not
+    asked = [process_peers.parse_peer(name, ALL_PEERS) for name in args.peer or []]
     if args.peer:
-        peers, absent_peers = open_peers(args.peer, args.model, max([len(ids) for _, ids in prompts] + [
-            len(long_ids)]) + args.max_new_tokens, loaded.config.kv_bytes_per_token(torch.float16))
+        peers, absent_peers = open_peers([name for name, _ in asked if name in PEERS], args.model, max(
+            [len(ids) for _, ids in prompts] + [len(long_ids)]) + args.max_new_tokens,
+            loaded.config.kv_bytes_per_token(torch.float16))
+    # --peer openvino, onnxruntime-genai, ctranslate2: each in its own environment and process (`process_peers`)
+    others, absent_others = process_peers.open_process_peers(
+        [(name, precisions) for name, precisions in asked if name in process_peers.PEERS], args.model,
+        _model_dir(args.model), torch.get_num_threads(), loaded.config.kv_bytes_per_token(torch.float32) // 4)
+    peers.update(others)
+    absent_peers += absent_others
     runners.update({name: peer.run for name, peer in peers.items()})
     if not runners:
         raise ConfigError("nothing to bench: name KV modes with --configs or drop --no-hf.")
@@ -238,6 +258,15 @@ def run_bench(args) -> int:
     for _ in range(args.repeats if long_ids else 0):
         for name, run in runners.items():
             long_prefill[name].append(run(long_ids, 2)["prefill_tokens_per_s"])
+    for peer in others.values():  # its process ends with its input (and would with ours)
+        peer.close()
+    # Each peer's greedy tokens against transformers' (else our first row's), from the first repeat.
+    reference = HF_ROW if HF_ROW in results else next(iter(engines), None)
+    first_repeat = {name: {prompt_id: run.get("token_ids") for (prompt_id, _), run in zip(prompts, runs)}
+                    for name, runs in results.items()}
+    token_checks = {name: process_peers.token_check(first_repeat[name], first_repeat[reference], reference,
+                                                    set(loaded.eos_token_ids))
+                    for name in others if reference is not None}
     if long_ids:
         print(f"  {len(long_ids)}-token prompt: " + ", ".join(
             f"{name} {statistics.median(rates):.0f}" for name, rates in long_prefill.items()) + " prefill tok/s")
@@ -251,6 +280,8 @@ def run_bench(args) -> int:
         if name in peers:
             row_limit = bandwidth / peers[name].decode_bytes_per_step(mean_context)
             described = peers[name].describe()
+            if name in token_checks:
+                described["token_check"] = token_checks[name]
         else:
             row_model = engines[name].loaded if name in engines else loaded
             row_limit = bandwidth / decode_bytes_per_step(row_model, mean_context)  # a quantized model reads less
@@ -299,6 +330,14 @@ def run_bench(args) -> int:
     return 0
 
 
+def _model_dir(model_spec: str) -> Path | None:
+    """Our converted model directory for `model_spec` (what the peers that convert start from), or None."""
+    try:
+        return resolve_model_dir(model_spec)
+    except (ConfigError, OSError, ValueError):
+        return None
+
+
 def long_prompt(tokenizing: Engine, rows: list[dict], tokens: int, context_len: int) -> list[int]:
     """The first `tokens` ids of the prompt file's texts one after another (plain text, no chat template), at most
     what a row's context holds with two new tokens; [] for 0 (no long-prompt row)."""
@@ -312,15 +351,29 @@ def long_prompt(tokenizing: Engine, rows: list[dict], tokens: int, context_len: 
 
 
 def _ours_vs_peers(table: list[dict], ours: set[str], peers: set[str]) -> list[dict]:
-    """Our fastest row's decode tokens/s over each peer's, the ratio a peer comparison is about."""
+    """Our fastest row's decode tokens/s over each peer's, the ratio a peer comparison is about, and our fastest
+    long-prompt prefill over the peer's where both were measured."""
     measured = [row for row in table if row["name"] in ours]
     if not measured:
         return []
     best = max(measured, key=lambda row: row["decode_tokens_per_s"])
-    return [{"ours": best["name"], "peer": row["name"], "ours_decode_tokens_per_s": best["decode_tokens_per_s"],
-             "peer_decode_tokens_per_s": row["decode_tokens_per_s"],
-             "ratio": round(best["decode_tokens_per_s"] / row["decode_tokens_per_s"], 2)}
-            for row in table if row["name"] in peers]
+    prefills = [row for row in measured if row.get("prefill_long_tokens_per_s")]
+    best_prefill = max(prefills, key=lambda row: row["prefill_long_tokens_per_s"]) if prefills else None
+    pairs = []
+    for row in table:
+        if row["name"] not in peers or row.get("absent"):
+            continue
+        pair = {"ours": best["name"], "peer": row["name"], "ours_decode_tokens_per_s": best["decode_tokens_per_s"],
+                "peer_decode_tokens_per_s": row["decode_tokens_per_s"],
+                "ratio": round(best["decode_tokens_per_s"] / row["decode_tokens_per_s"], 2)}
+        if best_prefill and row.get("prefill_long_tokens_per_s"):
+            pair.update(ours_prefill=best_prefill["name"],
+                        ours_prefill_tokens_per_s=best_prefill["prefill_long_tokens_per_s"],
+                        peer_prefill_tokens_per_s=row["prefill_long_tokens_per_s"],
+                        prefill_ratio=round(best_prefill["prefill_long_tokens_per_s"]
+                                            / row["prefill_long_tokens_per_s"], 2))
+        pairs.append(pair)
+    return pairs
 
 
 def resident_mib() -> float:
@@ -341,8 +394,8 @@ def parse_config(name: str) -> tuple[EngineConfig, str, bool]:
     for compiled decode with the matmuls inductor picks instead of our projection kernel (model.row_kernel),
     '+inductor-attention' with the attention inductor compiles instead of ours (model.attention_kernel), '+int8' or
     '+int4' for quantized weights and, with one of them, '+float-lm-head' to keep the LM head in the model dtype,
-    '+kv-int8' or '+kv-int4' for a quantized KV cache (eager) (e.g. paged+compile+int8, paged+compile+steps8,
-    paged+compile+int4+float-lm-head, paged+kv-int4)."""
+    '+kv-int8' or '+kv-int4' for a quantized KV cache (int8 eager only; e.g. paged+compile+int8,
+    paged+compile+steps8, paged+compile+int4+float-lm-head, paged+compile+kv-int4)."""
     kv_mode, *extras = name.split("+")
     quant = [extra for extra in extras if extra in ("int8", "int4")]
     kv_dtype = [extra[3:] for extra in extras if extra in ("kv-int8", "kv-int4")]
@@ -398,7 +451,16 @@ def format_table(report: dict) -> str:
                      f"{row['roofline_pct']:.0f} | {weights} | {_paired_cell(row)} |")
     for pair in report.get("ours_vs_peers", []):
         lines.append(f"ours best / {pair['peer']}, decode: {pair['ours']} {pair['ours_decode_tokens_per_s']:.1f} / "
-                     f"{pair['peer_decode_tokens_per_s']:.1f} tok/s = {pair['ratio']:.2f}x")
+                     f"{pair['peer_decode_tokens_per_s']:.1f} tok/s = {pair['ratio']:.2f}x" + (
+                         f"; prefill: {pair['ours_prefill']} {pair['ours_prefill_tokens_per_s']:.0f} / "
+                         f"{pair['peer_prefill_tokens_per_s']:.0f} tok/s = {pair['prefill_ratio']:.2f}x"
+                         if "prefill_ratio" in pair else ""))
+    for row in report["rows"]:
+        if (check := row.get("token_check")) is not None:
+            parted = [f"{prompt} at token {position}" for prompt, position in check["first_difference"].items()
+                      if position is not None]
+            lines.append(f"{row['name']}: greedy tokens " + (f"equal to {check['against']}'s" if check["equal"] else
+                         f"differ from {check['against']}'s: {', '.join(parted)}"))
     return "\n".join(lines)
 
 

@@ -26,6 +26,14 @@ that carry text), TTFT at the first chunk with text, ITL as (last token - first 
 A server that refuses `ignore_eos` or `stream_options.continuous_usage_stats` fails every request (this app accepts
 both, with vLLM's meaning: with `ignore_eos` every request decodes exactly `--output-tokens`).
 
+With `--peer llama-server` the script starts the servers itself, one at a time, each with the whole machine: first
+`python app.py` with no flags (what a newcomer runs; unless something already answers at `--url`, which is then
+used as it is), then llama.cpp's `llama-server` (`inference_core.bench.llama_bench.llama_server_binary`: built once
+from the same llama.cpp source and native flags as `bench --peer llama-bench`) on the same bundled Q4_1 GGUF, with as
+many slots as the concurrent profile's streams and as many threads as the app's torch; both get the same profiles
+with the same seed, and one table (and `--json PATH`: rows with `server`, `profile`, `requests`, `errors`,
+`ttft_p50_ms`, `itl_p50_ms`, `output_tokens_per_s`) holds both.
+
 Install GuideLLM in its own virtual environment, with a CPU build of torch first (GuideLLM requires torch, and plain
 `torch` would pull a CUDA build of several GB; on this project's machines `pip install torch==2.13.0` takes a CPU
 file from disk): about 1.5 GB and a minute:
@@ -38,13 +46,17 @@ file from disk): about 1.5 GB and a minute:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -71,7 +83,7 @@ def served_model(url: str) -> str:
     models = [m["id"] for m in get_json(f"{url}/v1/models").get("data", [])]
     if not models:
         sys.exit(f"GET {url}/v1/models lists no model")
-    print(f"app at {url}: {models[0]} on {health.get('device', '?')}")
+    print(f"server at {url}: {models[0]}" + (f" on {health['device']}" if "device" in health else ""))
     return models[0]
 
 
@@ -139,6 +151,8 @@ def preflight(url: str, endpoint: str, model: str) -> None:
 def run_profile(args, name: str, profile: str, requests: int, processor: Path, seed: int, out: Path) -> Path:
     backend = {"kind": "openai_http", "target": args.url, "request_format": args.endpoint}
     json_path = out / f"{name}.json"
+    if args.server != "playground":  # the peer's reports beside the app's, not over them
+        json_path = out / f"{args.server}-{name}.json"
     command = [args.guidellm, "run",
                "--backend", json.dumps(backend),
                "--profile", profile,
@@ -153,7 +167,7 @@ def run_profile(args, name: str, profile: str, requests: int, processor: Path, s
     print(f"{name}: {profile}, {requests} requests ...", flush=True)
     started = time.monotonic()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-    log = out / f"{name}.log"
+    log = json_path.with_suffix(".log")
     log.write_text(result.stdout + result.stderr)
     if result.returncode != 0 or not json_path.is_file():
         tail = "\n".join((result.stdout + result.stderr).splitlines()[-30:])
@@ -183,12 +197,12 @@ def print_table(rows: list[dict]) -> None:
     def fmt(value, digits=1):
         return "-" if value is None else f"{value:.{digits}f}"
 
-    header = ("profile", "requests", "errors", "TTFT p50 ms", "ITL p50 ms", "output tok/s")
-    lines = [header] + [(r["profile"], str(r["requests"]), str(r["errors"]), fmt(r["ttft_p50_ms"]),
+    header = ("server", "profile", "requests", "errors", "TTFT p50 ms", "ITL p50 ms", "output tok/s")
+    lines = [header] + [(r["server"], r["profile"], str(r["requests"]), str(r["errors"]), fmt(r["ttft_p50_ms"]),
                          fmt(r["itl_p50_ms"]), fmt(r["output_tokens_per_s"], 2)) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     for i, line in enumerate(lines):
-        print("  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(line, widths))))
+        print("  ".join(cell.ljust(w) if j < 2 else cell.rjust(w) for j, (cell, w) in enumerate(zip(line, widths))))
         if i == 0:
             print("  ".join("-" * w for w in widths))
 
@@ -212,11 +226,45 @@ def main(argv: list[str] | None = None) -> int:
                              "app's prefix cache with the same prompts)")
     parser.add_argument("--no-preflight", action="store_true", help="skip the one-request check of the body shape")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per GuideLLM run")
+    parser.add_argument("--peer", choices=("llama-server",),
+                        help="also llama.cpp's llama-server on the same GGUF; the script then starts both servers "
+                             "itself, one after the other")
+    parser.add_argument("--json", dest="json_path", help="write the table's rows here")
     args = parser.parse_args(argv)
     args.url = args.url.rstrip("/").removesuffix("/v1")
 
     if not Path(args.guidellm).is_file():
         sys.exit(f"{args.guidellm} not found; install GuideLLM in its own venv: {INSTALL}")
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    rows = []
+    if args.peer is None:
+        args.server = "playground"
+        rows += run_server(args, seed)
+    else:
+        with started(app_command(args), args.url, "python app.py", keep_running=answers(args.url)):
+            args.server = "playground"
+            rows += run_server(args, seed)
+        port = free_port()
+        peer_url = f"http://127.0.0.1:{port}"
+        with started(llama_server_command(args, port), peer_url, "llama-server"):
+            args.url, args.server = peer_url, "llama-server"
+            rows += run_server(args, seed)
+    print()
+    print_table(rows)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"seed": seed, "prompt_tokens": args.prompt_tokens,
+                                                    "output_tokens": args.output_tokens, "rows": rows}, indent=2))
+        print(f"wrote {args.json_path}")
+    errors = sum(r["errors"] for r in rows)
+    if errors:
+        print(f"\n{errors} request(s) failed: GuideLLM records only the HTTP status; see the preflight above or "
+              f"send one of its bodies by hand")
+        return 1
+    return 0
+
+
+def run_server(args, seed: int) -> list[dict]:
+    """Both profiles against the server at `args.url` (named `args.server` in the rows)."""
     model = served_model(args.url)
     processor = prepare_processor(model, args.processor)
     print(f"processor (tokenizer): {processor}")
@@ -224,23 +272,78 @@ def main(argv: list[str] | None = None) -> int:
         preflight(args.url, args.endpoint, model)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
-    print(f"seed {seed}, {args.endpoint}, prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens")
-
+    print(f"{args.server}: seed {seed}, {args.endpoint}, prompt {args.prompt_tokens} tokens, output "
+          f"{args.output_tokens} tokens")
     profiles = [("synchronous", "kind=synchronous", args.sync_requests),
                 ("concurrent", f"kind=concurrent,streams={args.concurrency}", args.concurrent_requests)]
     rows = []
     for index, (name, profile, requests) in enumerate(profiles):
         path = run_profile(args, name, profile, requests, processor, seed + index, out)
-        rows.append(summary_row(name if name != "concurrent" else f"concurrent@{args.concurrency}", path))
-    print()
-    print_table(rows)
-    errors = sum(r["errors"] for r in rows)
-    if errors:
-        print(f"\n{errors} request(s) failed: GuideLLM records only the HTTP status; see the preflight above or "
-              f"send one of its bodies by hand")
-        return 1
-    return 0
+        rows.append({"server": args.server,
+                     **summary_row(name if name != "concurrent" else f"concurrent@{args.concurrency}", path)})
+    return rows
+
+
+def answers(url: str) -> bool:
+    try:
+        get_json(f"{url}/health", timeout=2)
+        return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def app_command(args) -> list[str]:
+    """`python app.py` with no flags (its port from the environment where --url names another)."""
+    return [sys.executable, str(ROOT / "app.py")]
+
+
+def llama_server_command(args, port: int) -> list[str]:
+    """llama.cpp's server on the bundled GGUF: a slot per concurrent stream, each with the context a request needs,
+    the app's thread count, the model named as the app names it (GuideLLM's processor is found by that name)."""
+    from inference_core.bench.llama_bench import llama_server_binary
+    from inference_core.model.bundled import bundled_gguf_path
+    import torch
+
+    threads = str(torch.get_num_threads())
+    slot_context = 4 * (args.prompt_tokens + args.output_tokens) + 256  # the chat template's tokens, with room
+    return [str(llama_server_binary()), "-m", str(bundled_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
+            "-t", threads, "-tb", threads, "--parallel", str(args.concurrency),
+            "-c", str(slot_context * args.concurrency), "--alias", BUNDLED_MODEL_IDS[0]]
+
+
+@contextlib.contextmanager
+def started(command: list[str], url: str, name: str, keep_running: bool = False):
+    """Run `command` (a server) until the block ends, once it answers GET /health; where `keep_running` (something
+    already answers at `url`), use that one and start nothing."""
+    if keep_running:
+        print(f"{name}: using the server that already answers at {url}")
+        yield
+        return
+    port = urllib.parse.urlparse(url).port or 80
+    env = {**os.environ, "PLAYGROUND_PORT": str(port)}
+    log = Path(tempfile.gettempdir()) / f"guidellm-bench-{name.split()[-1].replace('.', '-')}.log"
+    print(f"{name}: starting ({' '.join(command)}; its output in {log})", flush=True)
+    with open(log, "w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 900
+        while not answers(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"{name} did not answer at {url}; the end of {log}:\n{log.read_text()[-2000:]}")
+            time.sleep(1)
+        yield
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 if __name__ == "__main__":

@@ -79,12 +79,22 @@ def build_record(binary: Path) -> dict:
     return json.loads(record.read_text()) if record.is_file() else {}
 
 
-def _built(binary: Path, flags: tuple[str, ...], build: bool, why: str | None = None) -> Path:
-    """`binary`, built from llama.cpp's source with `flags` where it is not in the cache yet."""
+def llama_server_binary(build: bool = True) -> Path:
+    """The cached `llama-server` (llama.cpp's OpenAI-compatible server), built from the same source as `llama-bench`
+    with the same native flags where it is missing (`scripts/guidellm_bench.py --peer llama-server`)."""
+    flags = tuple(flag for flag in BUILD_FLAGS if not flag.startswith("-DLLAMA_BUILD_SERVER")) + (
+        "-DLLAMA_BUILD_SERVER=ON",)
+    return _built(binary_dir() / "llama-server", flags, build, target="llama-server")
+
+
+def _built(binary: Path, flags: tuple[str, ...], build: bool, why: str | None = None,
+           target: str = "llama-bench") -> Path:
+    """`binary`, llama.cpp's `target` built from its source with `flags` where it is not in the cache yet."""
     if binary.is_file():
         return binary
     if not build:
-        raise PeerUnavailable("llama-bench is not built yet; `bench --peer llama-bench` builds it once.")
+        raise PeerUnavailable(f"{target} is not built yet; `bench --peer llama-bench` or `scripts/guidellm_bench.py "
+                              "--peer llama-server` builds it once.")
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
         raise PeerUnavailable(f"building llama-bench needs {' and '.join(missing)} (CMake and a C++ compiler); "
@@ -93,13 +103,13 @@ def _built(binary: Path, flags: tuple[str, ...], build: bool, why: str | None = 
         source = _download_source(Path(folder))
         build_dir = Path(folder) / "build"
         started = time.perf_counter()
-        print(f"bench: building llama-bench from llama-cpp-python {LLAMA_CPP_PYTHON}'s llama.cpp (once; about 5-10 "
+        print(f"bench: building {target} from llama-cpp-python {LLAMA_CPP_PYTHON}'s llama.cpp (once; about 5-10 "
               "minutes on 2 cores)", flush=True)
         _run(["cmake", "-S", str(source), "-B", str(build_dir), *flags], "configuring llama.cpp")
-        _run(["cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", str(os.cpu_count() or 1)],
-             "building llama-bench")
+        _run(["cmake", "--build", str(build_dir), "--target", target, "-j", str(os.cpu_count() or 1)],
+             f"building {target}")
         binary.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(build_dir / "bin" / "llama-bench", binary)
+        shutil.copy2(build_dir / "bin" / target, binary)
         binary.with_name(binary.name + ".json").write_text(json.dumps({
             "llama_cpp_python": LLAMA_CPP_PYTHON, "flags": list(flags), "why": why,
             "build_s": round(time.perf_counter() - started, 1)}, indent=2))

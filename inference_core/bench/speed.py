@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from inference_core.bench.llama_bench import GEN_TOKENS, PROMPT_TOKENS, llama_bench_binary, median_row, run_llama_bench
 from inference_core.bench import process_peers
+from inference_core.bench.llama_bench import GEN_TOKENS, PROMPT_TOKENS, llama_bench_binary, median_row, run_llama_bench
 from inference_core.bench.llama_cpp import PEERS, PeerUnavailable, absent_row, open_peers, peer_gguf_path
 from inference_core.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from inference_core.config import ConfigError, EngineConfig

@@ -914,7 +914,7 @@ class CompiledDecoder:
         mask = torch.eye(queries, dtype=torch.bool).expand(bucket, queries, queries).contiguous()
         read_index = (torch.zeros(bucket, width, dtype=torch.int32) if self.paged
                       else torch.zeros(bucket, dtype=torch.long))
-        pool = self._pool_inputs(read_index) if self.paged else (self.kv_cache.k, self.kv_cache.v)
+        pool = self._pool_inputs(read_index)  # the cache's two pools, or an int4 cache's (paged only)
         args = (torch.zeros(bucket, queries, dtype=torch.long), torch.zeros(bucket, queries, dtype=torch.long),
                 read_index, torch.zeros(bucket, queries, width * self.block_size, dtype=torch.bool), mask, *pool)
         self._call_package(("queries", bucket, queries), args, self.query_step)

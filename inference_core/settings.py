@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from inference_core.config import ATTENTIONS, KV_DTYPES, KV_MODES, MAX_DECODE_STEPS, ConfigError, EngineConfig
-from inference_core.quant.linear import GROUP_SIZES, SCHEMES, QuantConfig
+from inference_core.quant.linear import ACTIVATIONS, GROUP_SIZES, INT4_SCHEMES, SCHEMES, QuantConfig
 from inference_core.sampling import SamplingParams
 from inference_core.spec.decoding import HIDDEN_READERS, MAX_K, MAX_TREE_WIDTH, SPEC_METHODS, SpecConfig
 from inference_core.structured import KINDS as CONSTRAINT_KINDS
@@ -32,6 +32,7 @@ SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "e
                       "medusa": "Medusa heads (trained)", "eagle": "EAGLE layer (trained)"}
 WEIGHTS_LABELS = {"none": "model dtype", "int8": "int8 per channel", "int4": "int4 per group",
                   "awq": "AWQ int4 per group (calibrated)", "gptq": "GPTQ int4 per group (calibrated)"}
+ACTIVATIONS_LABELS = {"model": "model dtype", "int8": "int8 per block of 32"}
 KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and head",
                    "int4": "int4: keys per channel, values per token (newest block in the model dtype)"}
 ATTENTION_LABELS = {"gather": "gather a copy (reference)", "flex": "FlexAttention through the block table"}
@@ -60,6 +61,9 @@ class Setting:
     applies: tuple[str, Callable[[object], bool]] | None = None
     hidden: bool = False
     off_value: object = UNSET
+    # Whether the command that reproduces a lane names this setting whenever its switch (`applies`) is on, as a
+    # detail of it (int4's group size), or only where it differs from its default.
+    detail: bool = True
 
 
 def _setting(default, **declared) -> field:
@@ -186,7 +190,15 @@ class LaneSettings:
              "compensated (both calibrated once and cached)")
     quant_group: int = _setting(
         32, label="int4 group size", widget="dropdown", choices=GROUP_SIZES, flag="quant-group",
-        help="int4: input features per scale and zero", applies=("weights", _one_of("int4", "awq", "gptq")))
+        help="int4: input features per scale and zero", applies=("weights", _one_of(*INT4_SCHEMES)))
+    quant_activations: str = _setting(
+        "model", label="int4 activations", widget="radio", choices=ACTIVATIONS, labels=ACTIVATIONS_LABELS,
+        info="int8: each projection's input rounded to int8 per block of 32 and multiplied by the int4 weights in "
+             "integers (llama.cpp's way; our CPU kernel, faster where the CPU has no bf16 dot products)",
+        flag="quant-activations",
+        help="int4 weights: multiply them by the activations in the model dtype (model) or by the activations "
+             "rounded to int8 per block of 32 input features, in integer dot products (int8: CPU only)",
+        applies=("weights", _one_of(*INT4_SCHEMES)), off_value="model", detail=False)
     kv_dtype: str = _setting(
         "auto", label="KV cache dtype", widget="radio", choices=KV_DTYPES, labels=KV_DTYPE_LABELS, flag="kv-dtype",
         help="KV cache storage: auto (the model dtype), int8 (per token and head scales) or int4 (KIVI: keys per "
@@ -249,7 +261,8 @@ class LaneSettings:
                             attention_sinks=_whole(self.attention_sinks) or 0, decode_steps=steps, **engine)
 
     def quant(self, lm_head: bool = True) -> QuantConfig:
-        return QuantConfig(self.weights or "none", _whole(self.quant_group), lm_head)
+        return QuantConfig(self.weights or "none", _whole(self.quant_group), lm_head,
+                           self.quant_activations if self.weights in INT4_SCHEMES else "model")
 
     def sampling(self, max_new_tokens: int, **more) -> SamplingParams:
         """The sampling settings for `max_new_tokens`; `more`: top-k, stop strings and the like, and any of the lane's
@@ -423,7 +436,7 @@ def command_flags(settings: LaneSettings, always: tuple[str, ...] = ()) -> list[
             continue
         default = cli_default(name)
         changed = value != getattr(DEFAULTS, name) and value != default
-        switched_on = setting.applies is not None and \
+        switched_on = setting.detail and setting.applies is not None and \
             getattr(settings, setting.applies[0]) != getattr(DEFAULTS, setting.applies[0])
         if name not in always and not (applies(settings, name) and (changed or switched_on)):
             continue

@@ -42,8 +42,14 @@ def pytest_cmdline_main(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory):
-    """Compiled decode steps go to a directory of this session's (no package from an earlier run is reused)."""
-    os.environ["INFERENCE_CORE_COMPILE_CACHE"] = str(tmp_path_factory.mktemp("compiled"))
+    """Compiled decode steps go to a directory of this run's (no package from an earlier run is reused), one for both
+    of the suite's workers: a step one worker compiled (the same model, shapes and options: the tiny model is the
+    same in every file that builds it) the other loads from disk. A package is written whole and then renamed
+    (`CompiledDecoder._build_package`), so two workers compiling the same one at once each read a whole one."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent / "compiled" if XDIST_WORKER else base / "compiled"  # the workers' base: this run's
+    shared.mkdir(exist_ok=True)
+    os.environ["INFERENCE_CORE_COMPILE_CACHE"] = str(shared)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -22,6 +22,7 @@ LANES = [
     LaneSettings(temperature=0.7, top_p=0.9, seed=3, spec_method="ngram", spec_k=5, spec_adaptive=True),
     LaneSettings(spec_method="eagle", spec_k=2, spec_tree_width=3, weights="awq", quant_group=64),
     LaneSettings(spec_method="early-exit", draft_layers=10),
+    LaneSettings(weights="int4", quant_activations="int8", compile=True),
 ]
 
 

@@ -43,7 +43,7 @@ from inference_core.engine.engine import Engine, make_kv_cache
 from inference_core.engine.runner import ModelRunner
 from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
 from inference_core.model.paths import DATA_DIR
-from inference_core.quant.linear import SCHEMES, QuantConfig, weight_bytes
+from inference_core.quant.linear import INT4_SCHEMES, SCHEMES, QuantConfig, weight_bytes
 from inference_core.quant.quantize import quantize
 from inference_core.sampling import SamplingParams
 from inference_core.sequence import Sequence
@@ -265,7 +265,8 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     """`python -m inference_core quality`'s flags."""
     add_model_arguments(parser, dtype="float32")  # the reference is full precision unless asked otherwise
     parser.add_argument("--quant", default="none,int8,int4",
-                        help=f"weight quantizations, comma-separated, from: {', '.join(SCHEMES)}")
+                        help=f"weight quantizations, comma-separated, from: {', '.join(SCHEMES)}; an int4 one with "
+                             f"'+a8' for int8 activations (e.g. int4+a8)")
     parser.add_argument("--quant-group", type=int, default=32, help="int4: input features per scale and zero")
     parser.add_argument("--quant-lm-head", action=argparse.BooleanOptionalAction, default=True,
                         help="quantize the LM head with the projections (--no-quant-lm-head: keep it in the model "
@@ -296,9 +297,10 @@ def run_quality(args) -> int:
     """`python -m inference_core quality`: the table printed, the rows and the host written to --json."""
 
     # 1. Every flag checked before the model loads.
-    schemes = _choices("--quant", args.quant, SCHEMES)
+    schemes = _choices("--quant", args.quant, SCHEMES + tuple(f"{scheme}+a8" for scheme in INT4_SCHEMES))
     kv_dtypes = _choices("--kv-dtype", args.kv_dtype, KV_DTYPES)
-    variants = [Variant(QuantConfig(scheme, args.quant_group, args.quant_lm_head) if scheme != "none"
+    variants = [Variant(QuantConfig(scheme.removesuffix("+a8"), args.quant_group, args.quant_lm_head,
+                                    "int8" if scheme.endswith("+a8") else "model") if scheme != "none"
                         else QuantConfig(), kv_dtype)
                 for scheme in schemes for kv_dtype in kv_dtypes]
     for flag, value, least in (("--window", args.window, 2), ("--max-new-tokens", args.max_new_tokens, 1),

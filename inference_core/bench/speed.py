@@ -148,11 +148,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
     parser.add_argument("--prompt-ids", help="comma-separated prompt ids to run (default: one per kind)")
     add_model_arguments(parser)
-    parser.add_argument("--configs", default="contiguous,paged,contiguous+compile,paged+compile",
+    parser.add_argument("--configs",
                         help="our configurations to run, comma-separated: a KV mode (none, contiguous, paged), "
                              "with '+compile' for compiled decode, '+stepsN' for N compiled decode steps a host round "
                              "trip (greedy), '+int8' or '+int4' for quantized weights and, with one of them, "
-                             "'+float-lm-head' to keep the LM head in the model dtype")
+                             "'+float-lm-head' to keep the LM head in the model dtype, with int4 '+a8' for int8 "
+                             "activations (default: paged, paged+compile+steps8 and the fastest quantized "
+                             "configuration inside the quality table's limits on this machine: `default_configs`)")
     parser.add_argument("--quant-group", type=int, default=32, help="int4 rows: input features per scale and zero")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers row")
     parser.add_argument("--peer", type=peer_list, action="extend",
@@ -172,13 +174,33 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", help="write the results here")
 
 
+def default_configs(device: str) -> str:
+    """bench's rows where --configs is not given: eager and compiled paged KV (8 decode steps a round trip), and on a
+    CPU the fastest quantized configuration inside the quality table's limits (int4 at group 32: +4.5% perplexity,
+    docs/benchmarks.md), so that a first `bench --peer ...` shows our best: int4 through our loop where the CPU has
+    BF16 dot products (`row_kernel.int4_capable`), else int4 by int8 activations (`model.w4a8_kernel`) where our
+    ops build, else int8."""
+    configs = ["paged", "paged+compile+steps8"]
+    if device != "cpu":
+        return ",".join(configs)
+    if row_kernel.int4_capable():
+        best = "int4"
+    else:
+        best = "int4+a8" if row_kernel.unavailable() is None else "int8"
+    return ",".join([*configs, f"paged+compile+{best}+steps8"])
+
+
 def run_bench(args) -> int:
     if args.repeats < 1 or args.max_new_tokens < 2:
         raise ConfigError("bench needs --repeats >= 1 and --max-new-tokens >= 2.")
+    if args.configs is None:
+        auto = args.device in (None, "auto")
+        args.configs = default_configs(("cuda" if torch.cuda.is_available() else "cpu") if auto else args.device)
 
-    parsed = {name: parse_config(name) for name in (part.strip() for part in args.configs.split(",")) if name}
-    configs = {name: config for name, (config, _, _) in parsed.items()}
-    schemes = {name: QuantConfig(scheme, args.quant_group, lm_head) for name, (_, scheme, lm_head) in parsed.items()}
+    parsed = {name: parse_config(name, args.quant_group)
+              for name in (part.strip() for part in args.configs.split(",")) if name}
+    configs = {name: config for name, (config, _) in parsed.items()}
+    schemes = {name: scheme for name, (_, scheme) in parsed.items()}
     rows = load_prompts(args.prompts or DEFAULT_PROMPTS)  # a bad file fails before the model loads
     loaded = load_model(args.model, args.device, args.dtype)
     models = {scheme: quantize(loaded, scheme) for scheme in set(schemes.values())}  # one copy per scheme
@@ -388,34 +410,36 @@ def resident_mib() -> float:
     return 0.0
 
 
-def parse_config(name: str) -> tuple[EngineConfig, str, bool]:
-    """A bench row's name -> its engine config, weight quantization and whether the LM head is quantized too: a KV
-    mode, with '+compile' for compiled decode, '+stepsN' for N compiled decode steps a host round trip, '+inductor-mm'
-    for compiled decode with the matmuls inductor picks instead of our projection kernel (model.row_kernel),
-    '+inductor-attention' with the attention inductor compiles instead of ours (model.attention_kernel), '+int8' or
-    '+int4' for quantized weights and, with one of them, '+float-lm-head' to keep the LM head in the model dtype,
-    '+kv-int8' or '+kv-int4' for a quantized KV cache (int8 eager only; e.g. paged+compile+int8,
-    paged+compile+steps8, paged+compile+int4+float-lm-head, paged+compile+kv-int4)."""
+def parse_config(name: str, group_size: int = 32) -> tuple[EngineConfig, QuantConfig]:
+    """A bench row's name -> its engine config and weight quantization: a KV mode, with '+compile' for compiled
+    decode, '+stepsN' for N compiled decode steps a host round trip, '+inductor-mm' for compiled decode with the
+    matmuls inductor picks instead of our projection kernel (model.row_kernel), '+inductor-attention' with the
+    attention inductor compiles instead of ours (model.attention_kernel), '+int8' or '+int4' for quantized weights
+    and, with one of them, '+float-lm-head' to keep the LM head in the model dtype, with int4 '+a8' for int8
+    activations (model.w4a8_kernel), '+kv-int8' or '+kv-int4' for a quantized KV cache (int8 eager only; e.g.
+    paged+compile+int8, paged+compile+steps8, paged+compile+int4+a8+float-lm-head, paged+compile+kv-int4)."""
     kv_mode, *extras = name.split("+")
     quant = [extra for extra in extras if extra in ("int8", "int4")]
     kv_dtype = [extra[3:] for extra in extras if extra in ("kv-int8", "kv-int4")]
     steps = [int(extra[5:]) for extra in extras if re.fullmatch(r"steps\d+", extra)]
-    if any(extra not in ("compile", "int8", "int4", "inductor-mm", "inductor-attention", "float-lm-head", "kv-int8",
-                         "kv-int4")
+    if any(extra not in ("compile", "int8", "int4", "inductor-mm", "inductor-attention", "float-lm-head", "a8",
+                         "kv-int8", "kv-int4")
            and not re.fullmatch(r"steps\d+", extra)
            for extra in extras) \
             or len(quant) > 1 or len(steps) > 1 or len(kv_dtype) > 1 or len(set(extras)) < len(extras) \
-            or ("float-lm-head" in extras and not quant):
+            or ("float-lm-head" in extras and not quant) or ("a8" in extras and quant != ["int4"]):
         raise ConfigError(f"unknown bench configuration {name!r}: use a KV mode (none, contiguous, paged), with "
                           "'+compile' for compiled decode, '+stepsN' for N decode steps a round trip, '+inductor-mm' "
                           "for inductor's matmuls instead of our projection kernel, '+inductor-attention' for "
                           "inductor's attention instead of our attention kernel, '+int8' or '+int4' for quantized "
                           "weights and, with one of them, '+float-lm-head' to keep the LM head in the model dtype, "
-                          "'+kv-int8' or '+kv-int4' for a quantized KV cache (e.g. paged+compile+int8).")
+                          "with '+int4' '+a8' for int8 activations, '+kv-int8' or '+kv-int4' for a quantized KV cache "
+                          "(e.g. paged+compile+int8).")
     return (EngineConfig(kv_mode=kv_mode, compile="compile" in extras, decode_steps=steps[0] if steps else 1,
                          kv_dtype=kv_dtype[0] if kv_dtype else "auto",
                          row_kernel="inductor-mm" not in extras, attention_kernel="inductor-attention" not in extras),
-            quant[0] if quant else "none", "float-lm-head" not in extras)
+            QuantConfig(quant[0] if quant else "none", group_size, "float-lm-head" not in extras,
+                        "int8" if "a8" in extras else "model"))
 
 
 def write_report(report: dict, path: str | None, quiet: bool = False) -> None:

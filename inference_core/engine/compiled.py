@@ -74,7 +74,7 @@ from inference_core.engine import package_weights, query_graph, triton_attention
 from inference_core.engine.query_graph import MAX_QUERIES, FlatGraph, QueryGraph, forward_layers, layer_pool
 from inference_core.engine.query_graph import read_context as _read_context
 from inference_core.engine.runner import window_mask
-from inference_core.model import attention_kernel, row_kernel
+from inference_core.model import attention_kernel, row_kernel, w4a8_kernel
 from inference_core.model.llama import CausalLM, model_fingerprint
 from inference_core.model.paths import cache_root
 from inference_core.quant import linear as quant_linear
@@ -1005,7 +1005,7 @@ _LOADED_PACKAGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CODE_FINGERPRINT = hashlib.blake2b(  # the model, the quantized projections, this module and our kernels' (whose ops
     "".join(inspect.getsource(module) for module in (  # and packed weights a package holds)
         sys.modules[CausalLM.__module__], quant_linear, sys.modules[__name__], query_graph, row_kernel,
-        attention_kernel, package_weights)).encode(),
+        attention_kernel, w4a8_kernel, package_weights)).encode(),
     digest_size=12).hexdigest()
 
 

@@ -151,7 +151,8 @@ def assemble(loaded, tensors: dict[str, torch.Tensor], config):
         q = torch.stack([packed & 15, packed >> 4], -1).view(packed.shape[0], -1).to(torch.int32)  # [out, in]
         bias = tensors.get(f"{name}.bias")
         layer = QuantLinear.from_int4(Int4Weight(q, tensors[f"{name}.scale"], tensors[f"{name}.zero"]),
-                                      None if bias is None else nn.Parameter(bias, requires_grad=False), compute, name)
+                                      None if bias is None else nn.Parameter(bias, requires_grad=False), compute, name,
+                                      config.activations)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     for key, weight in tensors.items():
@@ -166,7 +167,8 @@ def read_metadata(path: Path | str) -> dict[str, str]:
         return file.metadata() or {}
 
 
-def load(loaded, path: Path | str, lm_head: bool = True, group_size: int | None = None, method: str = "awq"):
+def load(loaded, path: Path | str, lm_head: bool = True, group_size: int | None = None, method: str = "awq",
+         activations: str = "model"):
     """The quantized LoadedModel from a `method` (awq, gptq) file made for `loaded`'s weights (no calibration)."""
     path = Path(path)
     check_device(loaded.device)
@@ -188,7 +190,7 @@ def load(loaded, path: Path | str, lm_head: bool = True, group_size: int | None 
     if group_size is not None and stored_group != group_size:
         raise ConfigError(f"{path} holds int4 groups of {stored_group}, not {group_size}; pick --quant-group "
                           f"{stored_group} or calibrate group {group_size}.")
-    return assemble(loaded, load_file(str(path)), QuantConfig(method, stored_group, lm_head))
+    return assemble(loaded, load_file(str(path)), QuantConfig(method, stored_group, lm_head, activations))
 
 
 def load_or_calibrate(loaded, config: QuantConfig):
@@ -199,12 +201,14 @@ def load_or_calibrate(loaded, config: QuantConfig):
         raise ValueError(f"{method} is not a calibrated scheme")
     path = default_path(loaded, config.group_size, method)
     if path.exists():
-        return load(loaded, path, config.lm_head, config.group_size, method)
+        return load(loaded, path, config.lm_head, config.group_size, method, config.activations)
     print(f"[{method}: calibrating {loaded.display_name} at group {config.group_size} on {CALIBRATION_TEXT.name}; "
           f"saved to {path} for next time]", file=sys.stderr, flush=True)
     quantized, _, seconds = calibrate_and_save(loaded, config.group_size, path, lm_head=config.lm_head,
                                                method=method, **DEFAULT_OPTIONS.get(method, {}))
     print(f"[{method}: calibrated in {seconds:.0f} s]", file=sys.stderr, flush=True)
+    if config.activations != "model":  # the calibration's own model multiplies in the model dtype: read the file
+        return load(loaded, path, config.lm_head, config.group_size, method, config.activations)
     return quantized
 
 

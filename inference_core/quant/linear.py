@@ -30,13 +30,17 @@ import torch
 from torch import nn
 
 from inference_core.config import ConfigError
-from inference_core.model import row_kernel
+from inference_core.model import row_kernel, w4a8_kernel
 from inference_core.model.llama import Linear
 from inference_core.quant import kernels
 
 SCHEMES = ("none", "int8", "int4", "awq", "gptq")
 CALIBRATED = ("awq", "gptq")  # int4 schemes calibrated once on the shipped text, then loaded from their file
+INT4_SCHEMES = ("int4", *CALIBRATED)
 GROUP_SIZES = (32, 64, 128)
+# What an int4 projection multiplies its weight by: the activations in the model dtype (or `compute_dtype`'s), or
+# rounded to int8 per block of 32 input features and multiplied in integers (`model.w4a8_kernel`, CPU only).
+ACTIVATIONS = ("model", "int8")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class QuantConfig:
     scheme: str = "none"  # none, int8 (per output channel), int4 (per group), awq (int4 after AWQ scaling) or gptq
     group_size: int = 32  # int4 and awq: input features sharing a scale and zero
     lm_head: bool = True  # quantize the LM head too (about a fifth of a small model's weights)
+    activations: str = "model"  # int4 schemes: "int8" rounds each projection's input to int8 (`ACTIVATIONS`)
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -51,14 +56,19 @@ class QuantConfig:
         if self.group_size not in GROUP_SIZES:
             raise ConfigError(f"quantization group size must be one of {', '.join(map(str, GROUP_SIZES))}, "
                               f"not {self.group_size}.")
+        if self.activations not in ACTIVATIONS:
+            raise ConfigError(f"unknown activations {self.activations!r}; one of {', '.join(ACTIVATIONS)}.")
+        if self.activations == "int8" and self.scheme not in INT4_SCHEMES:
+            raise ConfigError(f"int8 activations go with int4 weights (int4, awq or gptq), not {self.scheme}.")
 
     @property
     def name(self) -> str:
-        """e.g. 'int4 g32', 'awq int4 g32', 'int8 (LM head in the model dtype)'."""
+        """e.g. 'int4 g32', 'awq int4 g32', 'int4 g32 x int8 activations', 'int8 (LM head in the model dtype)'."""
         if self.scheme == "none":
             return "none"
         words = {"int8": "int8", "int4": f"int4 g{self.group_size}", "awq": f"awq int4 g{self.group_size}",
                  "gptq": f"gptq int4 g{self.group_size}"}[self.scheme]
+        words += " x int8 activations" if self.activations == "int8" else ""
         return words + ("" if self.lm_head else " (LM head in the model dtype)")
 
 
@@ -104,8 +114,10 @@ class QuantLinear(nn.Module):
     """A `model.Linear` with its weight quantized; same inputs and outputs. `name` (the module's, e.g.
     'layers.0.mlp.down_proj') only names it in errors."""
 
-    def __init__(self, linear: Linear, scheme: str, group_size: int, compute: torch.dtype, name: str = ""):
+    def __init__(self, linear: Linear, scheme: str, group_size: int, compute: torch.dtype, name: str = "",
+                 activations: str = "model"):
         super().__init__()
+        self.activations = activations
         weight = linear.weight.detach()
         weight = (weight.t() if linear.in_out else weight).float().contiguous()  # [out, in], on the model's device
         self.out_features, self.in_features = weight.shape
@@ -124,18 +136,24 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_int4(cls, weight: Int4Weight, bias: torch.Tensor | None, compute: torch.dtype,
-                  name: str = "") -> QuantLinear:
+                  name: str = "", activations: str = "model") -> QuantLinear:
         """An int4 layer from weights already rounded (AWQ's scaled ones, or ones read back from a file), on the
         device `weight` is on."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.out_features, layer.in_features = weight.q.shape
         layer.scheme, layer.group_size, layer.compute, layer.bias = "int4", weight.group_size, compute, bias
-        layer.name = name
+        layer.name, layer.activations = name, activations
         layer._store_int4(weight)
         return layer
 
     def _store_int4(self, weight: Int4Weight) -> None:
+        if self.activations == "int8":  # our op's layout (`model.w4a8_kernel.pack`), its scales and zeros in bf16
+            check_int8_activations(weight.q.device, self.name, self.out_features, self.in_features, self.group_size)
+            nibbles, numbers = w4a8_kernel.pack(weight.q, weight.scale, weight.zero)
+            self.register_buffer("nibbles", nibbles)
+            self.register_buffer("numbers", numbers)
+            return
         # qweight: the device kernel's packed layout (on CUDA tinygemm's, or the nibbles our Triton kernel reads,
         # whichever measured faster: `kernels.int4_path`); scales: [in / group_size, out, 2] (scale, zero).
         path = "tinygemm"
@@ -148,7 +166,13 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", kernels.scales_and_zeros(weight.scale, weight.zero, self.compute))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.compute)
+        flat = x.reshape(-1, self.in_features)
+        if self.activations == "int8":  # the op takes the model's fp32 or bf16 as it is, and answers in it
+            out = w4a8_kernel.linear(flat if flat.dtype in (torch.float32, torch.bfloat16) else flat.float(),
+                                     self.nibbles, self.numbers, self.group_size)
+            out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return out if self.bias is None else out + self.bias
+        flat = flat.to(self.compute)
         if self.scheme == "int8" and row_kernel.takes(flat, self.qweight):  # exporting a compiled decode step
             out = row_kernel.linear_int8(flat, self.qweight, self.scales)
         elif self.scheme == "int8":
@@ -164,6 +188,8 @@ class QuantLinear(nn.Module):
         """The [out, in] fp32 weight this layer computes with (the kernels' reference), on its device."""
         if self.scheme == "int8":
             return self.qweight.float() * self.scales.float().unsqueeze(1)
+        if self.activations == "int8":
+            return Int4Weight(*w4a8_kernel.unpack(self.nibbles, self.numbers)).dequantized()
         # The packed layout is the kernel's own: read it back through the kernel, 1024 input features at a time
         # (rows of the identity; each output row is one input feature's column of the weight).
         columns = []
@@ -173,6 +199,20 @@ class QuantLinear(nn.Module):
             eye.diagonal(start).fill_(1)
             columns.append(kernels.int4_mm(eye, self.qweight, self.group_size, self.scales))
         return torch.cat(columns).float().t()
+
+
+def check_int8_activations(device: torch.device, name: str, out_features: int, in_features: int,
+                           group_size: int) -> None:
+    """Refuses, in words, an int4 layer with int8 activations where our op cannot run it."""
+    if device.type != "cpu":
+        raise ConfigError("int8 activations run on a CPU only (our AVX2 kernel); on a GPU set them to model.")
+    if not w4a8_kernel.fits(out_features, in_features, group_size):
+        raise ConfigError(f"{name or 'a projection'} ({out_features} x {in_features}) does not fit the int8 "
+                          f"activations' layout (out features a multiple of 8, groups of whole blocks of 32); set "
+                          f"activations to model.")
+    if (reason := row_kernel.unavailable()) is not None:
+        raise ConfigError(f"int8 activations need our CPU kernel, which cannot run here: {reason}; set them to "
+                          f"model.")
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -29,5 +29,5 @@ def quantize(loaded, config: QuantConfig):
     for name, module in targets:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr,
-                QuantLinear(module, config.scheme, config.group_size, compute, name))
+                QuantLinear(module, config.scheme, config.group_size, compute, name, config.activations))
     return dataclasses.replace(loaded, model=model, quant=config)

@@ -1,5 +1,7 @@
 """llama.cpp's own benchmark as a peer of `bench` (`--peer llama-bench`): `llama-bench` text generation (`tg128`) and
-prompt processing (`pp512`) on the same GGUF file, the numbers llama.cpp's users quote.
+prompt processing (`pp512`) on the same GGUF file, the numbers llama.cpp's users quote; and the same benchmark of the
+ik_llama.cpp fork (`--peer ik-llama-bench`, `IK_LLAMA_CPP`: its own CPU kernels, run with its run-time repacking),
+built the same way from the source that `ik-llama-cpp-python`'s distribution carries.
 
 `llama-bench` is built from the llama.cpp source that `llama-cpp-python`'s source distribution carries (the version
 `--peer llama-cpp` installs, `LLAMA_CPP_PYTHON`): pip downloads the source distribution (from the package registry
@@ -21,6 +23,7 @@ deviations.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -43,21 +46,47 @@ NO_AMX_FLAGS = (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 PROMPT_TOKENS, GEN_TOKENS = 512, 128
 
 
-def binary_dir() -> Path:
-    return cache_root() / "llama-bench" / LLAMA_CPP_PYTHON
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A llama.cpp tree whose `llama-bench` a peer runs: the Python package whose source distribution vendors it."""
+
+    peer: str  # the peer's name in `bench --peer` and in its rows
+    package: str  # on the package registry
+    version: str
+    vendor: str  # the tree's folder under the distribution's vendor/
+    flags: tuple[str, ...] = ()  # CMake flags beside BUILD_FLAGS (a later -D of the same name wins)
+    run_flags: tuple[str, ...] = ()  # llama-bench flags of every run
+
+    @property
+    def build_flags(self) -> tuple[str, ...]:
+        return BUILD_FLAGS + self.flags
 
 
-def llama_bench_binary(gguf: Path | None = None, threads: int = 1, build: bool = True) -> Path:
-    """The cached `llama-bench` that runs here, built first where it is missing (`build`); PeerUnavailable says why
-    there is none. With `gguf`, the binary is first checked on a short prompt and two tokens (`crash`): where the
-    native build dies on a CPU with AMX, a second build with llama.cpp's AMX code left out (`NO_AMX_FLAGS`) is the
-    one used, and its build record says why (`build_record`)."""
-    native = _built(binary_dir() / "llama-bench", BUILD_FLAGS, build)
-    if gguf is None or (failed := crash(native, gguf, threads)) is None:
+LLAMA_CPP = Source("llama-bench", "llama-cpp-python", LLAMA_CPP_PYTHON, "llama.cpp")
+# ik_llama.cpp, a fork with CPU kernels of its own (AVX2 and AVX-512, Zen tuned) and run-time repacking (`-rtr 1`:
+# the weights rearranged at load into its interleaved layouts, its own advice for CPU inference). Its llama-bench is
+# one of its examples.
+IK_LLAMA_CPP = Source("ik-llama-bench", "ik-llama-cpp-python", "0.1.5", "ik_llama.cpp",
+                      flags=("-DLLAMA_BUILD_EXAMPLES=ON",), run_flags=("-rtr", "1"))
+SOURCES = {source.peer: source for source in (LLAMA_CPP, IK_LLAMA_CPP)}
+
+
+def binary_dir(source: Source = LLAMA_CPP) -> Path:
+    return cache_root() / source.peer / source.version
+
+
+def llama_bench_binary(gguf: Path | None = None, threads: int = 1, build: bool = True,
+                       source: Source = LLAMA_CPP) -> Path:
+    """The cached `llama-bench` of `source` that runs here, built first where it is missing (`build`);
+    PeerUnavailable says why there is none. With `gguf`, the binary is first checked on a short prompt and two tokens
+    (`crash`): where llama.cpp's native build dies on a CPU with AMX, a second build with llama.cpp's AMX code left out
+    (`NO_AMX_FLAGS`) is the one used, and its build record says why (`build_record`)."""
+    native = _built(binary_dir(source) / "llama-bench", source.build_flags, build, source=source)
+    if gguf is None or (failed := crash(native, gguf, threads, source)) is None:
         return native
-    if not cpu_has_amx():
-        raise PeerUnavailable(f"llama-bench (built here with {' '.join(BUILD_FLAGS)}) crashed on a 16-token prompt: "
-                              f"{failed}")
+    if source is not LLAMA_CPP or not cpu_has_amx():
+        raise PeerUnavailable(f"{source.peer} (built here with {' '.join(source.build_flags)}) crashed on a 16-token "
+                              f"prompt: {failed}")
     print(f"bench: the native llama-bench crashed on a 16-token prompt ({failed}); {AMX_CRASHES}, so the build "
           "without it is used", flush=True)
     fallback = _built(binary_dir() / "llama-bench-no-amx", BUILD_FLAGS + NO_AMX_FLAGS, build,
@@ -67,10 +96,10 @@ def llama_bench_binary(gguf: Path | None = None, threads: int = 1, build: bool =
     return fallback
 
 
-def crash(binary: Path, gguf: Path, threads: int) -> str | None:
+def crash(binary: Path, gguf: Path, threads: int, source: Source = LLAMA_CPP) -> str | None:
     """How `binary` fails a 16-token prompt and two generated tokens on `gguf` (None: it runs)."""
     return check_run([str(binary), "-m", str(gguf), "-p", "16", "-n", "2", "-t", str(threads), "-r", "1", "-fa", "1",
-                      "-o", "json"])
+                      *source.run_flags, "-o", "json"])
 
 
 def build_record(binary: Path) -> dict:
@@ -88,43 +117,59 @@ def llama_server_binary(build: bool = True) -> Path:
 
 
 def _built(binary: Path, flags: tuple[str, ...], build: bool, why: str | None = None,
-           target: str = "llama-bench") -> Path:
-    """`binary`, llama.cpp's `target` built from its source with `flags` where it is not in the cache yet."""
+           target: str = "llama-bench", source: Source = LLAMA_CPP) -> Path:
+    """`binary`, `source`'s `target` built from its source with `flags` where it is not in the cache yet."""
     if binary.is_file():
         return binary
     if not build:
-        raise PeerUnavailable(f"{target} is not built yet; `bench --peer llama-bench` or `scripts/guidellm_bench.py "
+        raise PeerUnavailable(f"{target} is not built yet; `bench --peer {source.peer}` or `scripts/guidellm_bench.py "
                               "--peer llama-server` builds it once.")
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
-        raise PeerUnavailable(f"building llama-bench needs {' and '.join(missing)} (CMake and a C++ compiler); "
-                              "install them, or bench without --peer llama-bench.")
+        raise PeerUnavailable(f"building {source.peer} needs {' and '.join(missing)} (CMake and a C++ compiler); "
+                              f"install them, or bench without --peer {source.peer}.")
     with tempfile.TemporaryDirectory(prefix="llama-bench-") as folder:
-        source = _download_source(Path(folder))
+        tree = _download_source(Path(folder), source)
         build_dir = Path(folder) / "build"
         started = time.perf_counter()
-        print(f"bench: building {target} from llama-cpp-python {LLAMA_CPP_PYTHON}'s llama.cpp (once; about 5-10 "
+        print(f"bench: building {target} from {source.package} {source.version}'s {source.vendor} (once; about 5-10 "
               "minutes on 2 cores)", flush=True)
-        _run(["cmake", "-S", str(source), "-B", str(build_dir), *flags], "configuring llama.cpp")
+        _run(["cmake", "-S", str(tree), "-B", str(build_dir), *flags], f"configuring {source.vendor}")
         _run(["cmake", "--build", str(build_dir), "--target", target, "-j", str(os.cpu_count() or 1)],
              f"building {target}")
         binary.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(build_dir / "bin" / target, binary)
         binary.with_name(binary.name + ".json").write_text(json.dumps({
-            "llama_cpp_python": LLAMA_CPP_PYTHON, "flags": list(flags), "why": why,
+            "package": f"{source.package} {source.version}", "flags": list(flags), "why": why,
             "build_s": round(time.perf_counter() - started, 1)}, indent=2))
     return binary
 
 
-def _download_source(folder: Path) -> Path:
-    """llama-cpp-python's source distribution from the registry, unpacked: its vendored llama.cpp folder."""
+def _download_source(folder: Path, source: Source = LLAMA_CPP) -> Path:
+    """`source`'s source distribution from the registry, unpacked: its vendored llama.cpp tree."""
     _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", str(folder),
-          f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], "downloading llama-cpp-python's source")
-    archive = next(folder.glob("llama_cpp_python-*.tar.gz"))
-    prefix = f"{archive.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+          f"{source.package}=={source.version}"], f"downloading {source.package}'s source")
+    archive = next(folder.glob(f"{source.package.replace('-', '_')}-*.tar.gz"))
+    prefix = f"{archive.name.removesuffix('.tar.gz')}/vendor/{source.vendor}/"
     with tarfile.open(archive) as tar:
         tar.extractall(folder, members=[m for m in tar.getmembers() if m.name.startswith(prefix)], filter="data")
+    _write_build_info(folder / prefix, source)
     return folder / prefix
+
+
+def _write_build_info(tree: Path, source: Source) -> None:
+    """`common/build-info.cpp` written from its template where the tree lacks the script that makes it from git
+    (ik-llama-cpp-python 0.1.5's distribution leaves `common/cmake/build-info-gen-cpp.cmake` out, and its build then
+    stops at that step): the file already there, the build does not run the script."""
+    template, script = tree / "common" / "build-info.cpp.in", tree / "common" / "cmake" / "build-info-gen-cpp.cmake"
+    if not template.is_file() or script.is_file():
+        return
+    values = {"BUILD_NUMBER": "0", "BUILD_COMMIT": f"{source.package} {source.version}", "BUILD_COMPILER": "unknown",
+              "BUILD_TARGET": "unknown"}
+    text = template.read_text()
+    for name, value in values.items():
+        text = text.replace(f"@{name}@", value)
+    (tree / "common" / "build-info.cpp").write_text(text)
 
 
 def _run(command: list[str], what: str) -> None:
@@ -135,21 +180,21 @@ def _run(command: list[str], what: str) -> None:
 
 
 def run_llama_bench(gguf: Path, threads: int, prompt_tokens: int = PROMPT_TOKENS, repetitions: int = 5,
-                    binary: Path | None = None) -> dict:
-    """tg128 and pp`prompt_tokens` of `gguf` with `threads` threads: the bench row's fields (see the module
-    docstring)."""
-    binary = binary or llama_bench_binary(gguf, threads)
+                    binary: Path | None = None, source: Source = LLAMA_CPP) -> dict:
+    """tg128 and pp`prompt_tokens` of `gguf` with `threads` threads by `source`'s llama-bench: the bench row's fields
+    (see the module docstring)."""
+    binary = binary or llama_bench_binary(gguf, threads, source=source)
     command = [str(binary), "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(GEN_TOKENS), "-t", str(threads),
-               "-r", str(repetitions), "-fa", "1", "-o", "json"]
+               "-r", str(repetitions), "-fa", "1", *source.run_flags, "-o", "json"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise PeerUnavailable(f"llama-bench failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+        raise PeerUnavailable(f"{source.peer} failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
     tests = json.loads(done.stdout)
     prompt = next(test for test in tests if test["n_prompt"] == prompt_tokens and test["n_gen"] == 0)
     generate = next(test for test in tests if test["n_gen"] == GEN_TOKENS and test["n_prompt"] == 0)
     quant = gguf_quant(gguf) or "as stored"
     record = build_record(binary)
-    return {"name": f"llama-bench ({quant} GGUF)", "kv": f"llama.cpp ({generate.get('type_k', 'f16')})",
+    return {"name": f"{source.peer} ({quant} GGUF)", "kv": f"{source.vendor} ({generate.get('type_k', 'f16')})",
             "quant": f"{quant} (GGUF)", "weights_mib": round(gguf.stat().st_size / 2**20, 1), "compile": None,
             "compile_warmup_s": None, "compile_rss_mib": None, "threads": generate.get("n_threads", threads),
             "decode_tokens_per_s": round(generate["avg_ts"], 2), "ttft_ms": None, "prefill_tokens_per_s": None,
@@ -157,9 +202,9 @@ def run_llama_bench(gguf: Path, threads: int, prompt_tokens: int = PROMPT_TOKENS
             "llama_bench": {"command": " ".join(command),
                             "build_commit": generate.get("build_commit"), "build_number": generate.get("build_number"),
                             "cpu_info": generate.get("cpu_info"),
-                            "flags": record.get("flags", list(BUILD_FLAGS)), "built_because": record.get("why"),
+                            "flags": record.get("flags", list(source.build_flags)), "built_because": record.get("why"),
                             "tg_stddev": round(generate["stddev_ts"], 2), "pp_stddev": round(prompt["stddev_ts"], 1),
-                            "llama_cpp_python": LLAMA_CPP_PYTHON}}
+                            "package": f"{source.package} {source.version}"}}
 
 
 def median_row(runs: list[dict]) -> dict:

@@ -34,7 +34,7 @@ import torch
 from inference_core.config import ConfigError
 from inference_core.model.bundled import BUNDLED_NAMES, bundled_gguf_path
 
-PEERS = ("llama-cpp", "llama-bench")  # llama-bench: `inference_core.bench.llama_bench`
+PEERS = ("llama-cpp", "llama-bench", "ik-llama-bench")  # the benches: `inference_core.bench.llama_bench`
 INSTALL_COMMAND = 'CMAKE_ARGS="-DGGML_NATIVE=ON" python -m pip install llama-cpp-python==0.3.36'
 # The same, less llama.cpp's AMX code, for hosts where it crashes (`crash`): GCC keeps an ISA that -mno-... turns off
 # whatever -march=native says.

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from inference_core.bench import process_peers
-from inference_core.bench.llama_bench import GEN_TOKENS, PROMPT_TOKENS, llama_bench_binary, median_row, run_llama_bench
+from inference_core.bench.llama_bench import (GEN_TOKENS, PROMPT_TOKENS, SOURCES, llama_bench_binary, median_row,
+                                              run_llama_bench)
 from inference_core.bench.llama_cpp import PEERS, PeerUnavailable, absent_row, open_peers, peer_gguf_path
 from inference_core.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from inference_core.config import ConfigError, EngineConfig
@@ -161,7 +162,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="other engines on the same model, repeatable or comma-separated: llama-cpp (llama.cpp on "
                              "the same GGUF file, where llama-cpp-python is installed; reported as absent otherwise), "
                              "llama-bench (llama.cpp's own benchmark, tg128 and pp512; built once from "
-                             "llama-cpp-python's source with CMake), openvino (OpenVINO GenAI on the GGUF file: f32, "
+                             "llama-cpp-python's source with CMake), ik-llama-bench (the same of the ik_llama.cpp "
+                             "fork, with its run-time repacking; built from ik-llama-cpp-python's source), openvino (OpenVINO GenAI on the GGUF file: f32, "
                              "bf16), onnxruntime-genai (ONNX Runtime GenAI on its builder's conversion: int4, int8, "
                              "fp32), ctranslate2 (on its converter's conversion: int8, int8_float32, float32, "
                              "bfloat16); each of the last three in a virtual environment of its own, installed from "
@@ -237,16 +239,20 @@ def run_bench(args) -> int:
     runners.update({name: peer.run for name, peer in peers.items()})
     if not runners:
         raise ConfigError("nothing to bench: name KV modes with --configs or drop --no-hf.")
-    llama_bench, llama_bench_runs = None, []  # --peer llama-bench: one llama-bench run per repeat, interleaved
-    if "llama-bench" in (args.peer or []):
+    # --peer llama-bench, ik-llama-bench: one run of each per repeat, interleaved with the rows above
+    llama_benches, llama_bench_runs = {}, {}
+    for peer, source in SOURCES.items():
+        if peer not in (args.peer or []):
+            continue
         try:
-            gguf = peer_gguf_path(args.model)
-            binary = llama_bench_binary(gguf, torch.get_num_threads())  # built once and checked, before any clock
-            llama_bench = partial(run_llama_bench, gguf, torch.get_num_threads(), len(long_ids) or PROMPT_TOKENS, 1,
-                                  binary)
+            gguf = peer_gguf_path(args.model)  # built once and checked, before any clock:
+            binary = llama_bench_binary(gguf, torch.get_num_threads(), source=source)
+            llama_benches[peer] = partial(run_llama_bench, gguf, torch.get_num_threads(),
+                                          len(long_ids) or PROMPT_TOKENS, 1, binary, source)
+            llama_bench_runs[peer] = []
         except PeerUnavailable as error:
-            absent_peers.append(absent_row(args.model, str(error), "llama-bench"))
-            print(f"bench: llama-bench absent: {error}", flush=True)
+            absent_peers.append(absent_row(args.model, str(error), peer))
+            print(f"bench: {peer} absent: {error}", flush=True)
     print(f"bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, "
           f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens", flush=True)
     probes = [measure_read_bandwidth(loaded.device)]  # and one after every repeat: their median sets the limit
@@ -267,11 +273,11 @@ def run_bench(args) -> int:
                                       "read_bytes_per_s": read_rate(paired_buffer, PROBE_REPEATS)})
             print(f"  repeat {repeat + 1}/{args.repeats}, {prompt_id}: " + ", ".join(
                 f"{name} {results[name][-1]['decode_tokens_per_s']:.1f}" for name in runners) + " tok/s", flush=True)
-        if llama_bench is not None:
-            llama_bench_runs.append(llama_bench())
-            print(f"  repeat {repeat + 1}/{args.repeats}, {llama_bench_runs[-1]['name']}: tg "
-                  f"{llama_bench_runs[-1]['decode_tokens_per_s']:.1f} tok/s, pp "
-                  f"{llama_bench_runs[-1]['prefill_long_tokens_per_s']:.0f} tok/s", flush=True)
+        for peer, llama_bench in llama_benches.items():
+            run = llama_bench()
+            llama_bench_runs[peer].append(run)
+            print(f"  repeat {repeat + 1}/{args.repeats}, {run['name']}: tg {run['decode_tokens_per_s']:.1f} tok/s, "
+                  f"pp {run['prefill_long_tokens_per_s']:.0f} tok/s", flush=True)
         probes.append(measure_read_bandwidth(loaded.device))
         for name, views in weight_views.items():
             weight_probes[name].append(read_rate(views))
@@ -330,8 +336,8 @@ def run_bench(args) -> int:
                              weights_read_probes_gb_s=[round(probe / 1e9, 2) for probe in weight_probes[name]],
                              roofline_pct_weights=round(100 * decode / weights_limit, 1))
     peer_names = set(peers)
-    if llama_bench_runs:  # llama.cpp's own benchmark, on the same GGUF and threads: medians of its runs
-        row = median_row(llama_bench_runs)
+    for runs in llama_bench_runs.values():  # llama-bench on the same GGUF and threads: medians of its runs
+        row = median_row(runs)
         row["roofline_pct"] = round(100 * row["decode_tokens_per_s"] / (bandwidth / (
             gguf.stat().st_size + GEN_TOKENS / 2 * loaded.config.kv_bytes_per_token(torch.float16))), 1)
         table.append(row)

@@ -41,7 +41,7 @@ def test_llama_bench_json_becomes_a_bench_row(tmp_path):
 def test_bench_runs_llama_bench_once_per_repeat_and_takes_medians(bundled, one_torch_thread, monkeypatch, tmp_path):
     """Interleaved with our rows: one llama-bench run per repeat (its stand-in here prints 111.11 and 1234.5 tok/s),
     the row the medians of its runs, and the ratio of our best row to it."""
-    monkeypatch.setattr(llama_bench, "binary_dir", lambda: tmp_path)
+    monkeypatch.setattr(llama_bench, "binary_dir", lambda source=None: tmp_path)
     fake = tmp_path / "llama-bench"
     fake.write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path}/runs\ncat <<'END'\n{json.dumps(LLAMA_BENCH_JSON)}\nEND\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
@@ -60,8 +60,47 @@ def test_bench_runs_llama_bench_once_per_repeat_and_takes_medians(bundled, one_t
     assert pair["peer"] == "llama-bench (Q4_1 GGUF)" and pair["peer_decode_tokens_per_s"] == 111.11
 
 
+def test_ik_llama_bench_is_the_same_row_from_its_own_build_with_repacking(monkeypatch, tmp_path):
+    """`--peer ik-llama-bench`: ik_llama.cpp's llama-bench, built from ik-llama-cpp-python's source into a folder of its
+    own, run with its run-time repacking (`-rtr 1`), its row named for it."""
+    assert llama_bench.binary_dir(llama_bench.IK_LLAMA_CPP) != llama_bench.binary_dir()
+    assert "-DLLAMA_BUILD_EXAMPLES=ON" in llama_bench.IK_LLAMA_CPP.build_flags  # its llama-bench is an example
+    monkeypatch.setattr(llama_bench, "binary_dir", lambda source=None: tmp_path / source.peer)
+    (tmp_path / "ik-llama-bench").mkdir()
+    fake = tmp_path / "ik-llama-bench" / "llama-bench"
+    fake.write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path}/runs\ncat <<'END'\n{json.dumps(LLAMA_BENCH_JSON)}\nEND\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    gguf = peer_gguf_path("bundled")
+    binary = llama_bench.llama_bench_binary(gguf, 2, source=llama_bench.IK_LLAMA_CPP)
+    row = llama_bench.run_llama_bench(gguf, 2, repetitions=1, binary=binary, source=llama_bench.IK_LLAMA_CPP)
+    assert row["name"] == "ik-llama-bench (Q4_1 GGUF)" and row["kv"] == "ik_llama.cpp (f16)"
+    assert row["llama_bench"]["package"] == "ik-llama-cpp-python 0.1.5"
+    check, run = (tmp_path / "runs").read_text().splitlines()
+    assert "-rtr 1" in check and "-rtr 1" in run
+    fake.unlink()
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(PeerUnavailable, match="building ik-llama-bench needs cmake"):
+        llama_bench.llama_bench_binary(source=llama_bench.IK_LLAMA_CPP)
+
+
+def test_a_tree_without_its_build_info_script_gets_the_file_from_its_template(tmp_path):
+    """ik-llama-cpp-python's distribution leaves out the script that writes common/build-info.cpp from git: the file
+    is written from its template instead (and a tree that has the script is left to it)."""
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "build-info.cpp.in").write_text('int LLAMA_BUILD_NUMBER = @BUILD_NUMBER@;\n'
+                                                          'char const *LLAMA_COMMIT = "@BUILD_COMMIT@";\n')
+    llama_bench._write_build_info(tmp_path, llama_bench.IK_LLAMA_CPP)
+    written = (tmp_path / "common" / "build-info.cpp").read_text()
+    assert "= 0;" in written and '"ik-llama-cpp-python 0.1.5"' in written and "@" not in written
+    (tmp_path / "common" / "build-info.cpp").unlink()
+    (tmp_path / "common" / "cmake").mkdir()
+    (tmp_path / "common" / "cmake" / "build-info-gen-cpp.cmake").write_text("")
+    llama_bench._write_build_info(tmp_path, llama_bench.LLAMA_CPP)
+    assert not (tmp_path / "common" / "build-info.cpp").exists()
+
+
 def test_without_cmake_it_says_what_to_install(monkeypatch, tmp_path):
-    monkeypatch.setattr(llama_bench, "binary_dir", lambda: tmp_path / "none")
+    monkeypatch.setattr(llama_bench, "binary_dir", lambda source=None: tmp_path / "none")
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(PeerUnavailable, match="building llama-bench needs cmake and c[+][+]"):
         llama_bench.llama_bench_binary()
@@ -76,7 +115,7 @@ def fake_binary(path, crashes: bool):
 
 
 def test_a_native_build_that_crashes_on_an_amx_cpu_gives_way_to_one_without_amx(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(llama_bench, "binary_dir", lambda: tmp_path)
+    monkeypatch.setattr(llama_bench, "binary_dir", lambda source=None: tmp_path)
     fake_binary(tmp_path / "llama-bench", crashes=True)
     fake_binary(tmp_path / "llama-bench-no-amx", crashes=False)  # built already: no CMake in the test
     gguf = peer_gguf_path("bundled")

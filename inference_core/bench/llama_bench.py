@@ -122,8 +122,9 @@ def _built(binary: Path, flags: tuple[str, ...], build: bool, why: str | None = 
     if binary.is_file():
         return binary
     if not build:
-        raise PeerUnavailable(f"{target} is not built yet; `bench --peer {source.peer}` or `scripts/guidellm_bench.py "
-                              "--peer llama-server` builds it once.")
+        builder = ("scripts/guidellm_bench.py --peer llama-server" if target == "llama-server"
+                   else f"bench --peer {source.peer}")
+        raise PeerUnavailable(f"{target} is not built yet; `{builder}` builds it once.")
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
         raise PeerUnavailable(f"building {source.peer} needs {' and '.join(missing)} (CMake and a C++ compiler); "

@@ -163,11 +163,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "the same GGUF file, where llama-cpp-python is installed; reported as absent otherwise), "
                              "llama-bench (llama.cpp's own benchmark, tg128 and pp512; built once from "
                              "llama-cpp-python's source with CMake), ik-llama-bench (the same of the ik_llama.cpp "
-                             "fork, with its run-time repacking; built from ik-llama-cpp-python's source), openvino (OpenVINO GenAI on the GGUF file: f32, "
-                             "bf16), onnxruntime-genai (ONNX Runtime GenAI on its builder's conversion: int4, int8, "
-                             "fp32), ctranslate2 (on its converter's conversion: int8, int8_float32, float32, "
-                             "bfloat16); each of the last three in a virtual environment of its own, installed from "
-                             "the package registry on first use; NAME:P1+P2 runs those precisions only")
+                             "fork, with its run-time repacking; built from ik-llama-cpp-python's source), openvino "
+                             "(OpenVINO GenAI on the GGUF file: f32, bf16), onnxruntime-genai (ONNX Runtime GenAI on "
+                             "its builder's conversion: int4, int8, fp32), ctranslate2 (on its converter's "
+                             "conversion: int8, int8_float32, float32, bfloat16); each of the last three in a "
+                             "virtual environment of its own, installed from the package registry on first use; "
+                             "NAME:P1+P2 runs those precisions only")
     parser.add_argument("--long-prompt-tokens", type=int, default=512,
                         help="every row also prefills a prompt of this many tokens (cold; 0: no such row), the "
                              "prompt llama-bench's pp test processes")
@@ -245,8 +246,8 @@ def run_bench(args) -> int:
         if peer not in (args.peer or []):
             continue
         try:
-            gguf = peer_gguf_path(args.model)  # built once and checked, before any clock:
-            binary = llama_bench_binary(gguf, torch.get_num_threads(), source=source)
+            gguf = peer_gguf_path(args.model)
+            binary = llama_bench_binary(gguf, torch.get_num_threads(), source=source)  # built and checked, unclocked
             llama_benches[peer] = partial(run_llama_bench, gguf, torch.get_num_threads(),
                                           len(long_ids) or PROMPT_TOKENS, 1, binary, source)
             llama_bench_runs[peer] = []

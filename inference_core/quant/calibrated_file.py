@@ -72,7 +72,7 @@ def sequences_hash(sequences: list[list[int]]) -> str:
 
 def calibrate_and_save(loaded, group_size: int, path: Path | str | None = None, sequences=None, alphas=awq.ALPHAS,
                        clip_ratios=awq.CLIP_RATIOS, on_projection=None, lm_head: bool = True, method: str = "awq",
-                       act_order: bool = True, on_awq: bool = False):
+                       act_order: bool = True, on_awq: bool = False, activations: str = "model"):
     """Calibrate `loaded` (a float model) at `group_size` with `method` (awq, gptq: with `act_order`, and on AWQ's
     folded weights with `on_awq`), write the file (default: `default_path`) and return (the quantized LoadedModel,
     the Calibration, seconds taken). `sequences` default to the shipped text's."""
@@ -112,7 +112,7 @@ def calibrate_and_save(loaded, group_size: int, path: Path | str | None = None, 
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     save_file(tensors, str(partial), metadata)
     partial.replace(path)  # whole or absent: a reader never sees half a file
-    return assemble(loaded, tensors, QuantConfig(method, group_size, lm_head)), calibration, seconds
+    return assemble(loaded, tensors, QuantConfig(method, group_size, lm_head, activations)), calibration, seconds
 
 
 def int4_tensors(model, weights: dict[str, Int4Weight], norms: bool = True) -> dict[str, torch.Tensor]:
@@ -205,10 +205,9 @@ def load_or_calibrate(loaded, config: QuantConfig):
     print(f"[{method}: calibrating {loaded.display_name} at group {config.group_size} on {CALIBRATION_TEXT.name}; "
           f"saved to {path} for next time]", file=sys.stderr, flush=True)
     quantized, _, seconds = calibrate_and_save(loaded, config.group_size, path, lm_head=config.lm_head,
-                                               method=method, **DEFAULT_OPTIONS.get(method, {}))
+                                               method=method, activations=config.activations,
+                                               **DEFAULT_OPTIONS.get(method, {}))
     print(f"[{method}: calibrated in {seconds:.0f} s]", file=sys.stderr, flush=True)
-    if config.activations != "model":  # the calibration's own model multiplies in the model dtype: read the file
-        return load(loaded, path, config.lm_head, config.group_size, method, config.activations)
     return quantized
 
 

@@ -170,19 +170,20 @@ class QuantLinear(nn.Module):
         if self.activations == "int8":  # the op takes the model's fp32 or bf16 as it is, and answers in it
             out = w4a8_kernel.linear(flat if flat.dtype in (torch.float32, torch.bfloat16) else flat.float(),
                                      self.nibbles, self.numbers, self.group_size)
-            out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-            return out if self.bias is None else out + self.bias
-        flat = flat.to(self.compute)
-        if self.scheme == "int8" and row_kernel.takes(flat, self.qweight):  # exporting a compiled decode step
-            out = row_kernel.linear_int8(flat, self.qweight, self.scales)
-        elif self.scheme == "int8":
-            out = kernels.int8_mm(flat, self.qweight, self.scales, self.int8_path)
-        elif row_kernel.takes_int4(flat, self.qweight):  # int4, exporting a compiled decode step
-            out = row_kernel.linear_int4(flat, kernels.unpack_int4_cpu(self.qweight), self.scales)
         else:
-            out = kernels.int4_mm(flat, self.qweight, self.group_size, self.scales)
+            out = self._weight_only(flat.to(self.compute))
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+    def _weight_only(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat [rows, in] in the compute dtype by the weight, through the kernel that takes it."""
+        if self.scheme == "int8" and row_kernel.takes(flat, self.qweight):  # exporting a compiled decode step
+            return row_kernel.linear_int8(flat, self.qweight, self.scales)
+        if self.scheme == "int8":
+            return kernels.int8_mm(flat, self.qweight, self.scales, self.int8_path)
+        if row_kernel.takes_int4(flat, self.qweight):  # int4, exporting a compiled decode step
+            return row_kernel.linear_int4(flat, kernels.unpack_int4_cpu(self.qweight), self.scales)
+        return kernels.int4_mm(flat, self.qweight, self.group_size, self.scales)
 
     def dequantized(self) -> torch.Tensor:
         """The [out, in] fp32 weight this layer computes with (the kernels' reference), on its device."""

@@ -1,8 +1,8 @@
 """Start the playground: parse flags, load the model once, build the Gradio app, queue it and serve it with the
 OpenAI-compatible API, /health and /metrics on the same port (`server.app`).
 
-    python app.py [--model bundled] [--draft-model none] [--device auto] [--dtype auto] [--host 127.0.0.1]
-                  [--port 7860] [--max-seq-len 2048] [--max-queue 32] [--max-run-seconds 180]
+    python app.py [--model bundled] [--draft-model none] [--device auto] [--dtype auto] [--serving fastest]
+                  [--host 127.0.0.1] [--port 7860] [--max-seq-len 2048] [--max-queue 32] [--max-run-seconds 180]
                   [--public | --no-public] [--allow-model ID ...] [--allow-endpoint URL ...]
                   [--max-prompt-tokens N] [--max-new-tokens N] [--requests-per-minute N] [--tokens-per-hour N]
 
@@ -21,6 +21,13 @@ CPU bfloat16 only where it has native bf16 math and measures faster, measured on
 cached, so every start picks the same; the page header says which and why). On a
 Hugging Face Space (SPACE_ID is set), where the bundled model's package is not installed, the default model is the
 same SmolLM2-135M-Instruct from the Hub.
+
+`--serving` (PLAYGROUND_SERVING) is the engine the chat starts with and an API request that names none of the
+playground's settings runs on (`serving.build`): `fastest` (the default), the fastest configuration inside the
+quality table's limits on this device (on a CPU: int4 weights by int8 activations, or int4 where the CPU has BF16 dot
+products, compiled; its compiled steps are built in a background process on a first start, minutes on a CPU, and
+served eager meanwhile); `reference`, the model's own weights, eager (the outputs transformers gives: what a scoring
+client such as lm-evaluation-harness should read).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import ui
 from inference_core import ConfigError, load_model
 from inference_core.config import parse_device
 from server.app import create_app
+from serving.build import SERVING_MODES, serving_settings
 from serving.policy import ServePolicy
 from serving.pool import DEFAULT_MAX_RUN_S, EnginePool
 
@@ -52,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="draft model for speculative decoding (same forms as --model), or 'none'")
     parser.add_argument("--device", default=env("PLAYGROUND_DEVICE", "auto"), help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default=env("PLAYGROUND_DTYPE", "auto"), help="auto, float32, bfloat16, float16")
+    parser.add_argument("--serving", default=env("PLAYGROUND_SERVING", "fastest"), choices=SERVING_MODES,
+                        help="the chat's and the API's default engine: fastest (inside the quality limits, compiled "
+                             "once built in the background) or reference (the model's weights, eager)")
     default_host = "0.0.0.0" if env("SPACE_ID") else "127.0.0.1"  # a Space reaches the app from outside the container
     parser.add_argument("--host", default=env("PLAYGROUND_HOST", env("GRADIO_SERVER_NAME", default_host)))
     parser.add_argument("--port", type=int, default=int(env("PLAYGROUND_PORT", env("GRADIO_SERVER_PORT", "7860"))))
@@ -80,7 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=float(env("PLAYGROUND_MAX_RUN_SECONDS", DEFAULT_MAX_RUN_S)),
                         help="device time one race (both lanes) or one chat turn may take; longer ones are refused "
                              "before they start (from an estimate) and stopped if they run over")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.serving not in SERVING_MODES:  # from the environment: argparse checks only what a flag gives
+        parser.error(f"PLAYGROUND_SERVING must be one of {', '.join(SERVING_MODES)}, not {args.serving!r}")
+    return args
 
 
 def _env_list(name: str) -> list[str]:
@@ -123,7 +137,8 @@ def create_demo(args: argparse.Namespace):
         load_model(args.draft_model, str(device), loaded.dtype_name)  # the target's dtype
     policy = replace(policy, max_prompt_tokens=min(policy.max_prompt_tokens, args.max_seq_len))
     pool = EnginePool(loaded, max_seq_len=args.max_seq_len, draft=draft, max_run_s=args.max_run_seconds,
-                      policy=policy)
+                      policy=policy, serving=serving_settings(loaded, args.serving))
+    pool.build_serving()  # where the serving settings are compiled: their steps, in a process of their own
     ui.warm_up(pool)  # also builds a draft engine, so a draft model the engine refuses (another tokenizer) fails here
     demo = ui.build_demo(pool).queue(max_size=args.max_queue, default_concurrency_limit=1)
     return demo, pool
@@ -139,10 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     mode = "public mode" if pool.policy.public else "private mode"
     print(f"Serving the playground and its OpenAI-compatible API ({mode}) at http://{args.host}:{args.port} "
           f"(API base http://{args.host}:{args.port}/v1)", flush=True)
+    building = pool.build is not None and pool.build.state == "building"
+    print(f"The chat and the API serve: {pool.serving.describe()} (--serving {args.serving})"
+          + ("; its compiled steps are being built in a background process, eager until then" if building else ""),
+          flush=True)
     # A stop (Ctrl-C, or a host's SIGTERM) waits for open requests this long, then closes them: an open page holds a
     # streaming connection that would otherwise keep the server up until the host kills it.
-    uvicorn.run(create_app(demo, pool), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    try:
+        uvicorn.run(create_app(demo, pool), host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    finally:
+        if pool.build is not None:
+            pool.build.stop()
     return 0
 
 

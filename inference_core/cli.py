@@ -10,6 +10,7 @@
     profile        --prompt TEXT [generate's flags] [--steps N] [--trace PATH] [--kernels] [--json]
     quality        [--quant none,int8,int4] [--kv-dtype auto,int8] [--window N] [--no-agreement] [--json PATH] ...
     compile-options [--dtype D] [--options a,b] [--steps N] [--json PATH]
+    precompile     [generate's lane flags] [--max-seq-len N] [--max-num-seqs N]
     awq            [--model M] [--quant-group 32] [--out PATH]
     gptq           [--model M] [--quant-group 32] [--no-act-order] [--no-on-awq] [--out PATH]
     verify-cache   [--model bundled|FILE.gguf]
@@ -41,6 +42,7 @@ from inference_core.bench import (
     speed,
 )
 from inference_core.config import ConfigError
+from inference_core.engine import precompile
 from inference_core.model import bundled, random_weights
 from inference_core.quant import calibrated_file
 from inference_core.training import train_draft
@@ -67,6 +69,8 @@ COMMANDS = {
                 quality.add_quality_arguments, quality.run_quality),
     "compile-options": ("which inductor options make the compiled decode step fastest here",
                         compile_options.add_compile_options_arguments, compile_options.run_compile_options),
+    "precompile": ("build a configuration's compiled steps (every batch bucket, the flat step) into the disk cache",
+                   precompile.add_precompile_arguments, precompile.run_precompile),
     "awq": ("calibrate AWQ int4 weights on the shipped text and save them (used by --quant awq)",
             calibrated_file.add_awq_arguments, calibrated_file.run_awq),
     "gptq": ("calibrate GPTQ int4 weights on the shipped text and save them (used by --quant gptq)",

@@ -28,7 +28,8 @@ both, with vLLM's meaning: with `ignore_eos` every request decodes exactly `--ou
 
 With `--peer llama-server` the script starts the servers itself, one at a time, each with the whole machine: first
 `python app.py` with no flags (what a newcomer runs; unless something already answers at `--url`, which is then
-used as it is), then llama.cpp's `llama-server` (`inference_core.bench.llama_bench.llama_server_binary`: built once
+used as it is), measured once its serving engine's compiled steps are built (a first start builds them in a
+background process and serves eager meanwhile: `GET /health`'s serving.build), then llama.cpp's `llama-server` (`inference_core.bench.llama_bench.llama_server_binary`: built once
 from the same llama.cpp source and native flags as `bench --peer llama-bench`) on the same bundled Q4_1 GGUF, with as
 many slots as the concurrent profile's streams and as many threads as the app's torch; both get the same profiles
 with the same seed, and one table (and `--json PATH`: rows with `server`, `profile`, `requests`, `errors`,
@@ -292,6 +293,21 @@ def answers(url: str) -> bool:
         return False
 
 
+def wait_for_serving_build(url: str, name: str, process: subprocess.Popen, timeout_s: float = 3600) -> None:
+    """Until the app's serving engine has its compiled steps (`GET /health`'s serving.build no longer "building":
+    on a first start `python app.py` builds them in a background process, minutes each on a CPU, serving eager
+    meanwhile), so the profiles measure what the app serves once started, not its build."""
+    started, last = time.monotonic(), 0.0
+    while (get_json(f"{url}/health").get("serving") or {}).get("build") == "building":
+        if process.poll() is not None or time.monotonic() - started > timeout_s:
+            sys.exit(f"{name}'s compiled steps were not built within {timeout_s:.0f} s")
+        if time.monotonic() - last > 60:
+            print(f"{name}: waiting for its compiled steps to be built ({(time.monotonic() - started) / 60:.0f} "
+                  "min so far)", flush=True)
+            last = time.monotonic()
+        time.sleep(5)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -337,6 +353,7 @@ def started(command: list[str], url: str, name: str, keep_running: bool = False)
             if process.poll() is not None or time.monotonic() > deadline:
                 sys.exit(f"{name} did not answer at {url}; the end of {log}:\n{log.read_text()[-2000:]}")
             time.sleep(1)
+        wait_for_serving_build(url, name, process)
         yield
     finally:
         process.terminate()

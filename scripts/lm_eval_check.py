@@ -1,8 +1,9 @@
 """EleutherAI's lm-evaluation-harness (0.4.13) against the running app's API and against lm-eval's own `hf` model on
 the same weights, offline, compared sample by sample: what a scoring client reads from our log-probabilities.
 
-Start the app first in fp32 (`python app.py --dtype float32`: lm-eval's `hf` model runs the weights in fp32), then
-run `python scripts/lm_eval_check.py [--url http://127.0.0.1:7860] [--lm-eval /tmp/lm-eval-venv/bin/lm_eval]`.
+Start the app first in fp32 on the reference engine (`python app.py --dtype float32 --serving reference`: lm-eval's
+`hf` model runs the weights in fp32, eager), then run
+`python scripts/lm_eval_check.py [--url http://127.0.0.1:7860] [--lm-eval /tmp/lm-eval-venv/bin/lm_eval]`.
 The script
 - writes two small local tasks into `--out` (docs/lm_eval): `playground_mc`, 24 multiple-choice questions scored
   from log-likelihoods (lm-eval's `local-completions` sends each context + choice as token ids with `echo`,

@@ -76,9 +76,10 @@ class Asked:
     constraint_field: str | None = None  # the body field that gave the constraint (response_format, guided_*)
 
 
-def read_request(body: dict, kind: str, policy) -> Asked:
+def read_request(body: dict, kind: str, policy, serving: LaneSettings | None = None) -> Asked:
     """OpenAI's fields (a 400 naming the first bad one), vLLM's extensions and the playground's settings (after
-    `refuse_unsupported`)."""
+    `refuse_unsupported`); `serving`: the engine a request that names none of the playground's settings runs on
+    (`read_settings`)."""
     max_name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     # Completions take max_tokens 0 with echo, as vLLM does: the prompt alone (one token is computed, none returned).
@@ -107,7 +108,7 @@ def read_request(body: dict, kind: str, policy) -> Asked:
         raise bad("'stream_options' is only allowed with 'stream': true.", "stream_options")
     options = options or {}
     stop = read_stop(body)
-    settings = read_settings(body, temperature, top_p, seed, policy.public)
+    settings = read_settings(body, temperature, top_p, seed, policy.public, serving)
     prompts = [read_messages(body)] if kind == "chat" else read_prompts(body)
     if len(prompts) * n > policy.n_max:
         raise bad(f"{len(prompts)} prompts x n={n} completions; this deployment allows up to "
@@ -309,8 +310,12 @@ def read_prompts(body: dict) -> list:
               "prompt")
 
 
-def read_settings(body: dict, temperature: float, top_p: float, seed, public: bool) -> LaneSettings:
-    """The playground's extra fields as LaneSettings; a bad one is a 400 naming it (each is checked alone first)."""
+def read_settings(body: dict, temperature: float, top_p: float, seed, public: bool,
+                  serving: LaneSettings | None = None) -> LaneSettings:
+    """The playground's extra fields as LaneSettings; a bad one is a 400 naming it (each is checked alone first). A
+    request that names none of them runs on `serving`'s engine (`python app.py --serving`: the chat's default); one
+    that names any starts from the playground's defaults (paged KV, the model's weights, eager), as docs/api.md's
+    table gives them."""
     extra = {name: body[name] for name in PLAYGROUND_FIELDS if body.get(name) is not None}
     type_words = {bool: "true or false", int: "an integer", str: "a string", float: "a number"}
     for name, value in extra.items():
@@ -330,8 +335,9 @@ def read_settings(body: dict, temperature: float, top_p: float, seed, public: bo
         raise bad("'compile' is off in public mode: compiling holds the shared device for a minute or more.",
                   "compile")
     try:
-        settings = LaneSettings(**{"kv_mode": "paged", **extra, "temperature": temperature, "top_p": top_p,
-                                   "seed": seed})
+        engine = {name: getattr(serving, name) for name in PLAYGROUND_FIELDS} if serving and not extra else {}
+        settings = LaneSettings(**{"kv_mode": "paged", **engine, **extra, "temperature": temperature,
+                                   "top_p": top_p, "seed": seed})
         settings.check()
     except ConfigError as error:  # fields that do not go together
         raise bad(error.in_words(API_WORDS), param_of(error) or next(iter(extra), None)) from None

@@ -70,7 +70,8 @@ class OpenAIAPI:
         self.router.add_api_route("/metrics", self.prometheus, methods=["GET"])
 
     async def health(self):
-        return {"status": "ok", "model": self.model_id, "device": str(self.pool.loaded.device)}
+        return {"status": "ok", "model": self.model_id, "device": str(self.pool.loaded.device),
+                "serving": self.pool.serving_state()}
 
     async def prometheus(self):
         body = await asyncio.to_thread(self.metrics.exposition)
@@ -109,7 +110,7 @@ class OpenAIAPI:
         body = await read_body(http)
         refuse_unsupported(body, kind)
         self.check_model(body.get("model"))
-        asked = read_request(body, kind, self.policy)
+        asked = read_request(body, kind, self.policy, self.pool.serving)
         caller = self.caller(http)
         key = http.headers.get("authorization", "").removeprefix("Bearer ").strip() or None
         job = Job("request", {"api": (SLOT, asked.settings)}, tuple(asked.prompts), chat=kind == "chat",

@@ -57,7 +57,7 @@ def api_completion(pool: EnginePool, new_tokens: int) -> tuple[list[dict], int]:
     """One streamed completion as the API reads and answers it; returns its row and the SSE chunks it sent."""
     body = {"model": "served", "prompt": PROMPT, "max_tokens": new_tokens, "stream": True, "ignore_eos": True}
     refuse_unsupported(body, "completions")
-    asked = read_request(body, "completions", pool.policy)
+    asked = read_request(body, "completions", pool.policy, pool.serving)
     job = Job("request", {"api": (API_SLOT, asked.settings)}, tuple(asked.prompts), chat=False,
               max_new_tokens=asked.max_tokens, ignore_eos=True, sampling=asked.sampling)
     reply = Reply("completions", "served", asked, pool.loaded.tokenizer, [[]], frozenset())

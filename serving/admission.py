@@ -167,6 +167,8 @@ class Run:
 def admit(pool, job: Job) -> Run:
     """Everything before `job` runs, in the module docstring's order; a ConfigError (in `{setting}` words, see
     `inference_core.settings.words`) or a `LimitExceeded` says why it cannot."""
+    # The serving settings run eager while their compiled steps are built in the background (`serving.build`).
+    job = replace(job, lanes={name: (slot, pool.runnable(settings)) for name, (slot, settings) in job.lanes.items()})
     engines = {name: pool.get(slot, settings) for name, (slot, settings) in job.lanes.items() if not settings.external}
     tokenizer = pool.loaded.tokenizer
     prompt_ids = [list(prompt) if _token_ids(prompt) else tokenizer.prompt_ids(prompt, job.system, job.chat)

@@ -21,6 +21,7 @@ from inference_core.bench.profile import profile_requests, tokens_needed
 from inference_core.config import EngineConfig
 from inference_core.engine.engine import Engine
 from inference_core.engine.loop import EngineLoop
+from inference_core.engine.precompile import build_all
 from inference_core.engine.runner import wake_device
 from inference_core.model.loader import LoadedModel
 from inference_core.quant.calibrated_file import default_path
@@ -34,6 +35,7 @@ from inference_core.settings import SPEC_METHOD_LABELS, LaneSettings
 from inference_core.spec.decoding import SpecConfig
 from inference_core.spec.draft_heads import find_heads
 from serving.admission import Job, Run, admit
+from serving.build import ServingBuild, child_command, precompile_arguments
 from serving.cost import StepCosts
 from serving.policy import CallerLimits, ServePolicy
 
@@ -50,8 +52,12 @@ class EnginePool:
 
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, max_engines: int = 10,
                  draft: LoadedModel | None = None, max_run_s: float = DEFAULT_MAX_RUN_S,
-                 policy: ServePolicy | None = None):
+                 policy: ServePolicy | None = None, serving: LaneSettings | None = None):
         self.loaded = loaded
+        # The chat's and the API's default settings (`serving.build.serving_settings`), and the background build of
+        # their compiled steps while the pool serves them eager (`build_serving`).
+        self.serving = serving or LaneSettings(kv_mode="paged")
+        self.build: ServingBuild | None = None
         self.draft = draft
         self.max_seq_len = min(max_seq_len or 2048, loaded.config.max_position_embeddings)
         self.max_engines = max_engines
@@ -128,8 +134,44 @@ class EnginePool:
         return [0.0 if s.external else self.costs.request_seconds(s.kv_mode, prompt_tokens, new_tokens)
                 for s in settings]
 
+    def build_serving(self) -> None:
+        """Build the serving settings' compiled steps in a process of their own (`serving.build`), the pool serving
+        them eager meanwhile; once built, load them here between the loop's steps, one batch bucket at a time."""
+        if not self.serving.compile or self.build is not None:
+            return
+        command = child_command(precompile_arguments(self.loaded, self.serving, self.max_seq_len))
+
+        def load() -> None:  # admission still runs the eager twin until this returns
+            build_all(self.get("chat", self.serving), self.loop.call)
+
+        self.build = ServingBuild(command, load)
+
+    def runnable(self, settings: LaneSettings) -> LaneSettings:
+        """`settings`, or while the serving settings' compiled steps are still being built (or failed to build),
+        the same settings eager where they are the serving settings: a turn or request does not wait minutes."""
+        if self.build is None or self.build.state == "ready" or not settings.compile or settings.external:
+            return settings
+        if self._key("", settings)[1:] != self._key("", self.serving)[1:]:
+            return settings
+        return replace(settings, compile=False)
+
+    def serving_note(self, settings: LaneSettings) -> str:
+        """Why a run with `settings` ran eager (the build's state), or ""."""
+        if self.build is None or settings.compile or self._key("", settings)[1:] != \
+                self._key("", replace(self.serving, compile=False))[1:]:
+            return ""
+        return self.build.note()
+
+    def serving_state(self) -> dict:
+        """The serving engine in words and its compiled steps' build: building, ready, failed, or None (no build:
+        eager settings, or compiled ones that compile on first use)."""
+        return {"engine": self.serving.describe(), "build": self.build.state if self.build is not None else None}
+
+    def _key(self, slot: str, settings: LaneSettings) -> tuple[str, EngineConfig, QuantConfig]:
+        return slot, settings.engine_config(self.max_seq_len), settings.quant()
+
     def get(self, slot: str, settings: LaneSettings) -> Engine:
-        key = (slot, settings.engine_config(self.max_seq_len), settings.quant())
+        key = self._key(slot, settings)
         with self._lock:
             return self._get(key)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import app
 
 
@@ -30,6 +32,21 @@ def test_draft_model_flag_and_environment(monkeypatch):
     monkeypatch.setenv("PLAYGROUND_DRAFT_MODEL", "/models/draft")
     assert app.parse_args([]).draft_model == "/models/draft"
     assert app.parse_args(["--draft-model", "none"]).draft_model == "none"  # the flag wins over the environment
+
+
+def test_serving_flag_and_environment(monkeypatch, capsys):
+    monkeypatch.delenv("PLAYGROUND_SERVING", raising=False)
+    assert app.parse_args([]).serving == "fastest"
+    monkeypatch.setenv("PLAYGROUND_SERVING", "reference")
+    assert app.parse_args([]).serving == "reference"
+    assert app.parse_args(["--serving", "fastest"]).serving == "fastest"
+    with pytest.raises(SystemExit) as exit:
+        app.parse_args(["--serving", "quickest"])
+    assert exit.value.code == 2 and "invalid choice: 'quickest'" in capsys.readouterr().err
+    monkeypatch.setenv("PLAYGROUND_SERVING", "quickest")
+    with pytest.raises(SystemExit) as exit:
+        app.parse_args([])
+    assert exit.value.code == 2 and "PLAYGROUND_SERVING must be one of fastest, reference" in capsys.readouterr().err
 
 
 def test_draft_model_with_another_tokenizer_exits_with_a_message(tmp_path, capsys, monkeypatch):

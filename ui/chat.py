@@ -219,6 +219,8 @@ def _turn_status(pool: EnginePool, run: Run, turn_stats: list[dict], stats) -> s
         status = f"Stopped{why} after {stats.generated_tokens} tokens; its KV blocks were returned. " + status
     if stats.spec and stats.spec["drafted"]:
         status += f" {stats.spec['acceptance_rate']:.0%} of drafts accepted."
+    if note := pool.serving_note(run.job.lanes["chat"][1]):  # the default settings, their compiled steps not built
+        status += f" Compiled decode: {note}."
     return status + _shared_note(stats, len(run.requests.get("chat", ())) or 1)
 
 

@@ -96,7 +96,7 @@ def warm_up(pool: EnginePool) -> None:
     pool.check_draft_model()
     first = next(iter(presets().values()))
     warm_up_race(pool, DEFAULT_LANES, first["prompt"], first.get("system"))
-    pool.get("chat", LaneSettings(kv_mode="paged")).complete("Hello", SamplingParams(max_new_tokens=4))
+    pool.get("chat", pool.runnable(pool.serving)).complete("Hello", SamplingParams(max_new_tokens=4))
 
 
 def available_setups(pool: EnginePool) -> list[str]:
@@ -229,7 +229,7 @@ def _build_chat_tab(pool: EnginePool) -> None:
                                 info="sampled answers to compare, sharing the prompt's KV blocks; above 1 needs a "
                                      "temperature above 0 (greedy answers are all the same)")
         with gr.Row():
-            settings = settings_widgets(pool, LaneSettings(kv_mode="paged"), "Chat", "chat")
+            settings = settings_widgets(pool, pool.serving, "Chat", "chat")
     # No label and no toolbar buttons: they were drawn over the messages. The one icon Gradio always shows, the
     # trash can, does what "New chat" does.
     chat_log = gr.Chatbot(elem_id="chat-log", height=380, show_label=False, buttons=[])

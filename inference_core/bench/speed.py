@@ -47,7 +47,7 @@ from inference_core.model.checkpoint import resolve_model_dir
 from inference_core.model.dtype_choice import cpu_details, cpu_name
 from inference_core.model import row_kernel
 from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
-from inference_core.quant.linear import QuantConfig, weight_bytes
+from inference_core.quant.linear import QuantConfig, fastest_quant, weight_bytes
 from inference_core.quant.quantize import quantize
 from inference_core.roofline import read_bandwidth, read_rate, synchronize, weights_read_per_step
 from inference_core.sampling import SamplingParams
@@ -179,18 +179,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def default_configs(device: str) -> str:
     """bench's rows where --configs is not given: eager and compiled paged KV (8 decode steps a round trip), and on a
-    CPU the fastest quantized configuration inside the quality table's limits (int4 at group 32: +4.5% perplexity,
-    docs/benchmarks.md), so that a first `bench --peer ...` shows our best: int4 through our loop where the CPU has
-    BF16 dot products (`row_kernel.int4_capable`), else int4 by int8 activations (`model.w4a8_kernel`) where our
-    ops build, else int8."""
+    CPU the fastest quantized configuration inside the quality table's limits (`quant.linear.fastest_quant`), so that
+    a first `bench --peer ...` shows our best."""
     configs = ["paged", "paged+compile+steps8"]
     if device != "cpu":
         return ",".join(configs)
-    if row_kernel.int4_capable():
-        best = "int4"
-    else:
-        best = "int4+a8" if row_kernel.unavailable() is None else "int8"
-    return ",".join([*configs, f"paged+compile+{best}+steps8"])
+    best = fastest_quant(torch.device("cpu"))
+    name = best.scheme + ("+a8" if best.activations == "int8" else "")
+    return ",".join([*configs, f"paged+compile+{name}+steps8"])
 
 
 def run_bench(args) -> int:

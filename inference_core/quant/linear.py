@@ -202,6 +202,18 @@ class QuantLinear(nn.Module):
         return torch.cat(columns).float().t()
 
 
+def fastest_quant(device: torch.device) -> QuantConfig:
+    """The fastest weights inside the quality table's limits (docs/benchmarks.md, section 6: at most +10% perplexity)
+    on `device`: on a CPU, int4 at group 32 (+4.6% on the bundled model) through our loop where the CPU has BF16 dot
+    products (`row_kernel.int4_capable`), else int4 by int8 activations (+5.4%, `model.w4a8_kernel`) where our ops
+    build, else int8; elsewhere the model's own weights (a GPU's int4 rows are measured at batch 1 only)."""
+    if device.type != "cpu":
+        return QuantConfig()
+    if row_kernel.int4_capable():
+        return QuantConfig("int4")
+    return QuantConfig("int4", activations="int8") if row_kernel.unavailable() is None else QuantConfig("int8")
+
+
 def check_int8_activations(device: torch.device, name: str, out_features: int, in_features: int,
                            group_size: int) -> None:
     """Refuses, in words, an int4 layer with int8 activations where our op cannot run it."""

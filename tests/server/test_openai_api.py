@@ -178,7 +178,9 @@ def test_metrics_parse_and_move_with_requests(served, client):
                   "playground_spec_acceptance_rate", "playground_running_requests"):
         assert (gauge, ()) in after
     assert ("playground_preemptions_total", ()) in after
-    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok"  # and the engine a request naming no playground setting runs on, no build here
+    assert health["serving"] == {"engine": "paged KV cache, block 16, prefix cache, greedy", "build": None}
 
 
 def test_public_mode_refuses_paths_unknown_models_and_callers_over_their_caps(bundled, tmp_path):

@@ -53,11 +53,15 @@ def served(bundled):
 @pytest.fixture
 def fresh_app(bundled, request):
     """`python app.py` started afresh in its own process, as a visitor meets it (the bundled model's cache is already
-    converted by the `bundled` fixture), with `--dtype auto` unless a test asks for a dtype (indirect parameter)."""
+    converted by the `bundled` fixture), with `--dtype auto` unless a test asks for a dtype (indirect parameter).
+    Its chat and API serve the reference engine (`--serving reference`): the model's own weights, so its API's text
+    is the served pool's, and no build of the fastest engine's compiled steps runs beside the timed races (that
+    default start is the busy-host test's)."""
     port = free_port()
     dtype = getattr(request, "param", "auto")
-    process = subprocess.Popen([sys.executable, "app.py", "--device", "cpu", "--port", str(port), "--dtype", dtype],
-                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    process = subprocess.Popen([sys.executable, "app.py", "--device", "cpu", "--port", str(port), "--dtype", dtype,
+                                "--serving", "reference"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     try:
         while time.monotonic() < deadline and process.poll() is None:

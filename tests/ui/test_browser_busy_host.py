@@ -53,3 +53,22 @@ def test_the_default_race_runs_to_the_end_while_other_processes_keep_both_cores_
         for process in hogs + [app]:
             process.kill()
             process.wait(timeout=30)
+    # The app's default engine (`--serving fastest`) built its compiled steps in a child process: killed with the app.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and precompiling(app.pid):
+        time.sleep(0.5)
+    assert not precompiling(app.pid), "the serving build's process outlived the app"
+
+
+def precompiling(parent: int) -> bool:
+    """Whether a `precompile` process that `parent` started is still running."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(fields[1]) in (parent, 1) and b"precompile" in command and any(b"inference_core" in part
+                                                                            for part in command):
+            return True
+    return False

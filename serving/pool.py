@@ -151,14 +151,15 @@ class EnginePool:
         the same settings eager where they are the serving settings: a turn or request does not wait minutes."""
         if self.build is None or self.build.state == "ready" or not settings.compile or settings.external:
             return settings
-        if self._key("", settings)[1:] != self._key("", self.serving)[1:]:
+        if self._engine_key(settings) != self._engine_key(self.serving):
             return settings
         return replace(settings, compile=False)
 
     def serving_note(self, settings: LaneSettings) -> str:
-        """Why a run with `settings` ran eager (the build's state), or ""."""
-        if self.build is None or settings.compile or self._key("", settings)[1:] != \
-                self._key("", replace(self.serving, compile=False))[1:]:
+        """Where `settings` are the serving settings eager and their compiled steps are not loaded yet: the build's
+        state in words; otherwise ""."""
+        if self.build is None or settings.compile or \
+                self._engine_key(settings) != self._engine_key(replace(self.serving, compile=False)):
             return ""
         return self.build.note()
 
@@ -167,11 +168,11 @@ class EnginePool:
         eager settings, or compiled ones that compile on first use)."""
         return {"engine": self.serving.describe(), "build": self.build.state if self.build is not None else None}
 
-    def _key(self, slot: str, settings: LaneSettings) -> tuple[str, EngineConfig, QuantConfig]:
-        return slot, settings.engine_config(self.max_seq_len), settings.quant()
+    def _engine_key(self, settings: LaneSettings) -> tuple[EngineConfig, QuantConfig]:
+        return settings.engine_config(self.max_seq_len), settings.quant()
 
     def get(self, slot: str, settings: LaneSettings) -> Engine:
-        key = self._key(slot, settings)
+        key = (slot, *self._engine_key(settings))
         with self._lock:
             return self._get(key)
 

@@ -11,8 +11,8 @@ Compiled steps take minutes each on a CPU the first time (the flat step and one 
 load from the disk cache in seconds. So that the first start does not wait for them, `ServingBuild` runs `python -m
 inference_core precompile` for the serving settings in a process of its own, at a lower CPU priority, while the pool
 serves the same settings eager (`EnginePool.runnable`); once every step is on disk the pool loads them between the
-engine loop's steps and the chat and the API switch to the compiled engine. A second start finds them on disk and
-switches within seconds. The child process ends with the app.
+engine loop's steps and the chat and the API switch to the compiled engine. A second start finds them on disk (the
+child loads them, then the pool) and switches within about a minute. The child process ends with the app.
 """
 
 from __future__ import annotations

@@ -53,8 +53,7 @@ def test_the_layout_reads_back_to_the_same_weight():
 def test_the_op_equals_its_formula(our_ops, rows, out_features, in_features, group, dtype):
     """Rows past the 4 a pass holds (37: x rounded on several threads, 16 rows a share), every group size, fp32 and
     bf16 activations (answered in their dtype): the torch formula within fp32's order of summation (and one bf16
-    rounding for bf16). A block of zeros (scale 0) and
-    a block with one large value are in every x."""
+    rounding for bf16). A block of zeros (scale 0) and a block with one large value are in every x."""
     q, scale, zero = random_int4(out_features, in_features, group, seed=rows + in_features)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0

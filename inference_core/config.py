@@ -205,7 +205,7 @@ class EngineConfig:
     # Compiled decode on an AVX-512 CPU: bf16 projections of up to 8 rows through our kernel (model.row_kernel);
     # False: the matmuls inductor picks (the reference).
     row_kernel: bool = True
-    # Compiled decode on an AVX-512 CPU: attention over a bf16 paged pool through our kernel
+    # Compiled decode on a CPU: attention over a bf16 or fp32 paged pool through our kernel
     # (model.attention_kernel); False: the attention inductor compiles (the reference).
     attention_kernel: bool = True
     # Greedy speculating requests draft only where their speculative steps measured faster than plain ones at the

@@ -133,6 +133,7 @@ def test_generate_streams_text(bundled, capsys):
     (["batch-bench", "--rates", "1,0"], "bad --rates '1,0'; give request rates per second above 0"),
     (["batch-bench", "--rates", "1,2", "--arrival", "poisson:2"], "--rates sets the arrivals"),
     (["batch-bench", "--slo-tpot-ms", "-1"], "the TPOT target must be a number of milliseconds above 0"),
+    (["batch-bench", "--quant", "int8", "--quant-activations", "int8"], "int8 activations go with int4 weights"),
     (["bench", "--repeats", "0", "--no-hf"], "--repeats >= 1"),
     (["bench", "--prompts", "no-such-prompts.jsonl", "--no-hf"], "prompt file no-such-prompts.jsonl does not exist"),
 ])
@@ -253,6 +254,23 @@ def test_batch_bench_json_rows(bundled, one_torch_thread, tmp_path, capsys):
     assert (report["arguments"]["slo_ttft_ms"], report["arguments"]["slo_tpot_ms"]) == (600000.0, None)
     assert {"processor", "cpu_capability", "torch"} <= set(report["machine"])
     assert "| continuous | 3 |" in capsys.readouterr().out
+
+
+def test_batch_bench_quantizes_our_rows(bundled, one_torch_thread, tmp_path, capsys, monkeypatch):
+    """--quant: our rows run the quantized model (the engine is handed its int4 projections), and the report says
+    so."""
+    from inference_core.quant.linear import QuantLinear
+
+    engines = []
+    real_engine = batching.Engine
+    monkeypatch.setattr(batching, "Engine", lambda loaded, config: engines.append(loaded) or real_engine(loaded, config))
+    path = tmp_path / "batch.json"
+    assert main(["batch-bench", "--requests", "2", "--max-new-tokens", "3", "--modes", "continuous", "--peers", "",
+                 "--quant", "int4", *CPU, "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["arguments"]["quant"] == "int4 g32" and report["rows"][0]["output_tokens"] == 6
+    assert "our rows quantized (int4 g32)" in capsys.readouterr().out
+    assert engines and all(isinstance(loaded.model.layers[0].mlp.down_proj, QuantLinear) for loaded in engines)
 
 
 def test_batch_bench_runs_each_mode_again_speculating(bundled, one_torch_thread, tmp_path, monkeypatch):

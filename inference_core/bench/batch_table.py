@@ -30,7 +30,8 @@ def format_header(report: dict) -> str:
     arguments, machine = report["arguments"], report["machine"]
     gpu = f", {machine['gpu']}" if "gpu" in machine else ""
     return "\n".join([
-        f"batch-bench: {arguments['model']} on {arguments['device']} in {arguments['dtype']}; {arguments['requests']} "
+        f"batch-bench: {arguments['model']} on {arguments['device']} in {arguments['dtype']}"
+        f"{_weights_words(arguments)}; {arguments['requests']} "
         f"requests ({arguments.get('arrival', 'burst')}), up to {arguments['max_new_tokens']} new tokens"
         f"{' (' + arguments['output_lengths'] + ')' if arguments.get('output_lengths') else ''}, max-num-seqs "
         f"{arguments['max_num_seqs']}, KV pool {arguments['kv_cache_tokens']} tokens; goodput: "
@@ -40,6 +41,11 @@ def format_header(report: dict) -> str:
         "| row | requests | output tokens | tok/s | TTFT p50 ms | TTFT p95 ms | latency p50 ms | latency p95 ms | "
         "TPOT p50 ms | TPOT p95 ms | preemptions | mean batch | goodput req/s | SLO met % |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"])
+
+
+def _weights_words(arguments: dict) -> str:
+    quant = arguments.get("quant", "none")  # absent from reports written before --quant
+    return "" if quant == "none" else f", our rows quantized ({quant})"
 
 
 def format_sweep(report: dict) -> str:

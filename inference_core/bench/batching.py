@@ -52,6 +52,8 @@ from inference_core.engine.engine import Engine, StepReport
 from inference_core.engine.request import FinishEvent, TokenEvent
 from inference_core.model.checkpoint import resolve_model_dir
 from inference_core.model.loader import LoadedModel, add_model_arguments, load_model
+from inference_core.quant.linear import ACTIVATIONS, SCHEMES, QuantConfig
+from inference_core.quant.quantize import quantize
 from inference_core.sampling import SamplingParams
 from inference_core.spec.decoding import SPEC_METHODS, SpecConfig
 
@@ -272,6 +274,12 @@ def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paged pool size (default: max-num-seqs requests of the longest prompt)")
     parser.add_argument("--compile", action="store_true", help="our modes decode through the compiled step (CUDA "
                         "graphs on a GPU)")
+    parser.add_argument("--quant", choices=SCHEMES, default="none",
+                        help="our rows' weights, as `generate --quant` (the transformers rows keep the model's)")
+    parser.add_argument("--quant-group", type=int, default=32, help="int4: input features per scale and zero")
+    parser.add_argument("--quant-activations", choices=ACTIVATIONS, default="model",
+                        help="int4 weights by the activations in the model dtype (model) or rounded to int8 (int8: "
+                             "our CPU kernel)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times and output lengths")
     parser.add_argument("--slo-ttft-ms", type=float, help="TTFT target: with --slo-tpot-ms, a request meeting both "
                         "counts toward goodput_requests_per_s and slo_attainment_pct (without targets they are null)")
@@ -343,7 +351,8 @@ def run_batch_bench(args) -> int:
         if not rows:
             raise ConfigError(f"no prompts of kind {', '.join(kinds)} in {args.prompts or DEFAULT_PROMPTS}.")
     spec = SpecConfig(method=args.spec, k=args.spec_k) if args.spec else None  # checked before the model loads
-    loaded = load_model(args.model, args.device, args.dtype)
+    quant = QuantConfig(args.quant, args.quant_group, activations=args.quant_activations)
+    loaded = quantize(load_model(args.model, args.device, args.dtype), quant)
     settings = {"arrival": args.arrival, "seed": args.seed, "prompts": str(args.prompts or DEFAULT_PROMPTS),
                 "kinds": args.kinds, "output_lengths": args.output_lengths}
     common = dict(kv_cache_tokens=args.kv_cache_tokens, compile=args.compile, peer_requests=args.peer_requests,
@@ -407,6 +416,7 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
     arguments = {**(settings or {}), "requests": len(prompts), "max_new_tokens": max(lengths), "modes": modes,
                  "peers": peers, "peer_requests": peer_count, "max_num_seqs": max_num_seqs,
                  "kv_cache_tokens": kv_cache_tokens, "compile": compile, "model": loaded.name,
+                 "quant": loaded.quant.name if loaded.quant else "none",
                  "spec": None if spec is None else {"method": spec.method, "k": spec.k},
                  "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
                  "slo_ttft_ms": targets.ttft_ms if targets else None,

@@ -1,13 +1,13 @@
 """Our kernel for the compiled steps' paged attention on an AVX-512 or AVX2 CPU: each sequence's new queries (one in a
 decode step, several in the query step: a speculative chain's or tree's verification) against its cached keys, read
-through the block table from the bf16 pool in place, and its new keys.
+through the block table from the pool in place (bf16, or fp32: an fp32 model's), and its new keys.
 
 What inductor generates for `_attend_one_fused` (in `engine.compiled`) reads each cached key once per query head,
 reduces every dot product on its own, and runs the mask and the softmax on one thread between its parallel loops: on
 the 2-core Zen 5 host the compiled step took 2.4 us more a cached key (for all 30 layers of the bundled model), about
 10 GB/s of the cache read. Here each thread takes a contiguous range of the key blocks; per KV head it reads each
 cached key once for all of the sequence's query rows (its queries times the group's query heads, as many at once as
-the registers hold: fp32 sums of bf16 values widened by a shift), stores the scores, takes their exponentials a vector
+the registers hold: fp32 sums of the pool's values, bf16 ones widened by a shift), stores the scores, takes their exponentials a vector
 at a time (`exp_neg`, a polynomial), and sums the values weighted by them. The threads' partial softmaxes (the
 maximum, the sum, the weighted values) and the new keys each query sees (`new_mask`: causal for a chain, the tree's
 mask for a tree) are then combined in fp32. A mask per query over the cached keys carries a sliding window. Its
@@ -19,7 +19,7 @@ the bundled model's 5-token step then spent 5.6x the decode step's attention tim
 
 Three ops: `attend_paged` (the decode step's: q [B, H, D]) and `attend_paged_queries` (the query step's: q
 [B, T, H, D], a mask per query), the first the second's case T = 1, called from the compiled steps where `takes` says
-so while exporting (paged, bf16 pool, head_dim 64 or 128, at most 8 query heads a KV head); and `attend_paged_flat`
+so while exporting (paged, bf16 or fp32 pool, head_dim 64 or 128, at most 8 query heads a KV head); and `attend_paged_flat`
 (the flat step's: the new tokens of several sequences one after another, q [N, H, D], any number a sequence, causal
 after its cached keys, within a sliding window and beside attention sinks given as inputs; bf16 or fp32 pools,
 head_dim 16 to 128), the flat step's only attention (`takes_flat`). A flat step's short sequences (decodes, small
@@ -314,12 +314,12 @@ inline void combine(float* oh, const float* own, int64_t count, NewValue new_val
 }
 
 // B sequences of T new tokens each: q [B, T, H, D], k, v [B, T, KVH, D] (the new tokens' keys, not in the pool),
-// k_pool, v_pool [blocks, BS, KVH, D] bf16 (one layer's), table [B, blocks] int32, key_mask [B, T, keys] bool (the
+// k_pool, v_pool [blocks, BS, KVH, D] (one layer's; kp, vp their data, bf16 or fp32), table [B, blocks] int32, key_mask [B, T, keys] bool (the
 // cached keys each query sees), new_mask [B, T, T] bool (the new keys each query sees; null: its own alone). Returns
 // fp32 of `sizes`, laid out [B, T, H, D].
-template <int D>
+template <int D, typename P>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
-                  const at::Tensor& v_pool, const at::Tensor& table, const at::Tensor& key_mask, const bool* new_mask,
+                  const P* kp, const P* vp, const at::Tensor& table, const at::Tensor& key_mask, const bool* new_mask,
                   int64_t B, int64_t T, double scale, at::IntArrayRef sizes) {
   const int64_t KVH = k_pool.size(2), H = q.numel() / (B * T * D), G = H / KVH, R = T * G, BS = k_pool.size(1);
   const int64_t W = key_mask.size(-1);
@@ -336,8 +336,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t blocks = (W + BS - 1) / BS, NT = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
   const int64_t part_size = KVH * R * (D + 2);
   std::vector<float> parts(B * NT * part_size);
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
   at::parallel_for(0, B * NT, 1, [&](int64_t begin, int64_t end) {  // each (sequence, range of key blocks)
     std::vector<float> scores;
     std::vector<char> seen;
@@ -372,16 +370,29 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 void check_pools(const char* op, const at::Tensor& k, const at::Tensor& k_pool, const at::Tensor& v_pool,
                  const at::Tensor& table, const at::Tensor& key_mask) {
-  TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16 && k_pool.dim() == 4 &&
+  TORCH_CHECK((k_pool.scalar_type() == at::kBFloat16 || k_pool.scalar_type() == at::kFloat) &&
+              v_pool.scalar_type() == k_pool.scalar_type() && k_pool.dim() == 4 &&
               k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == k.size(-2) && k_pool.size(3) == k.size(-1) &&
               k_pool.is_contiguous() && v_pool.is_contiguous() && table.scalar_type() == at::kInt &&
-              key_mask.scalar_type() == at::kBool, op, ": bf16 pools [blocks, block, KVH, D], int32 table");
+              key_mask.scalar_type() == at::kBool, op, ": bf16 or fp32 pools [blocks, block, KVH, D], int32 table");
   TORCH_CHECK(k.size(-1) == 64 || k.size(-1) == 128, op, ": head_dim 64 or 128");
+}
+
+template <int D>
+at::Tensor of_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
+                   const at::Tensor& v_pool, const at::Tensor& table, const at::Tensor& key_mask, const bool* new_mask,
+                   int64_t B, int64_t T, double scale, at::IntArrayRef sizes) {
+  if (k_pool.scalar_type() == at::kFloat)
+    return attend<D>(q, k, v, k_pool, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), table, key_mask, new_mask,
+                     B, T, scale, sizes);
+  return attend<D>(q, k, v, k_pool, reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
+                   reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), table, key_mask, new_mask, B, T,
+                   scale, sizes);
 }
 
 template <typename... Args>
 at::Tensor by_head_dim(int64_t D, Args&&... args) {
-  return D == 64 ? attend<64>(std::forward<Args>(args)...) : attend<128>(std::forward<Args>(args)...);
+  return D == 64 ? of_pool<64>(std::forward<Args>(args)...) : of_pool<128>(std::forward<Args>(args)...);
 }
 
 // The decode step's: one query per sequence, q [B, H, D], k, v [B, KVH, D], key_mask [B, keys]. Returns fp32
@@ -648,11 +659,12 @@ def _queries_output_shape(q, *pools_tables_and_scale):
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, k_pool: torch.Tensor) -> bool:
-    """Whether the op takes this layer's attention: a layer's bf16 paged pool on the CPU ([blocks, block, KVH, D]),
+    """Whether the op takes this layer's attention: a layer's bf16 or fp32 paged pool on the CPU ([blocks, block, KVH,
+    D]),
     head_dim 64 or 128, at most MAX_GROUP query heads a KV head (q [B, H * D] or [B, H, D], k [B, KVH, D])."""
     kv_heads, head_dim = k.shape[-2:]
     heads = q.shape[-1] // head_dim if q.dim() == 2 else q.shape[1]
-    return (k_pool.device.type == "cpu" and k_pool.dtype == torch.bfloat16 and k_pool.dim() == 4
+    return (k_pool.device.type == "cpu" and k_pool.dtype in (torch.bfloat16, torch.float32) and k_pool.dim() == 4
             and tuple(k_pool.shape[-2:]) == (kv_heads, head_dim) and head_dim in HEAD_DIMS
             and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP)
 

@@ -18,22 +18,24 @@ from inference_core.engine.query_graph import QueryGraph, attend_queries, read_c
 from inference_core.model import attention_kernel
 
 
-def paged_case(batch: int, blocks: int, kv_heads: int, group: int, head_dim: int, seed: int):
-    """Random bf16 pools of 64 blocks of 16, a block table of `blocks` per row, masks of different lengths with a
-    hole (a sliding window's edge), the last row with nothing cached (a bucket's padding row)."""
+def paged_case(batch: int, blocks: int, kv_heads: int, group: int, head_dim: int, seed: int,
+               dtype: torch.dtype = torch.bfloat16):
+    """Random pools (bf16 or fp32: the model's dtype) of 64 blocks of 16, a block table of `blocks` per row, masks of
+    different lengths with a hole (a sliding window's edge), the last row with nothing cached (a bucket's padding
+    row)."""
     generator = torch.Generator().manual_seed(seed)
     pool = (64, 16, kv_heads, head_dim)
-    k_pool = torch.randn(pool, generator=generator).bfloat16()
-    v_pool = torch.randn(pool, generator=generator).bfloat16()
+    k_pool = torch.randn(pool, generator=generator).to(dtype)
+    v_pool = torch.randn(pool, generator=generator).to(dtype)
     table = torch.randint(0, 64, (batch, blocks), generator=generator, dtype=torch.int32)
     lengths = torch.randint(1, blocks * 16 + 1, (batch,), generator=generator)
     mask = torch.arange(blocks * 16)[None, :] < lengths[:, None]
     mask[:, 3] = False
     if batch > 1:
         mask[-1] = False
-    q = torch.randn(batch, kv_heads * group * head_dim, generator=generator).bfloat16()
-    k = torch.randn(batch, kv_heads, head_dim, generator=generator).bfloat16()
-    v = torch.randn(batch, kv_heads, head_dim, generator=generator).bfloat16()
+    q = torch.randn(batch, kv_heads * group * head_dim, generator=generator).to(dtype)
+    k = torch.randn(batch, kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(batch, kv_heads, head_dim, generator=generator).to(dtype)
     return q, k, v, k_pool, v_pool, table, mask
 
 
@@ -45,8 +47,10 @@ def paged_case(batch: int, blocks: int, kv_heads: int, group: int, head_dim: int
     (2, 2, 4, 1, 128),
     (1, 1, 8, 2, 128),  # Qwen3-0.6B's heads, one block
 ])
-def test_the_op_equals_the_attention_inductor_compiles(our_ops, batch, blocks, kv_heads, group, head_dim):
-    q, k, v, k_pool, v_pool, table, mask = paged_case(batch, blocks, kv_heads, group, head_dim, seed=blocks)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_op_equals_the_attention_inductor_compiles(our_ops, batch, blocks, kv_heads, group, head_dim, dtype):
+    q, k, v, k_pool, v_pool, table, mask = paged_case(batch, blocks, kv_heads, group, head_dim, seed=blocks,
+                                                      dtype=dtype)
     k_ctx, v_ctx = _read_context(k_pool, v_pool, table, blocks, paged=True)
     want = _attend_one_fused(q, k, v, k_ctx, v_ctx, mask, head_dim**-0.5)
     got = attention_kernel.attend(q, k, v, k_pool, v_pool, table, mask, head_dim**-0.5)
@@ -56,16 +60,16 @@ def test_the_op_equals_the_attention_inductor_compiles(our_ops, batch, blocks, k
 
 def test_the_op_refuses_a_pool_of_another_layout(our_ops):
     q, k, v, k_pool, v_pool, table, mask = paged_case(1, 2, 3, 3, 64, seed=0)
-    with pytest.raises(RuntimeError, match="bf16 pools"):  # heads and positions swapped, as a contiguous cache has
+    with pytest.raises(RuntimeError, match="bf16 or fp32 pools"):  # heads and positions swapped, as a contiguous cache has
         attention_kernel.attend(q, k, v, k_pool.transpose(1, 2).contiguous(), v_pool.transpose(1, 2).contiguous(),
                                 table, mask, 0.125)
 
 
-def test_it_takes_bf16_paged_pools_of_the_head_sizes_it_knows():
+def test_it_takes_bf16_and_fp32_paged_pools_of_the_head_sizes_it_knows():
     q, k = torch.zeros(1, 9 * 64).bfloat16(), torch.zeros(1, 3, 64).bfloat16()
     pool = torch.zeros(8, 16, 3, 64)  # a layer's [blocks, block, KV heads, head_dim]
-    assert attention_kernel.takes(q, k, pool.bfloat16())
-    assert not attention_kernel.takes(q, k, pool)  # fp32
+    assert attention_kernel.takes(q, k, pool.bfloat16()) and attention_kernel.takes(q.float(), k.float(), pool)
+    assert not attention_kernel.takes(q, k, pool.half())
     assert not attention_kernel.takes(q, k, pool.to(torch.int8))  # the int8 KV cache
     assert not attention_kernel.takes(q, k, torch.zeros(4, 3, 16, 64).bfloat16())  # a contiguous cache's layout:
     # [slots, KV heads, positions, head_dim]
@@ -99,20 +103,21 @@ def test_an_exported_step_calls_it_only_where_asked(our_ops, wide_heads):
     torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=2e-2, atol=2e-2)  # logits, bf16 projections
 
 
-def queries_case(batch: int, queries: int, blocks: int, kv_heads: int, group: int, head_dim: int, seed: int):
+def queries_case(batch: int, queries: int, blocks: int, kv_heads: int, group: int, head_dim: int, seed: int,
+                 dtype: torch.dtype = torch.bfloat16):
     """`paged_case`'s pools and table with T new tokens a sequence: each query's cached keys cut by a sliding window
     of its own (the later queries see fewer of the first keys), a tree's mask over the new keys (each sees itself
     and a random set of the earlier ones), and a row whose queries see no cached key."""
-    _, _, _, k_pool, v_pool, table, mask = paged_case(batch, blocks, kv_heads, group, head_dim, seed)
+    _, _, _, k_pool, v_pool, table, mask = paged_case(batch, blocks, kv_heads, group, head_dim, seed, dtype)
     generator = torch.Generator().manual_seed(seed + 1)
     key_mask = mask[:, None, :].repeat(1, queries, 1)
     for t in range(queries):
         key_mask[0, t, : 2 * t] = False  # the window moves on by two cached keys a query
     new_mask = torch.rand(batch, queries, queries, generator=generator) < 0.5
     new_mask = (new_mask & torch.ones(queries, queries, dtype=torch.bool).tril()) | torch.eye(queries, dtype=torch.bool)
-    q = torch.randn(batch, queries, kv_heads * group, head_dim, generator=generator).bfloat16()
-    k = torch.randn(batch, queries, kv_heads, head_dim, generator=generator).bfloat16()
-    v = torch.randn(batch, queries, kv_heads, head_dim, generator=generator).bfloat16()
+    q = torch.randn(batch, queries, kv_heads * group, head_dim, generator=generator).to(dtype)
+    k = torch.randn(batch, queries, kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(batch, queries, kv_heads, head_dim, generator=generator).to(dtype)
     return q, k, v, k_pool, v_pool, table, key_mask, new_mask
 
 
@@ -124,10 +129,11 @@ def queries_case(batch: int, queries: int, blocks: int, kv_heads: int, group: in
     (1, 3, 1, 8, 2, 128),
     (2, 1, 4, 3, 3, 64),  # one query: the decode op's case through the other
 ])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_queries_op_equals_the_attention_inductor_compiles(our_ops, batch, queries, blocks, kv_heads, group,
-                                                               head_dim):
+                                                               head_dim, dtype):
     q, k, v, k_pool, v_pool, table, key_mask, new_mask = queries_case(batch, queries, blocks, kv_heads, group,
-                                                                      head_dim, seed=blocks + queries)
+                                                                      head_dim, seed=blocks + queries, dtype=dtype)
     k_ctx, v_ctx = read_context(k_pool, v_pool, table, blocks * 16, paged=True)
     want = attend_queries(q, k, v, k_ctx, v_ctx, key_mask, new_mask, head_dim**-0.5)
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same values through a view's strides

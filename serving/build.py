@@ -118,7 +118,7 @@ class ServingBuild:
         if self.state == "building":
             minutes = (time.monotonic() - self.started) / 60
             return (f"the default settings' compiled steps are being built in the background ({minutes:.0f} min so "
-                    "far; about 10 min in all on an idle 2-core CPU, then kept on disk), and until then they run eager")
+                    "far; about 5 min in all on an idle 2-core CPU, then kept on disk), and until then they run eager")
         if self.state == "failed":
             return f"building the default settings' compiled steps failed ({self.reason}), so they run eager"
         return ""

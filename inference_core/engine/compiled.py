@@ -470,7 +470,7 @@ class CompiledDecoder:
         q = torch.empty(1, attn.num_heads, attn.head_dim)
         if not attention_kernel.takes_flat(q, q[:, :attn.num_kv_heads], self._layer_pool()):
             return (f"prefill chunks and mixed steps compile for bf16 or fp32 KV pools, head_dim "
-                    f"{', '.join(map(str, attention_kernel.FLAT_HEAD_DIMS))} and at most "
+                    f"{', '.join(map(str, attention_kernel.HEAD_DIMS))} and at most "
                     f"{attention_kernel.MAX_GROUP} query heads a KV head only")
         return None
 

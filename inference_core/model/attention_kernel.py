@@ -19,7 +19,7 @@ the bundled model's 5-token step then spent 5.6x the decode step's attention tim
 
 Three ops: `attend_paged` (the decode step's: q [B, H, D]) and `attend_paged_queries` (the query step's: q
 [B, T, H, D], a mask per query), the first the second's case T = 1, called from the compiled steps where `takes` says
-so while exporting (paged, bf16 or fp32 pool, head_dim 64 or 128, at most 8 query heads a KV head); and `attend_paged_flat`
+so while exporting (paged, bf16 or fp32 pool, head_dim 16 to 128, at most 8 query heads a KV head); and `attend_paged_flat`
 (the flat step's: the new tokens of several sequences one after another, q [N, H, D], any number a sequence, causal
 after its cached keys, within a sliding window and beside attention sinks given as inputs; bf16 or fp32 pools,
 head_dim 16 to 128), the flat step's only attention (`takes_flat`). A flat step's short sequences (decodes, small
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 MAX_GROUP = 8  # query heads a KV head the op takes
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (16, 32, 64, 128)  # head sizes the ops take
 
 SOURCE = r"""
 #include <cmath>
@@ -375,7 +375,8 @@ void check_pools(const char* op, const at::Tensor& k, const at::Tensor& k_pool, 
               k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == k.size(-2) && k_pool.size(3) == k.size(-1) &&
               k_pool.is_contiguous() && v_pool.is_contiguous() && table.scalar_type() == at::kInt &&
               key_mask.scalar_type() == at::kBool, op, ": bf16 or fp32 pools [blocks, block, KVH, D], int32 table");
-  TORCH_CHECK(k.size(-1) == 64 || k.size(-1) == 128, op, ": head_dim 64 or 128");
+  TORCH_CHECK(k.size(-1) == 16 || k.size(-1) == 32 || k.size(-1) == 64 || k.size(-1) == 128, op,
+              ": head_dim 16, 32, 64 or 128");
 }
 
 template <int D>
@@ -392,7 +393,12 @@ at::Tensor of_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
 template <typename... Args>
 at::Tensor by_head_dim(int64_t D, Args&&... args) {
-  return D == 64 ? of_pool<64>(std::forward<Args>(args)...) : of_pool<128>(std::forward<Args>(args)...);
+  switch (D) {
+    case 16: return of_pool<16>(std::forward<Args>(args)...);
+    case 32: return of_pool<32>(std::forward<Args>(args)...);
+    case 64: return of_pool<64>(std::forward<Args>(args)...);
+    default: return of_pool<128>(std::forward<Args>(args)...);
+  }
 }
 
 // The decode step's: one query per sequence, q [B, H, D], k, v [B, KVH, D], key_mask [B, keys]. Returns fp32
@@ -661,7 +667,7 @@ def _queries_output_shape(q, *pools_tables_and_scale):
 def takes(q: torch.Tensor, k: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether the op takes this layer's attention: a layer's bf16 or fp32 paged pool on the CPU ([blocks, block, KVH,
     D]),
-    head_dim 64 or 128, at most MAX_GROUP query heads a KV head (q [B, H * D] or [B, H, D], k [B, KVH, D])."""
+    head_dim in HEAD_DIMS, at most MAX_GROUP query heads a KV head (q [B, H * D] or [B, H, D], k [B, KVH, D])."""
     kv_heads, head_dim = k.shape[-2:]
     heads = q.shape[-1] // head_dim if q.dim() == 2 else q.shape[1]
     return (k_pool.device.type == "cpu" and k_pool.dtype in (torch.bfloat16, torch.float32) and k_pool.dim() == 4
@@ -684,15 +690,12 @@ def attend_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale: fl
     return torch.ops.inference_core.attend_paged_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale)
 
 
-FLAT_HEAD_DIMS = (16, 32, 64, 128)
-
-
 def takes_flat(q: torch.Tensor, k: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether the flat op takes this layer's attention: a layer's bf16 or fp32 paged pool on the CPU ([blocks, block,
-    KVH, D]), head_dim in FLAT_HEAD_DIMS, at most MAX_GROUP query heads a KV head (q [N, H, D], k [N, KVH, D])."""
+    KVH, D]), head_dim in HEAD_DIMS, at most MAX_GROUP query heads a KV head (q [N, H, D], k [N, KVH, D])."""
     kv_heads, head_dim = k.shape[-2:]
     return (k_pool.device.type == "cpu" and k_pool.dtype in (torch.bfloat16, torch.float32) and k_pool.dim() == 4
-            and tuple(k_pool.shape[-2:]) == (kv_heads, head_dim) and head_dim in FLAT_HEAD_DIMS
+            and tuple(k_pool.shape[-2:]) == (kv_heads, head_dim) and head_dim in HEAD_DIMS
             and q.shape[1] % kv_heads == 0 and q.shape[1] // kv_heads <= MAX_GROUP)
 
 

@@ -46,6 +46,8 @@ def paged_case(batch: int, blocks: int, kv_heads: int, group: int, head_dim: int
     (3, 5, 1, 8, 64),
     (2, 2, 4, 1, 128),
     (1, 1, 8, 2, 128),  # Qwen3-0.6B's heads, one block
+    (3, 4, 2, 2, 16),  # the tests' tiny models' heads
+    (2, 6, 2, 4, 32),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_op_equals_the_attention_inductor_compiles(our_ops, batch, blocks, kv_heads, group, head_dim, dtype):
@@ -74,13 +76,14 @@ def test_it_takes_bf16_and_fp32_paged_pools_of_the_head_sizes_it_knows():
     assert not attention_kernel.takes(q, k, torch.zeros(4, 3, 16, 64).bfloat16())  # a contiguous cache's layout:
     # [slots, KV heads, positions, head_dim]
     assert not attention_kernel.takes(torch.zeros(1, 27 * 64), k, pool.bfloat16())  # 9 query heads a KV head
+    assert attention_kernel.takes(torch.zeros(1, 4 * 16), torch.zeros(1, 2, 16), torch.zeros(8, 16, 2, 16))
     odd = torch.zeros(1, 3, 96)
     assert not attention_kernel.takes(torch.zeros(1, 9 * 96), odd, torch.zeros(8, 16, 3, 96).bfloat16())
 
 
 @pytest.fixture(scope="module")
 def wide_heads(tmp_path_factory):
-    """A 1-layer random Llama with head_dim 64 (the tiny models' 16 is not one the op takes), in bf16."""
+    """A 1-layer random Llama with head_dim 64 (the bundled model's), in bf16."""
     directory = tmp_path_factory.mktemp("tiny-llama-d64")
     torch.manual_seed(0)
     config = LlamaConfig(**{**TINY, "num_hidden_layers": 1, "head_dim": 64}, tie_word_embeddings=False)
@@ -128,6 +131,7 @@ def queries_case(batch: int, queries: int, blocks: int, kv_heads: int, group: in
     (2, 4, 5, 1, 8, 64),
     (1, 3, 1, 8, 2, 128),
     (2, 1, 4, 3, 3, 64),  # one query: the decode op's case through the other
+    (2, 5, 3, 2, 2, 16),  # the tests' tiny models' heads
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_queries_op_equals_the_attention_inductor_compiles(our_ops, batch, queries, blocks, kv_heads, group,

@@ -261,9 +261,10 @@ def test_batch_bench_quantizes_our_rows(bundled, one_torch_thread, tmp_path, cap
     so."""
     from inference_core.quant.linear import QuantLinear
 
-    engines = []
+    engines = []  # the models our rows' engines are made on
     real_engine = batching.Engine
-    monkeypatch.setattr(batching, "Engine", lambda loaded, config: engines.append(loaded) or real_engine(loaded, config))
+    monkeypatch.setattr(batching, "Engine",
+                        lambda loaded, config: engines.append(loaded) or real_engine(loaded, config))
     path = tmp_path / "batch.json"
     assert main(["batch-bench", "--requests", "2", "--max-new-tokens", "3", "--modes", "continuous", "--peers", "",
                  "--quant", "int4", *CPU, "--json", str(path)]) == 0

@@ -34,18 +34,17 @@ none of them takes runs eager (`refusal` and `flat_refusal` say why, and the sta
 
 Two ways to compile it (`CompiledDecoder(backend=...)`):
 
-- `aoti` (the CPU's default): `torch.export` of the step, with the key width as a dynamic dimension, compiled ahead
-  of time by AOTInductor with the same inductor options (freezing, max-autotune) into a package on disk
+- `aoti` (the CPU's default): `torch.export` of the step, with the key width as a dynamic dimension, compiled ahead of
+  time by AOTInductor with the same inductor options (freezing, max-autotune) into a package on disk
   (`compile_cache_dir()`), one per model, dtype, KV layout and batch bucket. With the options `row_kernel` and
-  `attention_kernel` (`default_options`: the first for bf16 and quantized models, the second for every model), the
-  bf16 projections of steps of up to `row_kernel.max_rows` rows (8, or 16 where its AMX form runs) run through our
-  kernel (`model.row_kernel`) instead of the matmul inductor picks, and the attention over a bf16 or fp32 paged pool
-  (the decode step's and the query step's) through our attention kernel (`model.attention_kernel`). A second start loads the
-  package in a few seconds instead of compiling again: `torch.compile` cannot keep a frozen graph in its own caches
-  (its prepacked oneDNN weights do not pickle), so it rebuilt the graph each start (about 70% of a first compile).
-  Measured on the bundled model, fp32, batch 1: the same step time as `torch.compile` with those options (23.7 vs
-  23.6 ms). The package keeps its weights beside its library, and loading places them in huge pages
-  (`package_weights`).
+  `attention_kernel` (`default_options`: the first for bf16 and quantized models, the second for every model), the bf16
+  projections of steps of up to `row_kernel.max_rows` rows (8, or 16 where its AMX form runs) run through our kernel
+  (`model.row_kernel`) instead of the matmul inductor picks, and the attention over a bf16 or fp32 paged pool (the
+  decode step's and the query step's) through our attention kernel (`model.attention_kernel`). A second start loads the
+  package in a few seconds instead of compiling again: `torch.compile` cannot keep a frozen graph in its own caches (its
+  prepacked oneDNN weights do not pickle), so it rebuilt the graph each start (about 70% of a first compile). Measured
+  on the bundled model, fp32, batch 1: the same step time as `torch.compile` with those options (23.7 vs 23.6 ms). The
+  package keeps its weights beside its library, and loading places them in huge pages (`package_weights`).
 - `torch.compile` (CUDA's default, with CUDA graphs through `mode="reduce-overhead"`): compiled in the process, on
   the first step of each bucket; inductor's disk cache keeps its generated kernels between starts.
 """
@@ -1043,9 +1042,10 @@ def default_options(device: torch.device, model: nn.Module | None = None) -> dic
         options.update(INT8_CPU_OPTIONS)
     # Our kernels, used where they run (`CompiledDecoder.row_kernel_off`: why not): attention over a paged pool, bf16
     # or fp32 (the bundled model's fp32 int4 x int8 step on the 2-core AVX2 Zen 1 host after a 277-token prompt: 9.3
-    # ms against 12.1 with the attention inductor compiles; 8 such sequences 43.9 against 57.1 ms); bf16 projections; int8 projections of bf16 activations (an fp32 model's too, where `QuantLinear` computes in
-    # bf16) on the CPUs where that form measured faster (`row_kernel.int8_form`), and int4 ones where the CPU has
-    # BF16 dot products and the loop measured no slower than ATen's int4 kernel (`row_kernel.int4_form`).
+    # ms against 12.1 with the attention inductor compiles; 8 such sequences 43.9 against 57.1 ms); bf16 projections;
+    # int8 projections of bf16 activations (an fp32 model's too, where `QuantLinear` computes in bf16) on the CPUs
+    # where that form measured faster (`row_kernel.int8_form`), and int4 ones where the CPU has BF16 dot products and
+    # the loop measured no slower than ATen's int4 kernel (`row_kernel.int4_form`).
     options["attention_kernel"] = True
     if (model is not None and model.embed_tokens.weight.dtype == torch.bfloat16) or int8 or "int4" in schemes:
         options["row_kernel"] = True

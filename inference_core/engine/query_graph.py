@@ -13,10 +13,10 @@ query bucket). As in the decode step, the KV pool is read and never written insi
 - the graph returns every query's fp32 logits and final-normed hidden state, and every layer's new k and v, which
   the decoder writes into the pool for the real queries after the call.
 
-Attention over a bf16 or fp32 paged pool runs through our CPU kernel (`model.attention_kernel`, its queries op: each cached
-key read once for all of a sequence's queries) where `our_attention` asks for it and it takes the layer; otherwise it
-is written with matmuls in fp32 over the context cast once per layer, for inductor to compile. The eager forward
-(`model.llama`) is the reference both are tested against.
+Attention over a bf16 or fp32 paged pool runs through our CPU kernel (`model.attention_kernel`, its queries op: each
+cached key read once for all of a sequence's queries) where `our_attention` asks for it and it takes the layer;
+otherwise it is written with matmuls in fp32 over the context cast once per layer, for inductor to compile. The eager
+forward (`model.llama`) is the reference both are tested against.
 """
 
 from __future__ import annotations

@@ -3,29 +3,29 @@ decode step, several in the query step: a speculative chain's or tree's verifica
 through the block table from the pool in place (bf16, or fp32: an fp32 model's), and its new keys.
 
 What inductor generates for `_attend_one_fused` (in `engine.compiled`) reads each cached key once per query head,
-reduces every dot product on its own, and runs the mask and the softmax on one thread between its parallel loops: on
-the 2-core Zen 5 host the compiled step took 2.4 us more a cached key (for all 30 layers of the bundled model), about
-10 GB/s of the cache read. Here each thread takes a contiguous range of the key blocks; per KV head it reads each
-cached key once for all of the sequence's query rows (its queries times the group's query heads, as many at once as
-the registers hold: fp32 sums of the pool's values, bf16 ones widened by a shift), stores the scores, takes their exponentials a vector
-at a time (`exp_neg`, a polynomial), and sums the values weighted by them. The threads' partial softmaxes (the
-maximum, the sum, the weighted values) and the new keys each query sees (`new_mask`: causal for a chain, the tree's
-mask for a tree) are then combined in fp32. A mask per query over the cached keys carries a sliding window. Its
-outputs equal `_attend_one_fused`'s and `query_graph.attend_queries`'s to fp32 rounding
+reduces every dot product on its own, and runs the mask and the softmax on one thread between its parallel loops: on the
+2-core Zen 5 host the compiled step took 2.4 us more a cached key (for all 30 layers of the bundled model), about 10
+GB/s of the cache read. Here each thread takes a contiguous range of the key blocks; per KV head it reads each cached
+key once for all of the sequence's query rows (its queries times the group's query heads, as many at once as the
+registers hold: fp32 sums of the pool's values, bf16 ones widened by a shift), stores the scores, takes their
+exponentials a vector at a time (`exp_neg`, a polynomial), and sums the values weighted by them. The threads' partial
+softmaxes (the maximum, the sum, the weighted values) and the new keys each query sees (`new_mask`: causal for a chain,
+the tree's mask for a tree) are then combined in fp32. A mask per query over the cached keys carries a sliding window.
+Its outputs equal `_attend_one_fused`'s and `query_graph.attend_queries`'s to fp32 rounding
 (`tests/model/test_attention_kernel.py`), with AVX-512's vectors or AVX2's (the build's flags choose:
-`model.row_kernel.FLAGS`). For the query step it replaced inductor's fp32 matmuls over the context cast per layer:
-the bundled model's 5-token step then spent 5.6x the decode step's attention time, and its package compiled in about
-190 s instead of 40.
+`model.row_kernel.FLAGS`). For the query step it replaced inductor's fp32 matmuls over the context cast per layer: the
+bundled model's 5-token step then spent 5.6x the decode step's attention time, and its package compiled in about 190 s
+instead of 40.
 
-Three ops: `attend_paged` (the decode step's: q [B, H, D]) and `attend_paged_queries` (the query step's: q
-[B, T, H, D], a mask per query), the first the second's case T = 1, called from the compiled steps where `takes` says
-so while exporting (paged, bf16 or fp32 pool, head_dim 16 to 128, at most 8 query heads a KV head); and `attend_paged_flat`
-(the flat step's: the new tokens of several sequences one after another, q [N, H, D], any number a sequence, causal
-after its cached keys, within a sliding window and beside attention sinks given as inputs; bf16 or fp32 pools,
-head_dim 16 to 128), the flat step's only attention (`takes_flat`). A flat step's short sequences (decodes, small
-chunks) go through the same loops as the others, in runs of 8 queries; its long ones (64 new tokens or more) through
-ATen's SDPA on their keys gathered in fp32. They are built into the same extension as the projection kernel (`model.row_kernel`, which owns the
-build).
+Three ops: `attend_paged` (the decode step's: q [B, H, D]) and `attend_paged_queries` (the query step's: q [B, T, H, D],
+a mask per query), the first the second's case T = 1, called from the compiled steps where `takes` says so while
+exporting (paged, bf16 or fp32 pool, head_dim 16 to 128, at most 8 query heads a KV head); and `attend_paged_flat` (the
+flat step's: the new tokens of several sequences one after another, q [N, H, D], any number a sequence, causal after its
+cached keys, within a sliding window and beside attention sinks given as inputs; bf16 or fp32 pools, head_dim 16 to
+128), the flat step's only attention (`takes_flat`). A flat step's short sequences (decodes, small chunks) go through
+the same loops as the others, in runs of 8 queries; its long ones (64 new tokens or more) through ATen's SDPA on their
+keys gathered in fp32. They are built into the same extension as the projection kernel (`model.row_kernel`, which owns
+the build).
 """
 
 from __future__ import annotations
@@ -314,9 +314,9 @@ inline void combine(float* oh, const float* own, int64_t count, NewValue new_val
 }
 
 // B sequences of T new tokens each: q [B, T, H, D], k, v [B, T, KVH, D] (the new tokens' keys, not in the pool),
-// k_pool, v_pool [blocks, BS, KVH, D] (one layer's; kp, vp their data, bf16 or fp32), table [B, blocks] int32, key_mask [B, T, keys] bool (the
-// cached keys each query sees), new_mask [B, T, T] bool (the new keys each query sees; null: its own alone). Returns
-// fp32 of `sizes`, laid out [B, T, H, D].
+// k_pool, v_pool [blocks, BS, KVH, D] (one layer's; kp, vp their data, bf16 or fp32), table [B, blocks] int32,
+// key_mask [B, T, keys] bool (the cached keys each query sees), new_mask [B, T, T] bool (the new keys each query
+// sees; null: its own alone). Returns fp32 of `sizes`, laid out [B, T, H, D].
 template <int D, typename P>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
                   const P* kp, const P* vp, const at::Tensor& table, const at::Tensor& key_mask, const bool* new_mask,
@@ -379,16 +379,22 @@ void check_pools(const char* op, const at::Tensor& k, const at::Tensor& k_pool, 
               ": head_dim 16, 32, 64 or 128");
 }
 
+// `f(kp, vp)` on the two pools' data: an fp32 pool's as it is, a bf16 pool's as its raw 16 bits (`load_row` widens
+// them).
+template <typename F>
+at::Tensor with_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, F f) {
+  if (k_pool.scalar_type() == at::kFloat) return f(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
+  return f(reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
+           reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()));
+}
+
 template <int D>
 at::Tensor of_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
                    const at::Tensor& v_pool, const at::Tensor& table, const at::Tensor& key_mask, const bool* new_mask,
                    int64_t B, int64_t T, double scale, at::IntArrayRef sizes) {
-  if (k_pool.scalar_type() == at::kFloat)
-    return attend<D>(q, k, v, k_pool, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), table, key_mask, new_mask,
-                     B, T, scale, sizes);
-  return attend<D>(q, k, v, k_pool, reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
-                   reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), table, key_mask, new_mask, B, T,
-                   scale, sizes);
+  return with_pools(k_pool, v_pool, [&](const auto* kp, const auto* vp) {
+    return attend<D>(q, k, v, k_pool, kp, vp, table, key_mask, new_mask, B, T, scale, sizes);
+  });
 }
 
 template <typename... Args>
@@ -573,13 +579,9 @@ template <int D>
 at::Tensor flat_of_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
                         const at::Tensor& v_pool, const at::Tensor& table, const int32_t* st, const int32_t* ca,
                         Window window, double scale) {
-  const int64_t BS = k_pool.size(1);
-  if (k_pool.scalar_type() == at::kFloat)
-    return attend_flat<D>(q, k, v, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), BS, table, st, ca, window,
-                          scale);
-  return attend_flat<D>(q, k, v, reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
-                        reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), BS, table, st, ca, window,
-                        scale);
+  return with_pools(k_pool, v_pool, [&](const auto* kp, const auto* vp) {
+    return attend_flat<D>(q, k, v, kp, vp, k_pool.size(1), table, st, ca, window, scale);
+  });
 }
 
 // q [N, H, D], k, v [N, KVH, D]: the N new tokens of S sequences, sequence s's at [starts[s], starts[s + 1]) after
@@ -666,8 +668,7 @@ def _queries_output_shape(q, *pools_tables_and_scale):
 
 def takes(q: torch.Tensor, k: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether the op takes this layer's attention: a layer's bf16 or fp32 paged pool on the CPU ([blocks, block, KVH,
-    D]),
-    head_dim in HEAD_DIMS, at most MAX_GROUP query heads a KV head (q [B, H * D] or [B, H, D], k [B, KVH, D])."""
+    D]), head_dim in HEAD_DIMS, at most MAX_GROUP query heads a KV head (q [B, H * D] or [B, H, D], k [B, KVH, D])."""
     kv_heads, head_dim = k.shape[-2:]
     heads = q.shape[-1] // head_dim if q.dim() == 2 else q.shape[1]
     return (k_pool.device.type == "cpu" and k_pool.dtype in (torch.bfloat16, torch.float32) and k_pool.dim() == 4

@@ -62,7 +62,8 @@ def test_the_op_equals_the_attention_inductor_compiles(our_ops, batch, blocks, k
 
 def test_the_op_refuses_a_pool_of_another_layout(our_ops):
     q, k, v, k_pool, v_pool, table, mask = paged_case(1, 2, 3, 3, 64, seed=0)
-    with pytest.raises(RuntimeError, match="bf16 or fp32 pools"):  # heads and positions swapped, as a contiguous cache has
+    # heads and positions swapped, as a contiguous cache has them
+    with pytest.raises(RuntimeError, match="bf16 or fp32 pools"):
         attention_kernel.attend(q, k, v, k_pool.transpose(1, 2).contiguous(), v_pool.transpose(1, 2).contiguous(),
                                 table, mask, 0.125)
 

@@ -207,9 +207,13 @@ def flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale
     ([16, 1, 1, 1], [0, 33, 90, 5], 3, 3, 64, torch.bfloat16, None),  # a prefill chunk beside decodes
     ([16, 1, 1, 1], [0, 33, 90, 5], 3, 3, 64, torch.float32, None),  # an fp32 pool
     ([9, 30, 1], [50, 17, 200], 2, 4, 128, torch.bfloat16, None),  # chunks after cached prefixes
-    ([70], [0], 2, 2, 16, torch.float32, None),  # a long prompt: ATen's SDPA, causal
-    ([100, 2], [37, 60], 2, 2, 32, torch.bfloat16, None),  # a long chunk after a prefix: SDPA with a mask
+    ([70], [0], 2, 2, 16, torch.float32, None),  # a long prompt: the tiled loops, causal
+    ([100, 2], [37, 60], 2, 2, 32, torch.bfloat16, None),  # a long chunk after a prefix
+    ([8, 7], [130, 130], 3, 3, 64, torch.float32, None),  # the shortest tiled sequence beside the longest short one
+    ([200], [300], 1, 5, 64, torch.bfloat16, None),  # several key chunks; 5 heads a KV head pad the rows
+    ([150, 1], [90, 40], 2, 8, 128, torch.float32, None),  # head_dim 128, 8 heads a KV head
     ([70, 3, 1], [0, 21, 48], 2, 2, 16, torch.float32, 24),  # sliding windows, long and short
+    ([300], [400], 2, 3, 64, torch.float32, (70, 3)),  # key chunks before every query's window skipped, not sinks
     ([12, 1], [80, 130], 1, 8, 64, torch.bfloat16, 40),
     ([70, 3, 1], [0, 21, 48], 2, 2, 16, torch.float32, (24, 4)),  # windows beside attention sinks
     ([12, 1], [80, 130], 1, 8, 64, torch.bfloat16, (40, 5)),

@@ -43,7 +43,6 @@ SOURCE = r"""
 #include <cmath>
 #include <limits>
 #include <memory>
-#include <optional>
 
 namespace attention {
 

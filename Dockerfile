@@ -4,7 +4,7 @@
 # 0.0.0.0:7860 as a non-root user.
 #   docker build -t inference-playground .                                        CPU torch (the default)
 #   docker build --build-arg TORCH_FLAVOUR=cu128 -t inference-playground:cuda .   CUDA torch: docker run --gpus all
-ARG PYTHON_IMAGE=python:3.11-slim
+ARG PYTHON_IMAGE=python:3.12-slim
 
 FROM ${PYTHON_IMAGE} AS runtime
 # The download.pytorch.org index torch comes from: cpu, or a CUDA build that carries the pinned torch (cu128).

@@ -32,6 +32,11 @@ client such as lm-evaluation-harness should read).
 
 from __future__ import annotations
 
+try:  # on a ZeroGPU Space, `spaces` must come before anything that initializes CUDA (`serving.zero_gpu`)
+    import spaces  # noqa: F401  (optional dependency: installed on a Space)
+except ImportError:
+    pass
+
 import argparse
 import os
 import sys

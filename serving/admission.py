@@ -170,14 +170,9 @@ def admit(pool, job: Job) -> Run:
     # The serving settings run eager while their compiled steps are built in the background (`serving.build`).
     job = replace(job, lanes={name: (slot, pool.runnable(settings)) for name, (slot, settings) in job.lanes.items()})
     engines = {name: pool.get(slot, settings) for name, (slot, settings) in job.lanes.items() if not settings.external}
-    tokenizer = pool.loaded.tokenizer
-    prompt_ids = [list(prompt) if _token_ids(prompt) else tokenizer.prompt_ids(prompt, job.system, job.chat)
-                  for prompt in job.prompts]
+    prompt_ids, new_tokens = _token_counts(pool, job)
     requests: dict[str, list[Request]] = {name: [] for name in engines}
     estimates: list[float] = []
-    new_tokens = [int(job.max_new_tokens) if job.max_new_tokens is not None else
-                  max(1, min(job.default_new_tokens or room, pool.policy.max_new_tokens, room))
-                  for room in (pool.max_seq_len - len(ids) for ids in prompt_ids)]
     for ids, new in zip(prompt_ids, new_tokens):
         for name, engine in engines.items():
             settings = job.lanes[name][1]
@@ -198,6 +193,32 @@ def admit(pool, job: Job) -> Run:
     budget = sum(len(ids) + new for ids, new in zip(prompt_ids, new_tokens)) * job.copies * len(job.lanes)
     pool.limits.admit(job.caller or "local", budget)
     return Run(pool, job, engines, requests, prompt_ids, new_tokens, estimates, endpoints, budget)
+
+
+def job_seconds(pool, job: Job) -> float | None:
+    """The estimated device seconds of all of `job` (every prompt on every lane, every copy) from the figures the
+    pool's cost model already has, without probing the device; None where a figure it needs is missing."""
+    prompt_ids, new_tokens = _token_counts(pool, job)
+    total = 0.0
+    for ids, new in zip(prompt_ids, new_tokens):
+        for _, settings in job.lanes.values():
+            seconds = 0.0 if settings.external else pool.costs.request_seconds(settings.kv_mode, len(ids), new,
+                                                                                probe=False)
+            if seconds is None:
+                return None
+            total += seconds * job.copies
+    return total
+
+
+def _token_counts(pool, job: Job) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's token ids and the new tokens it asks for (`max_new_tokens`, else as `Job` says)."""
+    tokenizer = pool.loaded.tokenizer
+    prompt_ids = [list(prompt) if _token_ids(prompt) else tokenizer.prompt_ids(prompt, job.system, job.chat)
+                  for prompt in job.prompts]
+    new_tokens = [int(job.max_new_tokens) if job.max_new_tokens is not None else
+                  max(1, min(job.default_new_tokens or room, pool.policy.max_new_tokens, room))
+                  for room in (pool.max_seq_len - len(ids) for ids in prompt_ids)]
+    return prompt_ids, new_tokens
 
 
 def _token_ids(prompt) -> bool:

@@ -82,22 +82,43 @@ class StepCosts:
     @property
     def decode_ms(self) -> float:
         """ms of one cached decode step at a short context: the median of measured steps, else the probe."""
+        return self._decode_ms(probe=True)
+
+    def _decode_ms(self, probe: bool) -> float | None:
         measured = self._median(self.measured_decode_ms)
         if measured is not None:
             return measured
-        if self.probed_decode_ms is None:
+        if self.probed_decode_ms is None and probe:
             self.probed_decode_ms = self.on_device(self._probe_decode_ms)
         return self.probed_decode_ms
 
-    def forward_ms_at(self, num_tokens: int) -> float:
-        """ms of one uncached forward over `num_tokens` tokens, at its bucket's per-token time."""
+    def forward_ms_at(self, num_tokens: int, probe: bool = True) -> float | None:
+        """ms of one uncached forward over `num_tokens` tokens, at its bucket's per-token time (None where `probe` is
+        False and the bucket was neither measured nor probed)."""
         bucket = min(length_bucket(num_tokens), length_bucket(self.max_seq_len))
         measured = self._median(self.measured_forward_ms.get(bucket, ()))
         if measured is None:
             if bucket not in self.probed_forward_ms:
+                if not probe:
+                    return None
                 self.probed_forward_ms[bucket] = self.on_device(lambda: self._probe_forward_ms(bucket))
             measured = self.probed_forward_ms[bucket]
         return measured * num_tokens / bucket
+
+    def figures(self) -> dict:
+        """What this process knows without probing: {"decode_ms": ms or None, "forward_ms": {bucket: ms}}."""
+        buckets = {*self.probed_forward_ms, *self.measured_forward_ms}
+        forward = {bucket: self.forward_ms_at(bucket, probe=False) for bucket in sorted(buckets)}
+        return {"decode_ms": self._decode_ms(probe=False),
+                "forward_ms": {bucket: ms for bucket, ms in forward.items() if ms is not None}}
+
+    def adopt(self, figures: dict) -> None:
+        """Take `figures` (another process's `figures()`, a ZeroGPU worker's) as probes where this process has none:
+        its own measurements and probes stay."""
+        if self.probed_decode_ms is None and figures.get("decode_ms") is not None:
+            self.probed_decode_ms = float(figures["decode_ms"])
+        for bucket, ms in figures.get("forward_ms", {}).items():
+            self.probed_forward_ms.setdefault(int(bucket), float(ms))
 
     def observe(self, engine: Engine, report: StepReport) -> None:
         """Count one engine step in (called in the loop thread after every step): a step of one request, not
@@ -153,13 +174,17 @@ class StepCosts:
             runs.append(statistics.median(steps[1:]))  # the first step is the prefill
         return min(runs[1:])
 
-    def request_seconds(self, kv_mode: str, prompt_tokens: int, new_tokens: int) -> float:
-        """Estimated device time of one request with no prefix-cache hit."""
+    def request_seconds(self, kv_mode: str, prompt_tokens: int, new_tokens: int, probe: bool = True) -> float | None:
+        """Estimated device time of one request with no prefix-cache hit (None where `probe` is False and a figure it
+        needs was neither measured nor probed)."""
         if new_tokens < 1:
             return 0.0
         if kv_mode == "none":  # token i is sampled from a forward over prompt + i tokens
-            return sum(self.forward_ms_at(prompt_tokens + index) for index in range(new_tokens)) / 1e3
-        return (self.forward_ms_at(prompt_tokens) + (new_tokens - 1) * self.decode_ms) / 1e3
+            parts = [self.forward_ms_at(prompt_tokens + index, probe) for index in range(new_tokens)]
+        else:
+            parts = [self.forward_ms_at(prompt_tokens, probe), self._decode_ms(probe) if new_tokens > 1 else 0.0]
+            parts[1] = None if parts[1] is None else parts[1] * (new_tokens - 1)
+        return None if None in parts else sum(parts) / 1e3
 
     def most_new_tokens(self, kv_modes: list[str], prompt_tokens: int, limit_s: float, upper: int) -> int:
         """The largest number of new tokens (up to `upper`) for which requests in `kv_modes`, one each, are estimated

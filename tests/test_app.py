@@ -77,22 +77,3 @@ def test_bad_settings_exit_with_a_message(capsys):
     assert "unknown dtype 'float8'" in capsys.readouterr().err
     assert app.main(["--device", "tpu"]) == 2
     assert "unknown device 'tpu'" in capsys.readouterr().err
-
-
-def test_zero_gpu_wraps_generation_in_spaces_gpu(monkeypatch):
-    import sys
-    import types
-
-    from ui.layout import _gpu_task, _stop_cancels
-
-    def handler():
-        yield "token"
-
-    assert _gpu_task(handler) is handler  # no `spaces` package: used as it is
-    assert _stop_cancels(["event"]) == {}  # Stop reaches the run through the visitor's RunControl
-    calls = []
-    fake = types.ModuleType("spaces")
-    fake.GPU = lambda duration: (lambda fn: calls.append((duration, fn)) or fn)
-    monkeypatch.setitem(sys.modules, "spaces", fake)
-    assert _gpu_task(handler) is handler and calls == [(120, handler)]
-    assert _stop_cancels(["event"]) == {"cancels": ["event"]}  # another process: Stop cancels the event instead

@@ -187,7 +187,7 @@ def test_space_front_matter_has_the_required_keys():
     gradio_pin = next(line for line in (ROOT / "requirements.txt").read_text().splitlines()
                       if line.startswith("gradio=="))
     assert meta["sdk"] == "gradio" and meta["sdk_version"] == gradio_pin.split("==")[1]
-    assert meta["python_version"] == "3.11"  # a string: unquoted YAML would read 3.10 as the number 3.1
+    assert meta["python_version"] == "3.12"  # a string: unquoted YAML would read 3.10 as the number 3.1
     assert meta["app_file"] == "app.py" and (ROOT / meta["app_file"]).is_file()
     assert meta["license"] == "apache-2.0"
     assert meta["title"] and meta["emoji"]

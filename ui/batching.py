@@ -34,6 +34,7 @@ from inference_core.bench.prompts import load_prompts
 from inference_core.engine.compiled import compile_unavailable
 from serving.cost import duration
 from serving.pool import EnginePool
+from serving.zero_gpu import gpu_task
 from ui.batching_view import (RESULT_COLUMNS, RESULT_NOTES, Arrival, RunRecord, StepRecord, activity_figure,
                               compiled_words, mode_name, results_frame, timeline_figure, verdict)
 from ui.control import RunControl
@@ -576,7 +577,7 @@ def build_batching_tab(pool: EnginePool) -> None:
                "run_button": run}
     # The same concurrency group as the playground's other generations: they only hand requests to the engine loop.
     run.click(arm_batching, control, [status, run], **quick).then(
-        partial(run_batching, pool), [control, preset, mode, num_requests, max_new_tokens, lengths, max_num_seqs,
+        gpu_task(pool, partial(run_batching, pool)), [control, preset, mode, num_requests, max_new_tokens, lengths, max_num_seqs,
                                       kv_pool, arrival, rate, seed, typed, slo_ttft, slo_tpot, memory, compiled],
         [outputs[name] for name in LAB_OUTPUTS], show_progress="hidden", concurrency_limit=8,
         concurrency_id="engine", api_visibility="private")

@@ -35,17 +35,19 @@ from inference_core.engine.compiled import compile_unavailable
 from inference_core.settings import LaneSettings
 from serving.cost import duration, new_tokens_that_fit
 from serving.pool import EnginePool
+from serving.zero_gpu import gpu_task, on_zero_gpu
 from ui.api import add_api
 from ui.batching import build_batching_tab
-from ui.chat import CHAT_OUTPUTS, STATS_LABEL, arm_chat, clear_chat, run_remembered_chat, stats_frame, stop_chat
+from ui.chat import (CHAT_OUTPUTS, STATS_LABEL, arm_chat, chat_job, clear_chat, run_remembered_chat, stats_frame,
+                     stop_chat)
 from ui.chat_answers import DEFAULT_MODE, MAX_ANSWERS, TOKENS_EMPTY, ChatMemory, recolour_chat
 from ui.control import RunControl
 from ui.figures import speed_figure
 from ui.lane_widgets import settings_widgets
 from ui.memory_view import build_memory_panel
 from ui.profile_view import build_profile_panel, profile_race
-from ui.race import (LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, run_remembered_race, settings_from_values, stop_race,
-                     warm_up_race)
+from ui.race import (LANE_SETTING_FIELDS, RACE_OUTPUTS, arm_race, race_job, run_remembered_race, settings_from_values,
+                     stop_race, warm_up_race)
 from ui.race_inspect import build_lens_panel, lens_choices, recolour
 from ui.race_panels import RaceMemory
 from ui.race_table import SUMMARY_COLUMNS
@@ -65,34 +67,19 @@ QUICK = {"queue": False, "show_progress": "hidden", **PRIVATE}
 TABLE = {"interactive": False, "wrap": True, "buttons": ["copy", "fullscreen"]}  # read-only; columns sort
 
 
-def _zero_gpu() -> bool:
-    """Whether the `spaces` package is present (a ZeroGPU Space, or a machine that installed it)."""
-    try:
-        import spaces  # noqa: F401  (optional dependency: present on a ZeroGPU Space only)
-    except ImportError:
-        return False
-    return True
-
-
-def _gpu_task(handler):
-    """On a ZeroGPU Space (the `spaces` package is present) GPU work must run inside `spaces.GPU`; elsewhere that
-    decorator does nothing, and without the package the handler is used as it is."""
-    if not _zero_gpu():
-        return handler
-    import spaces  # optional dependency: present on a ZeroGPU Space only
-
-    return spaces.GPU(duration=120)(handler)
-
-
 def _stop_cancels(events: list) -> dict:
     """Stop's fallback under `spaces.GPU`: the handler runs in another process, where the visitor's RunControl is a
     copy that Stop cannot reach, so Stop cancels the event (ending it without a final update) instead."""
-    return {"cancels": events} if _zero_gpu() else {}
+    return {"cancels": events} if on_zero_gpu() else {}
 
 
 def warm_up(pool: EnginePool) -> None:
     """Before serving: check the draft model, if any; run the default race once on the engines the page's first race
-    uses, with the first preset prompt (see `ui.race.warm_up_race`); ready the chat's engine."""
+    uses, with the first preset prompt (see `ui.race.warm_up_race`); ready the chat's engine. Not on a ZeroGPU Space,
+    whose main process has no GPU and whose calls each start a fresh worker (`serving.zero_gpu`): there a draft
+    model the engine refuses says so at its first use."""
+    if on_zero_gpu():
+        return
     pool.check_draft_model()
     first = next(iter(presets().values()))
     warm_up_race(pool, DEFAULT_LANES, first["prompt"], first.get("system"))
@@ -185,11 +172,22 @@ def _build_race_tab(pool: EnginePool) -> None:
                "summary_notes": summary_notes, "identical": identical, "kv_view": kv_view, "status": status,
                "run_button": run}
     race = run.click(arm_race, control, [status, run], **QUICK).then(
-        _gpu_task(partial(run_remembered_race, pool)), [control, memory, prompt, system, max_new_tokens] + lanes,
+        gpu_task(pool, partial(run_remembered_race, pool), _race_job), [control, memory, prompt, system,
+                                                                         max_new_tokens] + lanes,
         [outputs[name] for name in RACE_OUTPUTS], show_progress="hidden", **GENERATION, **PRIVATE)
     race.then(lens_choices, [memory, lens_lane], lens_token, **QUICK)
     colour.change(recolour, [memory, colour], [lane_a, lane_b], **QUICK)
     stop.click(stop_race, control, None, **QUICK, **_stop_cancels([race]))
+
+
+def _race_job(control, memory, prompt, system, max_new_tokens, *lane_values):
+    """The Run button's inputs as the race's Job (what its GPU call's duration is estimated from on ZeroGPU)."""
+    return race_job(control, prompt, system, max_new_tokens, lane_values)
+
+
+def _chat_job(control, memory, message, history, turn_stats, system, max_new_tokens, answers, *setting_values):
+    """Send's inputs as the turn's Job (as `_race_job`)."""
+    return chat_job(control, message, history, system, max_new_tokens, setting_values, answers)
 
 
 def _start_tokens(pool: EnginePool, prompt: dict) -> tuple[int, str]:
@@ -254,7 +252,7 @@ def _build_chat_tab(pool: EnginePool) -> None:
     outputs = {"chat_log": chat_log, "history": history, "turn_stats": turn_stats, "stats_table": stats_table,
                "kv_view": kv_view, "tokens": tokens, "other_answers": other_answers, "input": message,
                "status": status}
-    handler = _gpu_task(partial(run_remembered_chat, pool))
+    handler = gpu_task(pool, partial(run_remembered_chat, pool), _chat_job)
     inputs = [control, memory, message, history, turn_stats, system, max_new_tokens, answers] + settings
     chat_outputs = [outputs[name] for name in CHAT_OUTPUTS]
     events = [trigger(arm_chat, control, status, **QUICK).then(handler, inputs, chat_outputs, **GENERATION, **PRIVATE)
@@ -282,5 +280,5 @@ def build_demo(pool: EnginePool) -> gr.Blocks:
             build_batching_tab(pool)
         with gr.Tab("Stack"):
             build_stack_tab(pool)
-        add_api(pool, _gpu_task, **GENERATION)
+        add_api(pool, partial(gpu_task, pool), **GENERATION)
     return demo

@@ -1,8 +1,9 @@
 """The race's roofline: the device's two roofs (memory bandwidth, matmul throughput, measured once per host by
-`EnginePool.ceilings`) and each finished lane's prefill and decode as points (`Engine.roofline_points`: FLOPs and
-bytes from the model's configuration over the lane's measured times). Decode sits far left, against the memory roof;
-prefill climbs toward the compute roof; a batched or quantized lane moves its decode point. Drawn on request, from
-the visitor's last race (`RaceMemory`), so it costs nothing while a race streams.
+`EnginePool.ceilings`; a known GPU's datasheet bandwidth beside the measured one, `inference_core.cards`) and each
+finished lane's prefill and decode as points (`Engine.roofline_points`: FLOPs and bytes from the model's
+configuration over the lane's measured times). Decode sits far left, against the memory roof; prefill climbs toward
+the compute roof; a batched or quantized lane moves its decode point. Drawn on request, from the visitor's last race
+(`RaceMemory`), so it costs nothing while a race streams.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import gradio as gr
 import plotly.graph_objects as go
 
+from inference_core.cards import card
 from inference_core.roofline import weights_read_per_step
 from serving.pool import EnginePool
 from ui.batching_view import mode_name, mode_points
@@ -40,8 +42,12 @@ def roofline_figure(ceilings: dict, lanes: dict[str, list[dict]]) -> go.Figure:
         x=xs, y=[min(bandwidth * x, peak) / 1e9 for x in xs], mode="lines", name="roofs", showlegend=False,
         line={"color": "#475569", "width": 2},
         hovertemplate="the roof at %{x:.2f} FLOP/byte: %{y:.1f} GFLOP/s<extra></extra>"))
+    known = card(ceilings["device"])  # a GPU whose datasheet we know: the measured bandwidth against its figure
+    datasheet = f" ({bandwidth / known.bandwidth_bytes_per_s:.0%} of the datasheet's " \
+                f"{known.bandwidth_bytes_per_s / 1e9:.0f})" if known else ""
     figure.add_annotation(x=0.02, y=0.98, xref="paper", yref="paper", xanchor="left", yanchor="top", showarrow=False,
-                          text=f"{ceilings['device']} ({ceilings['dtype']}): memory {bandwidth / 1e9:.1f} GB/s, "
+                          text=f"{ceilings['device']} ({ceilings['dtype']}): memory {bandwidth / 1e9:.1f} GB/s"
+                               f"{datasheet}, "
                                f"matmul {peak / 1e9:.0f} GFLOP/s, ridge at {ridge:.1f} FLOP/byte",
                           font={"size": 11})
     for index, (label, points) in enumerate(lanes.items()):

@@ -33,6 +33,7 @@ from inference_core.settings import AUTO_K, LaneSettings, command_flags
 from serving.admission import Job, Run
 from serving.cost import duration
 from serving.pool import EnginePool
+from serving.zero_gpu import gpu_task
 from ui.control import RunControl
 from ui.roofline_view import roofline_figure
 from ui.setups import presets
@@ -275,7 +276,7 @@ def build_stack_tab(pool: EnginePool) -> None:
                   **quick)
     outputs = {"figure": figure, "table": table, "status": status, "run_button": run, "roofline": roofline}
     run.click(RunControl.arm, control, None, **quick).then(
-        partial(climb, pool), [control, prompt, system, new_tokens, with_compiled, int4],
+        gpu_task(pool, partial(climb, pool)), [control, prompt, system, new_tokens, with_compiled, int4],
         [outputs[name] for name in STACK_OUTPUTS], show_progress="hidden", concurrency_limit=1,
         concurrency_id="stack", api_visibility="private")
     stop.click(RunControl.request_stop, control, None, **quick)

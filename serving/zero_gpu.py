@@ -29,6 +29,7 @@ import math
 from typing import Callable
 
 from inference_core.cards import ZERO_GPU_SIZES
+from inference_core.config import ConfigError
 from inference_core.model.paths import cache_root
 from inference_core.planner import plan_memory
 from serving.admission import Job, job_seconds
@@ -85,7 +86,7 @@ def gpu_task(pool, handler: Callable, job_of: Callable[..., Job | None] | None =
     def duration(*args, **kwargs) -> int:
         try:
             job = job_of(*args, **kwargs) if job_of is not None else None
-        except Exception:  # bad input: the handler says so in its own words, inside the call
+        except (ConfigError, ValueError, TypeError):  # bad input: the handler says so in its words, inside the call
             job = None
         return gpu_seconds(pool, job)
 

@@ -20,8 +20,9 @@ compiled query step (`engine.query_graph`), every package built before the first
 compile stats (steps by bucket, and the forwards that ran eager and why).
 
 Method: greedy decoding (so both runs produce the same tokens, which the bench checks in float32; in 16-bit weights
-a verification's several-row matmuls round differently from a one-row decode, so a near-tie may go the other way:
-such runs are counted in the table and the JSON, not hidden), up to --max-new-tokens, a
+a verification's several-row matmuls round differently from a one-row decode, and with int8 activations its
+attention over several queries does and a projection's rounded input may move a whole int8 step, so a near-tie may
+go the other way: such runs are counted in the table and the JSON, not hidden), up to --max-new-tokens, a
 warm-up request first (never timed); for each repeat every prompt runs plain and then under each speculative setting
 (interleaved, so a shared machine's drift hits all alike), the paged prefix cache emptied before each run. Tokens/s
 is the request's generated tokens over its own busy time from the first token to the last (decode); a kind's figure
@@ -45,6 +46,8 @@ from inference_core.bench.speed import machine_info
 from inference_core.config import KV_MODES, ConfigError, EngineConfig
 from inference_core.engine.engine import Engine
 from inference_core.model.loader import add_model_arguments, load_model
+from inference_core.quant.linear import ACTIVATIONS, SCHEMES, QuantConfig
+from inference_core.quant.quantize import quantize
 from inference_core.sampling import SamplingParams
 from inference_core.sequence import Sequence
 from inference_core.spec.defaults import best_k, keep, setting_key, setup_key
@@ -100,6 +103,13 @@ def add_spec_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="plain and speculative runs both compiled (decode steps, verifications), each package "
                              "built before any timed run")
+    parser.add_argument("--quant", choices=SCHEMES, default="none",
+                        help="the target's weights, as `generate --quant` (trained draft heads' projections take the "
+                             "same)")
+    parser.add_argument("--quant-group", type=int, default=32, help="int4: input features per scale and zero")
+    parser.add_argument("--quant-activations", choices=ACTIVATIONS, default="model",
+                        help="int4 weights by the activations in the model dtype (model) or rounded to int8 (int8: "
+                             "our CPU kernel)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", dest="json_path", help="write the results here")
@@ -121,7 +131,9 @@ def run_spec_bench(args) -> int:
     rows = [row for row in load_prompts() if row["kind"] in kinds]
     if not rows:
         raise ConfigError(f"no benchmark prompts of kind {', '.join(kinds)}; use chat, code, grounded, long.")
-    loaded = load_model(args.model, args.device, args.dtype)
+    quant = QuantConfig(getattr(args, "quant", "none"), getattr(args, "quant_group", 32),
+                        activations=getattr(args, "quant_activations", "model"))
+    loaded = quantize(load_model(args.model, args.device, args.dtype), quant)
     draft = None
     if "draft" in sources:  # default: the target drafting for itself (every draft accepted, at the full cost)
         draft = load_model(args.draft_model, args.device, loaded.dtype_name) if args.draft_model else loaded
@@ -145,7 +157,8 @@ def run_spec_bench(args) -> int:
     keys = {name: setting_key(spec.method, spec.tree_width, spec.draft_layers) for name, spec in settings.items()}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     prompts = [(row["kind"], row["id"], engine.prompt_ids(row["prompt"], row.get("system"))) for row in rows]
-    print(f"spec-bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}, KV {args.kv}, "
+    print(f"spec-bench: {loaded.name} on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}"
+          f"{', weights ' + quant.name if loaded.quant else ''}, KV {args.kv}, "
           f"{'compiled, ' if compiled else ''}{len(prompts)} prompts x {args.repeats} repeats, up to "
           f"{args.max_new_tokens} new tokens", flush=True)
     for spec in [None, *settings.values()]:  # warm-up, never timed: the compiled packages first
@@ -158,7 +171,10 @@ def run_spec_bench(args) -> int:
     print("forward of n tokens against 1 (a verification of n - 1 drafts against a decode step): "
           + ", ".join(f"n={n} {ms:.1f} ms ({ms / costs[1]:.2f}x)" for n, ms in costs.items()), flush=True)
     speeds: dict[tuple[str, str], list[float]] = {}
-    differ: dict[tuple[str, str], list[str]] = {}  # 16-bit only: runs whose ids left plain greedy's, and where
+    # Where a verification may round otherwise than a decode (16-bit weights, int8 activations): runs whose ids left
+    # plain greedy's, and where. Elsewhere a run that leaves them is a bug.
+    exact = loaded.dtype == torch.float32 and not (loaded.quant is not None and loaded.quant.activations == "int8")
+    differ: dict[tuple[str, str], list[str]] = {}
     counts: dict[tuple[str, str], list[int]] = {}  # drafted, accepted, steps
     by_position: dict[tuple[str, str], list[list[int]]] = {}  # drafted, accepted at each draft position
     for _ in range(args.repeats):
@@ -168,11 +184,9 @@ def run_spec_bench(args) -> int:
             for name, spec in settings.items():
                 fast = _run(engine, prompt_ids, params, spec)
                 if fast.token_ids != plain.token_ids:
-                    if loaded.dtype == torch.float32:
+                    if exact:
                         raise RuntimeError(f"{name} changed the greedy output of {prompt_id}: speculation must be "
                                            "lossless")
-                    # In 16-bit weights a verification's several-row matmuls round differently from a one-row
-                    # decode, so a near-tie can go the other way; counted and reported, not hidden.
                     same = common_prefix_length(fast.token_ids, plain.token_ids)
                     differ.setdefault((kind, name), []).append(f"{prompt_id} from token {same}")
                 speeds.setdefault((kind, name), []).append(fast.stats.decode_tokens_per_s)
@@ -212,7 +226,9 @@ def run_spec_bench(args) -> int:
               f"{row['mean_accepted_length']:.2f} | {positions} |")
     for (kind, name), runs in differ.items():
         print(f"{kind}, {name}: greedy ids left plain decoding's in {len(runs)} run(s) ({'; '.join(runs)}): in "
-              f"{str(loaded.dtype).removeprefix('torch.')} a verification rounds differently from a one-row decode")
+              f"{str(loaded.dtype).removeprefix('torch.')}"
+              f"{' with int8 activations' if loaded.dtype == torch.float32 else ''} a verification rounds "
+              "differently from a one-row decode")
     chosen = best_k(table)
     for setting, entry in chosen.items():
         others = ", ".join(f"k={k} {mean:.2f}x" for k, mean in entry["others"].items())
@@ -225,6 +241,7 @@ def run_spec_bench(args) -> int:
         report = {"model": loaded.name, "best_k": chosen, "sources": sources, "machine": machine_info(loaded.device),
                   "draft_model": draft.name if draft else None, "device": str(loaded.device),
                   "dtype": str(loaded.dtype).removeprefix("torch."), "kv": args.kv, "compiled": compiled,
+                  "quant": quant.name,
                   "compile_stats": engine.compile_stats(),
                   "forward_ms_by_tokens": {n: round(ms, 2) for n, ms in costs.items()},
                   "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rows": table}

@@ -254,7 +254,8 @@ class Engine:
 
     def load_draft_heads(self, kind: str, path=None) -> DraftHeads:
         """The engine's trained `kind` heads: from `path`, else (once) from where `train-draft` writes or the shipped
-        ones for the bundled model. A ConfigError says how to train them where there are none."""
+        ones for the bundled model; quantized as the target's weights are (`DraftHeads.quantize`). A ConfigError says
+        how to train them where there are none."""
         if path is None and kind in self.draft_heads:
             return self.draft_heads[kind]
         if path is None:
@@ -265,6 +266,8 @@ class Engine:
         heads = load_heads(path, self.loaded.config, self.loaded.device, self.loaded.dtype)
         if self.decoder is not None and "row_kernel" in self.decoder.options:
             heads.use_row_kernel()  # our projection op is built and runs here: bf16 drafts take it too
+        if self.loaded.quant is not None:
+            heads.quantize(self.loaded.quant)  # the target's weights quantized: the heads' projections alike
         self.draft_heads[kind] = heads
         return heads
 

@@ -18,6 +18,8 @@ from inference_core import load_model
 from inference_core.engine.compiled import compile_unavailable
 from inference_core.spec.draft_heads import EagleDrafter, MedusaDrafter, find_heads, lm_head_rows, load_heads
 from inference_core.model.llama import Linear, packed_bf16_available
+from inference_core.quant.linear import QuantConfig, QuantLinear
+from inference_core.quant.quantize import quantize
 from inference_core.sequence import Sequence
 from inference_core.spec.decoding import DraftTree, SpecConfig
 from inference_core.training.train_draft import model_targets, train_heads, validation_split
@@ -86,6 +88,38 @@ def test_greedy_with_trained_heads_is_lossless_on_tiny(tiny, tiny_heads, tiny_an
             assert fast.token_ids == plain.token_ids, (prompt, k)
             accepted += fast.stats.spec["accepted"]
     assert accepted > 0
+    assert_nothing_held(engine)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4 by int8 activations"])
+def test_heads_take_the_targets_quantized_weights(tiny, tiny_heads, weights, request):
+    """Next to a quantized target the heads' projections and scorer are quantized the same way (the scorer's 13 rows
+    padded to two tiles of 8 for the layout, the padding never scored), their drafts are accepted, and with int8
+    weights greedy ids are plain greedy's. (With int8 activations a verification's attention over several queries
+    rounds differently from a decode's over one, so ids may part at the tiny random model's near ties:
+    tests/quant/test_int8_activations.py.)"""
+    if weights != "int8":
+        request.getfixturevalue("our_ops")
+    quant = QuantConfig("int8") if weights == "int8" else QuantConfig("int4", activations="int8")
+    engine = Engine(quantize(tiny, quant), EngineConfig(kv_mode="paged", block_size=4))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for kind in KINDS:
+        heads = engine.load_draft_heads(kind, tiny_heads[kind][0])
+        assert not any(isinstance(module, Linear) for module in heads.network.modules())
+        scorer = heads.scorer(engine.loaded.model)
+        rows = len(heads.vocab_ids)
+        assert isinstance(scorer, QuantLinear) and scorer.out_features == 16 > rows == 13
+        hidden = torch.randn(3, engine.loaded.config.hidden_size)
+        scores = MedusaDrafter(heads, engine.loaded.model).scores(hidden)
+        torch.testing.assert_close(scores, (hidden @ scorer.dequantized().t())[:, :rows], atol=0.05, rtol=0.05)
+        accepted = 0
+        for prompt in ([1, 5, 9, 3], [7, 7, 4]):
+            plain = engine.complete(prompt, params)
+            fast = engine.complete(prompt, params, spec=SpecConfig(kind, k=3))
+            assert fast.token_ids == plain.token_ids or weights != "int8", (kind, prompt)
+            assert len(fast.token_ids) == 40
+            accepted += fast.stats.spec["accepted"]
+        assert accepted > 0, kind
     assert_nothing_held(engine)
 
 

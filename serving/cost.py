@@ -113,12 +113,12 @@ class StepCosts:
                 "forward_ms": {bucket: ms for bucket, ms in forward.items() if ms is not None}}
 
     def adopt(self, figures: dict) -> None:
-        """Take `figures` (another process's `figures()`, a ZeroGPU worker's) as probes where this process has none:
-        its own measurements and probes stay."""
-        if self.probed_decode_ms is None and figures.get("decode_ms") is not None:
+        """Take `figures` (another process's `figures()`: the latest ZeroGPU worker's) as this process's probes, in
+        place of its own or earlier ones; steps this process measured itself still come first."""
+        if figures.get("decode_ms") is not None:
             self.probed_decode_ms = float(figures["decode_ms"])
         for bucket, ms in figures.get("forward_ms", {}).items():
-            self.probed_forward_ms.setdefault(int(bucket), float(ms))
+            self.probed_forward_ms[int(bucket)] = float(ms)
 
     def observe(self, engine: Engine, report: StepReport) -> None:
         """Count one engine step in (called in the loop thread after every step): a step of one request, not

@@ -130,7 +130,7 @@ def _save_costs(pool) -> None:
 
 
 def _adopt_saved_costs(pool) -> None:
-    """In the main process: the figures the last call's worker measured, where this process has none of its own."""
+    """In the main process: the figures the last call's worker measured (steps measured here still come first)."""
     path = _costs_path()
     try:
         saved = json.loads(path.read_text()).get(_model_key(pool)) if path.is_file() else None

@@ -3,7 +3,8 @@ installed but no Space, the page's handlers are left as they are and a race and 
 Space (its configuration switched on, and `spaces.GPU` standing in for the scheduler: it asks the duration callable
 with the call's own inputs, then runs the call), each call asks for our cost model's estimate of its work with the
 margin, the run limit where there is no figure yet, and the card size from the memory plan; the figures a call's
-worker measured reach the next estimate through the cache; and the GPUs by name."""
+worker measured reach the next estimate through the cache; Stop cancels the event on a Space only; and the GPUs by
+name."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from ui.roofline_view import roofline_figure
 
 from conftest import lane, race_outputs
 
-FIGURES = {"decode_ms": 12.0, "forward_ms": {64: 40.0, 128: 70.0, 256: 130.0, 512: 260.0}}
+# A slow device's figures (a decode step 120 ms), so that estimates stand well above the worker's start allowance.
+FIGURES = {"decode_ms": 120.0, "forward_ms": {64: 400.0, 128: 700.0, 256: 1300.0, 512: 2600.0}}
 
 
 def race_inputs(new_tokens: int = 4) -> list:
@@ -86,6 +88,10 @@ def test_on_a_space_each_call_asks_for_the_estimate_with_its_margin(bundled, spa
         assert zero_gpu.gpu_seconds(pool, _race_job(*race_inputs())) == \
             math.ceil(zero_gpu.WORKER_START_S + pool.max_run_s)
         pool.costs.adopt(FIGURES)
+        # A long run (2 lanes x 400 tokens x 120 ms, with the margin) is capped at the run limit, which the admission
+        # refuses past anyway.
+        long_run = _race_job(*race_inputs(new_tokens=400))
+        assert zero_gpu.gpu_seconds(pool, long_run) == math.ceil(zero_gpu.WORKER_START_S + pool.max_run_s)
         inputs = race_inputs(new_tokens=40)
         prompt_tokens = len(bundled.tokenizer.prompt_ids("Name a fruit."))
         estimate = 2 * (FIGURES["forward_ms"][64] * prompt_tokens / 64 + 39 * FIGURES["decode_ms"]) / 1e3
@@ -96,23 +102,23 @@ def test_on_a_space_each_call_asks_for_the_estimate_with_its_margin(bundled, spa
         last = dict(zip(CHAT_OUTPUTS, list(chat(*chat_inputs()))[-1]))
         assert last["history"][-1]["content"] and len(space.calls) == 2
         assert zero_gpu.WORKER_START_S < space.calls[1][0] < expected  # 4 new tokens against 2 lanes of 40
-        # A long run is capped at the run limit, which the admission refuses past anyway.
-        long_run = _race_job(*race_inputs(new_tokens=400))
-        assert zero_gpu.gpu_seconds(pool, long_run) <= math.ceil(zero_gpu.WORKER_START_S + pool.max_run_s)
     finally:
         pool.loop.close()
 
 
 def test_a_workers_figures_reach_the_next_calls_estimate(bundled, space):
     worker, main = EnginePool(bundled, max_seq_len=512), EnginePool(bundled, max_seq_len=512)
+    measured = [FIGURES]
     try:
-        worker.costs.adopt(FIGURES)  # what a call's worker measured
-        handler = zero_gpu.gpu_task(worker, lambda: None)
+        handler = zero_gpu.gpu_task(worker, lambda: worker.costs.adopt(measured[-1]))  # a call's steps, measured
         handler()  # the call ends: its worker keeps the figures
         job = _race_job(*race_inputs(new_tokens=40))
-        assert zero_gpu.gpu_seconds(main, job) == zero_gpu.gpu_seconds(worker, job) < \
-            math.ceil(zero_gpu.WORKER_START_S + main.max_run_s)
+        first = zero_gpu.gpu_seconds(main, job)
+        assert first == zero_gpu.gpu_seconds(worker, job) < math.ceil(zero_gpu.WORKER_START_S + main.max_run_s)
         assert main.costs.figures() == worker.costs.figures()
+        measured.append({**FIGURES, "decode_ms": 2 * FIGURES["decode_ms"]})  # a later call measured slower steps
+        handler()
+        assert zero_gpu.gpu_seconds(main, job) > first  # the newer figures replace the earlier ones
     finally:
         worker.loop.close()
         main.loop.close()

@@ -31,7 +31,8 @@ CARDS = (
 RTX_PRO_6000 = CARDS[-1]
 # ZeroGPU's sizes (`spaces.GPU(size=...)`): a whole RTX PRO 6000, or half of one.
 ZERO_GPU_SIZES = {
-    "large": Card(f"half an {RTX_PRO_6000.name}", RTX_PRO_6000.memory_bytes // 2, RTX_PRO_6000.bandwidth_bytes_per_s / 2),
+    "large": Card(f"half an {RTX_PRO_6000.name}", RTX_PRO_6000.memory_bytes // 2,
+                  RTX_PRO_6000.bandwidth_bytes_per_s / 2),
     "xlarge": RTX_PRO_6000,
 }
 

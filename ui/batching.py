@@ -577,8 +577,9 @@ def build_batching_tab(pool: EnginePool) -> None:
                "run_button": run}
     # The same concurrency group as the playground's other generations: they only hand requests to the engine loop.
     run.click(arm_batching, control, [status, run], **quick).then(
-        gpu_task(pool, partial(run_batching, pool)), [control, preset, mode, num_requests, max_new_tokens, lengths, max_num_seqs,
-                                      kv_pool, arrival, rate, seed, typed, slo_ttft, slo_tpot, memory, compiled],
+        gpu_task(pool, partial(run_batching, pool)),
+        [control, preset, mode, num_requests, max_new_tokens, lengths, max_num_seqs, kv_pool, arrival, rate, seed,
+         typed, slo_ttft, slo_tpot, memory, compiled],
         [outputs[name] for name in LAB_OUTPUTS], show_progress="hidden", concurrency_limit=8,
         concurrency_id="engine", api_visibility="private")
     stop.click(stop_batching, control, None, **quick)

@@ -172,8 +172,8 @@ def _build_race_tab(pool: EnginePool) -> None:
                "summary_notes": summary_notes, "identical": identical, "kv_view": kv_view, "status": status,
                "run_button": run}
     race = run.click(arm_race, control, [status, run], **QUICK).then(
-        gpu_task(pool, partial(run_remembered_race, pool), _race_job), [control, memory, prompt, system,
-                                                                         max_new_tokens] + lanes,
+        gpu_task(pool, partial(run_remembered_race, pool), _race_job),
+        [control, memory, prompt, system, max_new_tokens] + lanes,
         [outputs[name] for name in RACE_OUTPUTS], show_progress="hidden", **GENERATION, **PRIVATE)
     race.then(lens_choices, [memory, lens_lane], lens_token, **QUICK)
     colour.change(recolour, [memory, colour], [lane_a, lane_b], **QUICK)

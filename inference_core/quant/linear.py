@@ -267,6 +267,19 @@ def compute_dtype(device_type: str, model_dtype: torch.dtype, scheme: str = "int
         torch.set_num_threads(threads)
 
 
+def quantize_projections(model: nn.Module, config: QuantConfig, device_type: str, model_dtype: torch.dtype,
+                         skip: tuple[str, ...] = ()) -> None:
+    """Swap every `Linear` of `model` (but those named in `skip`) for a `QuantLinear` rounded to nearest as `config`
+    says, computing in `compute_dtype`'s dtype: the model's projections (`quantize`), or a draft head's beside them."""
+    compute = compute_dtype(device_type, model_dtype, config.scheme)
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)
+               and name not in skip]
+    for name, module in targets:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr,
+                QuantLinear(module, config.scheme, config.group_size, compute, name, config.activations))
+
+
 def shared_copy(model: nn.Module) -> nn.Module:
     """A copy of `model`'s modules that shares every tensor with it (swap modules in the copy freely; never change a
     tensor in place): parameters, buffers, and tensors a module keeps as plain attributes (`Linear`'s other layouts,

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from inference_core.model.llama import Linear
 from inference_core.quant.calibrated_file import load_or_calibrate
 from inference_core.quant.kernels import check_device
-from inference_core.quant.linear import CALIBRATED, QuantConfig, QuantLinear, compute_dtype, shared_copy
+from inference_core.quant.linear import CALIBRATED, QuantConfig, quantize_projections, shared_copy
 
 
 def quantize(loaded, config: QuantConfig):
@@ -23,11 +22,5 @@ def quantize(loaded, config: QuantConfig):
     if config.scheme in CALIBRATED:
         return load_or_calibrate(loaded, config)
     model = shared_copy(loaded.model)
-    compute = compute_dtype(loaded.device.type, loaded.dtype, config.scheme)
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)
-               and (config.lm_head or name != "lm_head")]
-    for name, module in targets:
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr,
-                QuantLinear(module, config.scheme, config.group_size, compute, name, config.activations))
+    quantize_projections(model, config, loaded.device.type, loaded.dtype, skip=() if config.lm_head else ("lm_head",))
     return dataclasses.replace(loaded, model=model, quant=config)

@@ -43,7 +43,8 @@ from inference_core.config import ConfigError, ModelConfig
 from inference_core.model.bundled import BUNDLED_NAMES
 from inference_core.model.llama import MLP, Attention, CausalLM, Linear, RMSNorm, attention_backends, weight_layout
 from inference_core.model.paths import DATA_DIR, cache_root
-from inference_core.quant.linear import INT4_SCHEMES, QuantConfig, QuantLinear, compute_dtype
+from inference_core.quant.linear import (INT4_SCHEMES, QuantConfig, QuantLinear, compute_dtype,
+                                        quantize_projections)
 from inference_core.sampling import SamplingParams, sample_with_probabilities
 from inference_core.sequence import Sequence
 
@@ -211,7 +212,9 @@ class DraftHeads:
             if self.row_kernel:
                 self.scoring.use_row_kernel()
             if self.quant is not None:
-                self.scoring = _quantized(self.scoring, self.quant, self.dtype, "the draft heads' scorer")
+                compute = compute_dtype(rows.device.type, self.dtype, self.quant.scheme)
+                self.scoring = QuantLinear(self.scoring, self.quant.scheme, self.quant.group_size, compute,
+                                           "the draft heads' scorer", self.quant.activations)
         return self.scoring
 
     def quantize(self, quant: QuantConfig) -> None:
@@ -222,13 +225,11 @@ class DraftHeads:
         int4 weights by int8 activations."""
         if quant.scheme == "none":
             return
+        # AWQ's and GPTQ's calibrations are the target's own: their int4 rounds the heads to nearest.
         self.quant = QuantConfig("int4" if quant.scheme in INT4_SCHEMES else quant.scheme, quant.group_size,
                                  activations=quant.activations)
         self.scoring = None  # made again, quantized, on first use
-        for name, module in list(self.network.named_modules()):
-            for child_name, child in list(module.named_children()):
-                if isinstance(child, Linear):
-                    setattr(module, child_name, _quantized(child, self.quant, self.dtype, f"{name}.{child_name}"))
+        quantize_projections(self.network, self.quant, self.vocab_ids.device.type, self.dtype)
 
     def use_row_kernel(self) -> None:
         """Run the heads' few-row projections through our projection op (`model.row_kernel`; call where it is built
@@ -257,13 +258,6 @@ class DraftHeads:
                    for name, value in self.state().items()}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata={"kind": self.kind, "meta": json.dumps(self.meta)})
-
-
-def _quantized(linear: Linear, quant: QuantConfig, dtype: torch.dtype, name: str) -> QuantLinear:
-    """`linear` with its weight rounded as `quant` says (AWQ's and GPTQ's calibrations are the target's own, so their
-    schemes round to nearest here)."""
-    compute = compute_dtype(linear.weight.device.type, dtype, quant.scheme)
-    return QuantLinear(linear, quant.scheme, quant.group_size, compute, name, quant.activations)
 
 
 def build_network(kind: str, config: ModelConfig, num_heads: int = 4) -> nn.Module:

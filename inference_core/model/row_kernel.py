@@ -753,8 +753,10 @@ AOTITorchError aoti_torch_cpu_int4_kv_read(AtenTensorHandle codes, AtenTensorHan
 
 # The build's flags by the instruction set torch found on this CPU: the source's loops (both ops') take the widest
 # vectors the flags allow. -fopenmp: at::parallel_for is an OpenMP loop in torch's headers, ignored (one thread)
-# without it.
-FLAGS = {"AVX512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp"],
+# without it. -mfma on AVX-512 too: GCC's -mavx512f does not imply it, and the int8-activation op's 256-bit code
+# (`model.w4a8_kernel`) calls FMA intrinsics on every host (every AVX-512 CPU has FMA); `tests/model/
+# test_row_kernel_flags.py` compiles the source with each set's flags, whichever CPU runs the suite.
+FLAGS = {"AVX512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"],
          "AVX2": ["-O3", "-mavx2", "-mfma", "-fopenmp"]}
 
 _state = threading.local()
@@ -803,13 +805,18 @@ def unavailable() -> str | None:
 
 
 @functools.cache
+def full_source() -> str:
+    """The C++ of all of our ops, the one extension's source (`load_inline` puts torch's header before it)."""
+    return (SOURCE + attention_kernel.SOURCE + step_kernel.SOURCE + kv_kernel.SOURCE + w4a8_kernel.SOURCE + SHIMS
+            + w4a8_kernel.SHIM)
+
+
 def _build() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in FLAGS:
         return f"it needs AVX-512 or AVX2 (this CPU: {capability})"
     flags = FLAGS[capability]
-    source = (SOURCE + attention_kernel.SOURCE + step_kernel.SOURCE + kv_kernel.SOURCE + w4a8_kernel.SOURCE + SHIMS
-              + w4a8_kernel.SHIM)  # all of our ops
+    source = full_source()
     name = "inference_core_rows_" + hashlib.blake2b((source + repr(flags) + torch.__version__).encode(),
                                                      digest_size=6).hexdigest()
     directory = cache_root() / "row-kernel" / name

@@ -25,9 +25,9 @@ same SmolLM2-135M-Instruct from the Hub.
 `--serving` (PLAYGROUND_SERVING) is the engine the chat starts with and an API request that names none of the
 playground's settings runs on (`serving.build`): `fastest` (the default), the fastest configuration inside the
 quality table's limits on this device (on a CPU: int4 weights by int8 activations, or int4 where the CPU has BF16 dot
-products, compiled; its compiled steps are built in a background process on a first start, minutes on a CPU, and
-served eager meanwhile); `reference`, the model's own weights, eager (the outputs transformers gives: what a scoring
-client such as lm-evaluation-harness should read).
+products and that measured at least as fast, compiled; its compiled steps are built in a background process on a
+first start, minutes on a CPU, and served eager meanwhile); `reference`, the model's own weights, eager (the outputs
+transformers gives: what a scoring client such as lm-evaluation-harness should read).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 `serving_settings`: the chat's and the API's default engine. `fastest` (the app's default) is paged KV with the
 fastest weights inside the quality table's limits on this device (`quant.linear.fastest_quant`: int4 by int8
-activations on an AVX2 CPU, +5.4% perplexity on the bundled model) and, on a CPU with a C++ compiler, compiled steps;
+activations, +5.4% perplexity on the bundled model, or int4 alone where the CPU has BF16 dot products and our int4
+loop measured at least as fast) and, on a CPU with a C++ compiler, compiled steps;
 `reference` is paged KV in the model's own weights, eager: the outputs transformers gives on the same weights (what a
 scoring client such as lm-evaluation-harness should read). A visitor's own chat settings, and every API request's
 playground fields, still choose any other engine.

@@ -804,13 +804,13 @@ def unavailable() -> str | None:
         return _build()
 
 
-@functools.cache
 def full_source() -> str:
     """The C++ of all of our ops, the one extension's source (`load_inline` puts torch's header before it)."""
     return (SOURCE + attention_kernel.SOURCE + step_kernel.SOURCE + kv_kernel.SOURCE + w4a8_kernel.SOURCE + SHIMS
             + w4a8_kernel.SHIM)
 
 
+@functools.cache
 def _build() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in FLAGS:
@@ -846,6 +846,7 @@ def _build() -> str | None:
 # Intel host with AMX"). AVX2 has too few registers for four streams' sums.
 TUNING_CANDIDATES = {"AVX512": ((2, 0), (2, 1024), (4, 0), (4, 1024)), "AVX2": ((2, 0), (2, 1024))}
 TUNING_MARGIN = 0.97  # a candidate replaces the default only where it takes at most this share of its time
+A8_MARGIN = 0.97  # int8 activations are the fastest int4 (`a8_faster`) where they take at most this share of its time
 # The loop's forms, each tuned on its own (the op's `form`): bf16 weights (whose tuning int8 ones share) and int4. The
 # int4 form reads a third of the bytes for the same work, and may want other settings: on the Intel host one
 # measurement of the bf16 passes chose (2, 1 KB) over (4, 1 KB) by a hair (0.832 against 0.838), and with it the
@@ -872,9 +873,9 @@ def apply_tuning() -> None:
 
 
 def _tuned(path, capability: str) -> dict:
-    """The tuning kept at `path`, or measured now (`measure_tuning`, each form the CPU runs; a kept tuning without the
-    int4 form's measurement gains it) and kept there; `INFERENCE_CORE_ROW_TUNING=2,1024` sets it for every form
-    instead (for A/B runs; nothing kept)."""
+    """The tuning kept at `path`, or measured now (`measure_tuning`, each form the CPU runs; where the int4 form runs,
+    `measure_a8` too; a kept tuning without the int4 form's measurements gains them) and kept there;
+    `INFERENCE_CORE_ROW_TUNING=2,1024` sets it for every form instead (for A/B runs; nothing kept)."""
     candidates = TUNING_CANDIDATES[capability]
     forced = os.environ.get("INFERENCE_CORE_ROW_TUNING")
     if forced:
@@ -898,12 +899,17 @@ def _tuned(path, capability: str) -> dict:
     chosen = kept if valid(kept) else measure_tuning(candidates)
     if int4_capable() and not (valid(chosen.get("int4")) and "versus_aten" in chosen["int4"]):
         chosen = {**chosen, "int4": measure_tuning(candidates, form="int4")}
+    if int4_capable() and "a8_versus_int4" not in chosen["int4"]:
+        torch.ops.inference_core.set_row_tuning(chosen["int4"]["streams"], chosen["int4"]["prefetch"], FORMS["int4"])
+        chosen = {**chosen, "int4": {**chosen["int4"], **measure_a8()}}
     if amx_capable() and "amx_from" not in chosen:
         torch.ops.inference_core.set_row_tuning(chosen["streams"], chosen["prefetch"])  # the loop as it will run
         chosen = {**chosen, **measure_amx()}
     if chosen is kept:
         return kept
-    if chosen.get("busy") or chosen.get("int4", {}).get("busy") or chosen.get("amx_busy"):  # the default for now, and
+    int4 = chosen.get("int4", {})
+    if chosen.get("busy") or int4.get("busy") or "a8_versus_int4" in int4 and int4["a8_versus_int4"] is None \
+            or chosen.get("amx_busy"):  # the default for now, and
         # a new measurement next time
         return chosen
     partial = path.with_suffix(f".{os.getpid()}.tmp")  # engines in other processes may measure at the same time
@@ -1013,6 +1019,51 @@ def measure_amx(megabytes: int = 128, rounds: int = 5) -> dict:
         amx_from = rows
     return {"amx_from": 4 if busy else amx_from, "amx_busy": busy,
             "amx_ratios": {str(rows): round(ratio, 3) for rows, ratio in medians.items()}}
+
+
+def measure_a8(megabytes: int = 64, rounds: int = 7) -> dict:
+    """Where the CPU runs the loop's int4 form, whether int4 weights by int8 activations (`model.w4a8_kernel`'s op,
+    integer dot products) decode faster here: one row's pass over `megabytes` of int4 weights ([2048, 1024], groups
+    of 32) through that op against the int4 loop (this machine's int4 tuning applied), the two in alternating order,
+    `rounds` times; `a8_versus_int4` is the median of its time over the loop's (None where the loop's own passes differ
+    by more than a quarter: a busy host, measured again next start). On the 2-vCPU AMD Zen 4 host (AVX-512 with BF16
+    and VNNI, no AMX) the compiled int4 step decoded at 251.5 tokens/s and the one by int8 activations at 275.8, whose
+    512-token prefill ran 1.9x as fast (docs/benchmarks.md, section 1). About 0.3 s."""
+    ops = torch.ops.inference_core
+    q = torch.zeros(2048, 1024, dtype=torch.int32)
+    loop_weight = pack_int4(q, torch.ones(1024 // 32, 2048, 2, dtype=torch.bfloat16))
+    nibbles, numbers = w4a8_kernel.pack(q, torch.ones(2048, 32), torch.zeros(2048, 32))
+    count = max(1, megabytes * 2**20 // loop_weight.nbytes)
+    loop_weights = [loop_weight.clone() for _ in range(count)]
+    a8_weights = [(nibbles.clone(), numbers.clone()) for _ in range(count)]
+    x = torch.ones(1, 1024, dtype=torch.bfloat16)
+
+    def one_pass(a8: bool) -> float:
+        started = time.perf_counter()
+        if a8:
+            for packed, scales in a8_weights:
+                ops.linear_int4_a8(x, packed, scales, 32, 2048)
+        else:
+            for packed in loop_weights:
+                ops.linear_rows_int4(x, packed, 32, 2048)
+        return time.perf_counter() - started
+
+    one_pass(True), one_pass(False)
+    ratios, loop_times = [], []
+    for turn in range(rounds):
+        times = {a8: one_pass(a8) for a8 in ((True, False) if turn % 2 else (False, True))}
+        ratios.append(times[True] / times[False])
+        loop_times.append(times[False])
+    busy = max(loop_times) > 1.25 * min(loop_times)
+    return {"a8_versus_int4": None if busy else round(statistics.median(ratios), 3)}
+
+
+def a8_faster() -> bool:
+    """Whether int4 weights by int8 activations decode faster here than the loop's int4 form where that runs
+    (`measure_a8`, kept in this machine's `tuning`): at most A8_MARGIN of its time. False where it was not measured
+    (no int4 form, a busy host)."""
+    ratio = tuning().get("int4", {}).get("a8_versus_int4")
+    return int4_capable() and ratio is not None and ratio <= A8_MARGIN
 
 
 def amx_capable() -> bool:

@@ -205,13 +205,16 @@ class QuantLinear(nn.Module):
 def fastest_quant(device: torch.device) -> QuantConfig:
     """The fastest weights inside the quality table's limits (docs/benchmarks.md, section 6: at most +10% perplexity)
     on `device`: on a CPU, int4 at group 32 (+4.6% on the bundled model) through our loop where the CPU has BF16 dot
-    products (`row_kernel.int4_capable`), else int4 by int8 activations (+5.4%, `model.w4a8_kernel`) where our ops
-    build, else int8; elsewhere the model's own weights (a GPU's int4 rows are measured at batch 1 only)."""
+    products (`row_kernel.int4_capable`) and this machine measured it at least as fast as int4 by int8 activations
+    (`row_kernel.a8_faster`: +5.4%, `model.w4a8_kernel`), which runs where our ops build and the loop's int4 form does
+    not; else int8; elsewhere the model's own weights (a GPU's int4 rows are measured at batch 1 only)."""
     if device.type != "cpu":
         return QuantConfig()
-    if row_kernel.int4_capable():
+    if row_kernel.unavailable() is not None:
+        return QuantConfig("int4") if row_kernel.int4_capable() else QuantConfig("int8")
+    if row_kernel.int4_capable() and not row_kernel.a8_faster():
         return QuantConfig("int4")
-    return QuantConfig("int4", activations="int8") if row_kernel.unavailable() is None else QuantConfig("int8")
+    return QuantConfig("int4", activations="int8")
 
 
 def check_int8_activations(device: torch.device, name: str, out_features: int, in_features: int,

@@ -397,31 +397,42 @@ def test_every_tuning_of_the_loop_changes_no_bit(our_ops, rows):
 @pytest.mark.parametrize("int4", [False, True])
 def test_the_tuning_is_measured_once_and_kept(our_ops, tmp_path, monkeypatch, int4):
     """Measured where nothing is kept (a candidate of this CPU, the ratios that chose it), for each form the CPU runs,
-    then read back; a tuning kept before the int4 form existed gains it; a busy moment's measurement is not kept; the
+    with int8 activations against the int4 form where that runs, then read back; a tuning kept before the int4 form
+    (or its comparison with int8 activations) existed gains it; a busy moment's measurement is not kept; the
     environment's setting overrides all of them."""
     capability = torch.backends.cpu.get_cpu_capability()
     measured = {"streams": 2, "prefetch": 0, "busy": False, "ratios": {"2,0": 1.0}}
     calls = []
+    a8 = {"a8_versus_int4": 0.9}
 
     def measure(candidates, form="bf16"):
         calls.append(form)
         return {**measured, "versus_aten": 0.7} if form == "int4" else dict(measured)
 
+    def measure_a8():
+        calls.append("a8")
+        return dict(a8)
+
     monkeypatch.setattr(row_kernel, "measure_tuning", measure)
+    monkeypatch.setattr(row_kernel, "measure_a8", measure_a8)
     monkeypatch.setattr(row_kernel, "int4_capable", lambda: int4)
     monkeypatch.setattr(row_kernel, "amx_capable", lambda: False)  # its measurement: the next test
     monkeypatch.delenv("INFERENCE_CORE_ROW_TUNING", raising=False)
     path = tmp_path / "tuning.json"
-    want = {**measured, "int4": {**measured, "versus_aten": 0.7}} if int4 else measured
+    want = {**measured, "int4": {**measured, "versus_aten": 0.7, **a8}} if int4 else measured
     assert row_kernel._tuned(path, capability) == want and path.is_file()
-    assert row_kernel._tuned(path, capability) == want and calls == ["bf16", "int4"][:1 + int4]
-    if int4:  # kept by a build without the int4 form, or without its measurement against ATen: only it is measured
-        for kept in (measured, {**measured, "int4": measured}):
+    assert row_kernel._tuned(path, capability) == want and calls == ["bf16", "int4", "a8"][:1 + 2 * int4]
+    if int4:  # kept by a build without the int4 form, or without its measurements: only they are measured
+        for kept, measures in ((measured, ["int4", "a8"]), ({**measured, "int4": measured}, ["int4", "a8"]),
+                               ({**measured, "int4": {**measured, "versus_aten": 0.7}}, ["a8"])):
             path.write_text(json.dumps(kept))
-            assert row_kernel._tuned(path, capability) == want and calls[-1] == "int4"
+            calls.clear()
+            assert row_kernel._tuned(path, capability) == want and calls == measures
             assert json.loads(path.read_text()) == want
-        assert calls == ["bf16", "int4", "int4", "int4"]
-    path.unlink()
+        path.unlink()
+        a8["a8_versus_int4"] = None  # a busy moment: int4 stays, measured again next time
+        assert row_kernel._tuned(path, capability)["int4"]["a8_versus_int4"] is None and not path.exists()
+    path.unlink(missing_ok=True)
     measured["busy"] = True
     assert row_kernel._tuned(path, capability)["busy"] and not path.exists()
     monkeypatch.setenv("INFERENCE_CORE_ROW_TUNING", "2,1024")
@@ -441,6 +452,9 @@ def test_the_tuning_is_measured_once_and_kept(our_ops, tmp_path, monkeypatch, in
         assert ("versus_aten" in real) == (form == "int4")
         if form == "int4":  # a busy moment decides nothing about the form
             assert real["versus_aten"] is None if real["busy"] else real["versus_aten"] > 0
+    if row_kernel.int4_capable():
+        ratio = row_kernel.measure_a8(megabytes=4, rounds=2)["a8_versus_int4"]
+        assert ratio is None or ratio > 0
     row_kernel.apply_tuning()
 
 

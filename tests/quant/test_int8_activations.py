@@ -174,12 +174,19 @@ def test_settings_cli_and_bench_spell_it_or_refuse_it(our_ops, tiny, tmp_path, c
 
 def test_bench_defaults_end_with_the_fastest_quantized_row(monkeypatch):
     """`bench` with no --configs: eager and compiled paged, then int4 through our loop where the CPU has BF16 dot
-    products, int4 by int8 activations where only our AVX2 ops build, int8 where they do not; on a GPU no CPU row."""
-    monkeypatch.setattr(row_kernel, "int4_capable", lambda: True)
-    assert default_configs("cpu") == "paged,paged+compile+steps8,paged+compile+int4+steps8"
-    monkeypatch.setattr(row_kernel, "int4_capable", lambda: False)
+    products and this machine measured it no slower than int4 by int8 activations, those where it measured them
+    faster or where only our AVX2 ops build, int8 where our ops do not build (int4 where the CPU has the form); on a
+    GPU no CPU row."""
     monkeypatch.setattr(row_kernel, "unavailable", lambda: None)
+    monkeypatch.setattr(row_kernel, "int4_capable", lambda: True)
+    for ratio, row in ((1.0, "paged+compile+int4+steps8"), (None, "paged+compile+int4+steps8"),
+                       (0.9, "paged+compile+int4+a8+steps8")):
+        monkeypatch.setattr(row_kernel, "tuning", lambda: {"int4": {"a8_versus_int4": ratio}})
+        assert default_configs("cpu") == f"paged,paged+compile+steps8,{row}"
+    monkeypatch.setattr(row_kernel, "int4_capable", lambda: False)
     assert default_configs("cpu") == "paged,paged+compile+steps8,paged+compile+int4+a8+steps8"
     monkeypatch.setattr(row_kernel, "unavailable", lambda: "no compiler")
     assert default_configs("cpu") == "paged,paged+compile+steps8,paged+compile+int8+steps8"
+    monkeypatch.setattr(row_kernel, "int4_capable", lambda: True)
+    assert default_configs("cpu") == "paged,paged+compile+steps8,paged+compile+int4+steps8"
     assert default_configs("cuda") == "paged,paged+compile+steps8"

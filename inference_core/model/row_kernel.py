@@ -908,10 +908,8 @@ def _tuned(path, capability: str) -> dict:
     if chosen is kept:
         return kept
     int4 = chosen.get("int4", {})
-    if chosen.get("busy") or int4.get("busy") or "a8_versus_int4" in int4 and int4["a8_versus_int4"] is None \
-            or chosen.get("amx_busy"):  # the default for now, and
-        # a new measurement next time
-        return chosen
+    if chosen.get("busy") or int4.get("busy") or int4.get("a8_versus_int4", 0) is None or chosen.get("amx_busy"):
+        return chosen  # the default for now, and a new measurement next time
     partial = path.with_suffix(f".{os.getpid()}.tmp")  # engines in other processes may measure at the same time
     partial.write_text(json.dumps(chosen, indent=1))
     partial.replace(path)

@@ -204,10 +204,11 @@ class QuantLinear(nn.Module):
 
 def fastest_quant(device: torch.device) -> QuantConfig:
     """The fastest weights inside the quality table's limits (docs/benchmarks.md, section 6: at most +10% perplexity)
-    on `device`: on a CPU, int4 at group 32 (+4.6% on the bundled model) through our loop where the CPU has BF16 dot
-    products (`row_kernel.int4_capable`) and this machine measured it at least as fast as int4 by int8 activations
-    (`row_kernel.a8_faster`: +5.4%, `model.w4a8_kernel`), which runs where our ops build and the loop's int4 form does
-    not; else int8; elsewhere the model's own weights (a GPU's int4 rows are measured at batch 1 only)."""
+    on `device`: on a CPU where our ops build, int4 at group 32 by int8 activations (+5.4% on the bundled model,
+    `model.w4a8_kernel`), except where the CPU has BF16 dot products (`row_kernel.int4_capable`) and this machine did
+    not measure those clearly faster than our int4 loop (`row_kernel.a8_faster`): int4 by the model's activations
+    there (+4.6%); where our ops do not build, int4 through ATen's kernel on such a CPU, else int8; elsewhere the
+    model's own weights (a GPU's int4 rows are measured at batch 1 only)."""
     if device.type != "cpu":
         return QuantConfig()
     if row_kernel.unavailable() is not None:

@@ -5,6 +5,7 @@ this compiles the others to an object file (-O0: the same target checks, in a fr
 
 from __future__ import annotations
 
+import platform
 import shutil
 import subprocess
 import sysconfig
@@ -19,6 +20,7 @@ OTHER_SETS = [name for name in row_kernel.FLAGS if name != torch.backends.cpu.ge
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the flags are x86's")
 @pytest.mark.parametrize("instruction_set", OTHER_SETS)
 def test_the_source_compiles_with_each_instruction_sets_flags(instruction_set, tmp_path):
     source = tmp_path / "main.cpp"

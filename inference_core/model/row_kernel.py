@@ -916,6 +916,18 @@ def _tuned(path, capability: str) -> dict:
     return chosen
 
 
+def _busy(times: list[float]) -> bool:
+    """Whether a measurement's passes of the same work differ by more than a quarter: the host's memory or cores were
+    taken by others, not a fair moment to decide anything by."""
+    return max(times) > 1.25 * min(times)
+
+
+def _int4_probe() -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 weight the measurements time, [2048, 1024] in groups of 32 (zeros: no op's time depends on the
+    values): its q and tinygemm's scales and zeros, as `pack_int4` takes them."""
+    return torch.zeros(2048, 1024, dtype=torch.int32), torch.ones(1024 // 32, 2048, 2, dtype=torch.bfloat16)
+
+
 def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7, form: str = "bf16") -> dict:
     """Each candidate's time for one pass of one row over `megabytes` of the `form`'s packed weights ([2048, 1024]
     each, more than the caches hold), in `rounds` rounds with the candidates' order rotated; the median over rounds of
@@ -927,7 +939,7 @@ def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7, form: str 
     x = torch.ones(1, 1024, dtype=torch.bfloat16)
     aten = None  # the int4 form: ATen's kernel on the same weights in its own layout, timed in the same rounds
     if form == "int4":
-        q, scales = torch.zeros(2048, 1024, dtype=torch.int32), torch.ones(1024 // 32, 2048, 2, dtype=torch.bfloat16)
+        q, scales = _int4_probe()
         weight = pack_int4(q, scales)
         project = functools.partial(ops.linear_rows_int4, x, group_size=32, out_features=2048)
         aten_weights = [torch._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -964,7 +976,7 @@ def measure_tuning(candidates, megabytes: int = 256, rounds: int = 7, form: str 
             aten_ratios.append((before or aten()) / times[candidates[0]])
     medians = {candidate: statistics.median(values) for candidate, values in ratios.items()}
     best = min(candidates, key=medians.get)
-    busy = max(defaults) > 1.25 * min(defaults)  # the host's memory or cores taken by others: not a fair moment
+    busy = _busy(defaults)
     streams, prefetch = best if medians[best] <= TUNING_MARGIN and not busy else candidates[0]
     measured = {"streams": streams, "prefetch": prefetch, "threads": torch.get_num_threads(), "busy": busy,
                 "ratios": {f"{s},{p}": round(ratio, 3) for (s, p), ratio in medians.items()},
@@ -1009,7 +1021,7 @@ def measure_amx(megabytes: int = 128, rounds: int = 5) -> dict:
             if rows == AMX_CANDIDATE_ROWS[0]:
                 loop_times.append(times[False])
     medians = {rows: statistics.median(values) for rows, values in ratios.items()}
-    busy = max(loop_times) > 1.25 * min(loop_times)
+    busy = _busy(loop_times)
     amx_from = 0
     for rows in reversed(AMX_CANDIDATE_ROWS):  # from the most rows down, while it wins
         if medians[rows] >= 1.0:
@@ -1028,8 +1040,8 @@ def measure_a8(megabytes: int = 64, rounds: int = 7) -> dict:
     and VNNI, no AMX) the compiled int4 step decoded at 251.5 tokens/s and the one by int8 activations at 275.8, whose
     512-token prefill ran 1.9x as fast (docs/benchmarks.md, section 1). About 0.3 s."""
     ops = torch.ops.inference_core
-    q = torch.zeros(2048, 1024, dtype=torch.int32)
-    loop_weight = pack_int4(q, torch.ones(1024 // 32, 2048, 2, dtype=torch.bfloat16))
+    q, scales = _int4_probe()
+    loop_weight = pack_int4(q, scales)
     nibbles, numbers = w4a8_kernel.pack(q, torch.ones(2048, 32), torch.zeros(2048, 32))
     count = max(1, megabytes * 2**20 // loop_weight.nbytes)
     loop_weights = [loop_weight.clone() for _ in range(count)]
@@ -1052,7 +1064,7 @@ def measure_a8(megabytes: int = 64, rounds: int = 7) -> dict:
         times = {a8: one_pass(a8) for a8 in ((True, False) if turn % 2 else (False, True))}
         ratios.append(times[True] / times[False])
         loop_times.append(times[False])
-    busy = max(loop_times) > 1.25 * min(loop_times)
+    busy = _busy(loop_times)
     return {"a8_versus_int4": None if busy else round(statistics.median(ratios), 3)}
 
 

@@ -28,11 +28,17 @@ softmax (FlashAttention's): a block of queries against chunks of keys, the score
 registers, causal work skipped a chunk at a time. A 512-token prompt's attention took 6.6 ms a layer so against 15.6
 through ATen's SDPA on its keys gathered in fp32 (the bundled model's heads, the AVX2 Zen 1 host, 2 threads), which
 skips causal work only by whole blocks of 512 keys; the bundled model's 512-token prefill went from 274 to 301-310
-tokens/s. They are built into the same extension as the projection kernel (`model.row_kernel`, which owns the
-build).
+tokens/s. Where the CPU has AVX-512 BF16 dot products, a bf16 pool's long sequences take the same tiles with both
+products in bf16 pairs (`attend_block_pairs`: one vdpbf16ps a pair of multiply-adds, the queries, keys and values
+read as the model holds them, the exponentials rounded to bf16 for the weighted values as FlashAttention's GPU
+kernels round them): on the 2-vCPU Zen 4 host a 512-token prompt's attention took 1.12 ms a layer against 1.95 in
+fp32 products, which stay the reference (`pairs_form(False)`) and every other CPU's form. They are built into the
+same extension as the projection kernel (`model.row_kernel`, which owns the build).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -491,10 +497,95 @@ inline vmask mask_and(vmask a, vmask b) { return _mm256_and_ps(a, b); }
 inline vec scores_where(vmask m, vec s) { return _mm256_blendv_ps(vset1(NEG_INF), s, m); }
 #endif
 
-// One work item's buffers, kept by its thread from item to item.
+// A flat step's new tokens: q [N, H, D], k and v [N, KVH, D] in fp32 (what `attend_block` and the short sequences
+// read), and in bf16 where the long ones take `attend_block_pairs` (each null where not needed), read in place: a
+// token's and a head's strides (`qs`, `ks`, `vs`), each head's D numbers side by side.
+struct NewTokens {
+  const float *qf, *kf, *vf;
+  const uint16_t *qb, *kb, *vb;
+  int64_t qs[2], ks[2], vs[2];
+};
+
+// A bf16 tensor whose heads lie in rows as it is, else in bf16 (a copy).
+inline at::Tensor bf16_rows(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 && t.stride(-1) == 1 ? t : t.to(at::kBFloat16).contiguous();
+}
+
+// One work item's buffers, kept by its thread from item to item: fp32 (`attend_block`), and the bf16 pairs of the
+// form with BF16 dot products (`attend_block_pairs`).
 struct Tiles {
   std::vector<float> qt, scores, out, keys, values, max, sum, correction, position;
+  std::vector<uint32_t> qpairs, vpairs, ppairs;
+  std::vector<uint16_t> keys16, values16;
 };
+
+// A work item's rows (query u0 + t's heads h * G + g, r = t * G + g, padded to RP) before its first chunk: each row's
+// position, no maximum yet, nothing summed.
+inline void start_rows(Tiles& b, int64_t c, int64_t u0, int64_t R, int64_t RP, int64_t G, int64_t D) {
+  b.scores.resize(KC * RP);  // [KC, RP]: a chunk's scores, then their exponentials
+  b.out.assign(RP * D, 0.f);  // [RP, D]: the rows' weighted values, not yet divided by their sums
+  b.max.assign(RP, NEG_INF);
+  b.sum.assign(RP, 0.f);
+  b.correction.resize(RP);
+  b.position.resize(RP);
+  for (int64_t r = 0; r < RP; ++r)  // a padding row sees what the last row sees
+    b.position[r] = static_cast<float>(c + u0 + std::min(r, R - 1) / G);
+}
+
+// A chunk's scores (keys [j0, j0 + kc), b.scores [kc, RP]) -> their exponentials: the masks (where the chunk reaches
+// past the first row's position, or a window cuts), the running maximum and sum and the corrections of the rows'
+// earlier sums, a vector of rows at a time.
+inline void softmax_chunk(Tiles& b, int64_t RP, int64_t j0, int64_t kc, int64_t c, int64_t u0, Window window) {
+  const bool masked = j0 + kc - 1 > c + u0 || window.size > 0;
+  for (int64_t rv = 0; rv < RP / LANES; ++rv) {
+    const vec position = vload(b.position.data() + rv * LANES);
+    const vec lowest = vsub(position, vset1(static_cast<float>(window.size)));
+    vec m = vload(b.max.data() + rv * LANES);
+    const vec before = m;
+    for (int64_t j = 0; j < kc; ++j) {
+      float* s = b.scores.data() + j * RP + rv * LANES;
+      vec x = vload(s);
+      if (masked) {
+        const vec key = vset1(static_cast<float>(j0 + j));
+        vmask sees = vle(key, position);
+        if (window.size > 0)
+          sees = mask_and(sees, mask_or(vgt(key, lowest), vlt(key, vset1(static_cast<float>(window.sinks)))));
+        x = scores_where(sees, x);
+        vstoreu(s, x);
+      }
+      m = vmax(m, x);
+    }
+    // A row that has seen no key yet has a maximum of -inf: its correction and exponentials come out 0 (exp_neg's
+    // clamp, then keep_seen), and its sums stay 0.
+    const vec correction = keep_seen(exp_neg(vsub(before, m)), before);
+    vec total = vzero();
+    for (int64_t j = 0; j < kc; ++j) {
+      float* s = b.scores.data() + j * RP + rv * LANES;
+      const vec x = vload(s);
+      const vec e = keep_seen(exp_neg(vsub(x, m)), x);
+      vstoreu(s, e);
+      total = vadd(total, e);
+    }
+    vstoreu(b.max.data() + rv * LANES, m);
+    vstoreu(b.sum.data() + rv * LANES, vfma(vload(b.sum.data() + rv * LANES), correction, total));
+    vstoreu(b.correction.data() + rv * LANES, correction);
+  }
+}
+
+// Each row's weighted values over its sum, into the output [N, H, D].
+inline void finish_rows(const Tiles& b, int64_t start, int64_t u0, int64_t R, int64_t G, int64_t h, int64_t H,
+                        int64_t D, float* o) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* oh = o + ((start + u0 + r / G) * H + h * G + r % G) * D;
+    const float inverse = 1.f / b.sum[r];
+    for (int64_t d = 0; d < D; ++d) oh[d] = b.out[r * D + d] * inverse;
+  }
+}
+
+// Whether the chunk of keys [j0, j1) lies before every row's sliding window (and past its sinks): nothing to do.
+inline bool before_window(int64_t j0, int64_t j1, int64_t c, int64_t u0, Window window) {
+  return window.size > 0 && j0 >= window.sinks && j1 - 1 <= c + u0 - window.size;
+}
 
 template <int D, typename P>
 void attend_block(const float* qf, const float* kf, const float* vf, const P* kp, const P* vp, const int32_t* table,
@@ -502,27 +593,19 @@ void attend_block(const float* qf, const float* kf, const float* vf, const P* kp
                   Window window, float scale, Tiles& b, float* o) {
   constexpr int CV = D / LANES >= 2 ? 2 : 1;  // vectors of the head a values tile holds
   const int64_t G = H / KVH, R = (u1 - u0) * G, RP = (R + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
-  const int64_t row = KVH * D, RV = RP / LANES;
+  const int64_t row = KVH * D;
+  start_rows(b, c, u0, R, RP, G, D);
   b.qt.assign(D * RP, 0.f);  // the queries scaled, [D, RP]
-  b.scores.resize(KC * RP);  // [KC, RP]: a chunk's scores, then their exponentials
-  b.out.assign(RP * D, 0.f);  // [RP, D]: the rows' weighted values, not yet divided by their sums
   b.keys.resize((KC + KR) * D);  // a chunk's keys in fp32, [KC, D], and room for the last score tile's zeros
   b.values.resize(KC * D);
-  b.max.assign(RP, NEG_INF);
-  b.sum.assign(RP, 0.f);
-  b.correction.resize(RP);
-  b.position.resize(RP);
-  for (int64_t r = 0; r < RP; ++r) {
-    const int64_t t = std::min(r, R - 1) / G;  // a padding row sees what the last row sees
-    b.position[r] = static_cast<float>(c + u0 + t);
-    if (r >= R) continue;
-    const float* qh = qf + ((start + u0 + t) * H + h * G + r % G) * D;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* qh = qf + ((start + u0 + r / G) * H + h * G + r % G) * D;
     for (int d = 0; d < D; ++d) b.qt[d * RP + r] = qh[d] * scale;
   }
   const int64_t last = c + u1 - 1;  // the last key any row sees
   for (int64_t j0 = 0; j0 <= last; j0 += KC) {
     const int64_t j1 = std::min(last + 1, j0 + KC), kc = j1 - j0;
-    if (window.size > 0 && j0 >= window.sinks && j1 - 1 <= c + u0 - window.size) continue;  // before every row's window
+    if (before_window(j0, j1, c, u0, window)) continue;
     for (int64_t j = j0; j < j1; ++j) {  // the chunk's keys and values, widened
       float* kd = b.keys.data() + (j - j0) * D;
       float* vd = b.values.data() + (j - j0) * D;
@@ -558,42 +641,8 @@ void attend_block(const float* qf, const float* kf, const float* vf, const P* kp
           vstoreu(b.scores.data() + (jt + i) * RP + r0 + LANES, acc[i][1]);
         }
       }
-    // 2. The masks (where the chunk reaches past the first row's position, or a window cuts), the running maximum and
-    // sum, and the exponentials, a vector of rows at a time.
-    const bool masked = j1 - 1 > c + u0 || window.size > 0;
-    for (int64_t rv = 0; rv < RV; ++rv) {
-      const vec position = vload(b.position.data() + rv * LANES);
-      const vec lowest = vsub(position, vset1(static_cast<float>(window.size)));
-      vec m = vload(b.max.data() + rv * LANES);
-      const vec before = m;
-      for (int64_t j = 0; j < kc; ++j) {
-        float* s = b.scores.data() + j * RP + rv * LANES;
-        vec x = vload(s);
-        if (masked) {
-          const vec key = vset1(static_cast<float>(j0 + j));
-          vmask sees = vle(key, position);
-          if (window.size > 0)
-            sees = mask_and(sees, mask_or(vgt(key, lowest), vlt(key, vset1(static_cast<float>(window.sinks)))));
-          x = scores_where(sees, x);
-          vstoreu(s, x);
-        }
-        m = vmax(m, x);
-      }
-      // A row that has seen no key yet has a maximum of -inf: its correction and exponentials come out 0 (exp_neg's
-      // clamp, then keep_seen), and its sums stay 0.
-      const vec correction = keep_seen(exp_neg(vsub(before, m)), before);
-      vec total = vzero();
-      for (int64_t j = 0; j < kc; ++j) {
-        float* s = b.scores.data() + j * RP + rv * LANES;
-        const vec x = vload(s);
-        const vec e = keep_seen(exp_neg(vsub(x, m)), x);
-        vstoreu(s, e);
-        total = vadd(total, e);
-      }
-      vstoreu(b.max.data() + rv * LANES, m);
-      vstoreu(b.sum.data() + rv * LANES, vfma(vload(b.sum.data() + rv * LANES), correction, total));
-      vstoreu(b.correction.data() + rv * LANES, correction);
-    }
+    // 2. Their exponentials.
+    softmax_chunk(b, RP, j0, kc, c, u0, window);
     // 3. The values weighted by them, VR rows by CV vectors of the head a tile, the rows' earlier sums corrected.
     for (int64_t r0 = 0; r0 < RP; r0 += VR)
       for (int d0 = 0; d0 < D; d0 += CV * LANES) {
@@ -614,22 +663,146 @@ void attend_block(const float* qf, const float* kf, const float* vf, const P* kp
           for (int v = 0; v < CV; ++v) vstoreu(b.out.data() + (r0 + i) * D + d0 + v * LANES, acc[i][v]);
       }
   }
-  for (int64_t r = 0; r < R; ++r) {  // each row's weighted values over its sum
-    const int64_t t = r / G;
-    float* oh = o + ((start + u0 + t) * H + h * G + r % G) * D;
-    const float inverse = 1.f / b.sum[r];
-    for (int d = 0; d < D; ++d) oh[d] = b.out[r * D + d] * inverse;
-  }
+  finish_rows(b, start, u0, R, G, h, H, D, o);
 }
+
+#if defined(__AVX512F__)
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+// fp32 x -> its bf16 bits (round to nearest even), 16 at a time, each in the low half of a 32-bit lane.
+inline __m512i bf16_lanes(vec x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
+// Two fp32 rows of 16 -> 16 pairs (a's bf16 low, b's high): what one vdpbf16ps multiplies in pairs.
+inline __m512i bf16_pairs(vec a, vec b) {
+  return _mm512_or_si512(bf16_lanes(a), _mm512_slli_epi32(bf16_lanes(b), 16));
+}
+inline __m512i bf16_pairs(const uint16_t* a, const uint16_t* b) {  // two bf16 rows of 16
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)a)),
+                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)b)), 16));
+}
+inline vec dot_pairs(vec acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+
+// `attend_block` over a bf16 pool where the CPU has BF16 dot products: the same tiles, with both matrix products in
+// bf16 pairs, one vdpbf16ps doing two fused multiply-adds' work. The scores multiply the queries by the keys as they
+// are (bf16 in the pool and in a bf16 model's new tokens: exact products, fp32 sums); the exponentials are rounded to
+// bf16 for the weighted values (as FlashAttention's GPU kernels round them), their sums kept in fp32.
+constexpr int KR2 = 8;  // keys a score tile holds (by two vectors of rows): 16 sums in flight
+template <int D>
+void attend_block_pairs(const NewTokens& x, const uint16_t* kp, const uint16_t* vp, const int32_t* table, int64_t BS,
+                        int64_t start, int64_t c, int64_t u0, int64_t u1, int64_t h, int64_t H, int64_t KVH,
+                        Window window, float scale, Tiles& b, float* o) {
+  constexpr int D2 = D / 2, CV = D / LANES >= 2 ? 2 : 1;
+  const int64_t G = H / KVH, R = (u1 - u0) * G, RP = (R + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
+  const int64_t row = KVH * D;
+  start_rows(b, c, u0, R, RP, G, D);
+  b.qpairs.assign(D2 * RP, 0u);  // the queries' pairs [D / 2, RP]
+  b.keys16.resize((KC + KR2) * D);  // a chunk's keys [KC, D] (pairs along the head), and the last tile's zeros
+  b.values16.resize((KC + 1) * D);  // a chunk's values [KC, D], and an odd chunk's last pair's zeros
+  b.vpairs.resize(KC / 2 * D);  // [KC / 2, D]: values of keys 2i and 2i + 1 side by side
+  b.ppairs.resize(KC / 2 * RP);  // [KC / 2, RP]: the rows' exponentials of keys 2i and 2i + 1 side by side
+  for (int64_t r = 0; r < R; ++r) {
+    const uint16_t* qh = x.qb + (start + u0 + r / G) * x.qs[0] + (h * G + r % G) * x.qs[1];
+    for (int i = 0; i < D2; ++i) b.qpairs[i * RP + r] = qh[2 * i] | static_cast<uint32_t>(qh[2 * i + 1]) << 16;
+  }
+  const vec vscale = vset1(scale);
+  const int64_t last = c + u1 - 1;
+  for (int64_t j0 = 0; j0 <= last; j0 += KC) {
+    const int64_t j1 = std::min(last + 1, j0 + KC), kc = j1 - j0, kp2 = (kc + 1) / 2;
+    if (before_window(j0, j1, c, u0, window)) continue;
+    for (int64_t j = j0; j < j1; ++j) {  // the chunk's keys and values in bf16
+      uint16_t* kd = b.keys16.data() + (j - j0) * D;
+      uint16_t* vd = b.values16.data() + (j - j0) * D;
+      if (j < c) {
+        const int64_t at = table[j / BS] * BS * row + (j % BS) * row + h * D;
+        std::copy(kp + at, kp + at + D, kd);
+        std::copy(vp + at, vp + at + D, vd);
+      } else {
+        const uint16_t* kn = x.kb + (start + j - c) * x.ks[0] + h * x.ks[1];
+        const uint16_t* vn = x.vb + (start + j - c) * x.vs[0] + h * x.vs[1];
+        std::copy(kn, kn + D, kd);
+        std::copy(vn, vn + D, vd);
+      }
+    }
+    std::fill(b.keys16.data() + kc * D, b.keys16.data() + (kc + KR2 - 1) / KR2 * KR2 * D, uint16_t{0});
+    std::fill(b.values16.data() + kc * D, b.values16.data() + 2 * kp2 * D, uint16_t{0});
+    for (int64_t i = 0; i < kp2; ++i)
+      for (int d = 0; d < D; d += LANES)
+        _mm512_storeu_si512(b.vpairs.data() + i * D + d, bf16_pairs(b.values16.data() + 2 * i * D + d,
+                                                                     b.values16.data() + (2 * i + 1) * D + d));
+    // 1. The scores, KR2 keys by two vectors of rows a tile.
+    const uint32_t* keys = reinterpret_cast<const uint32_t*>(b.keys16.data());
+    for (int64_t jt = 0; jt < kc; jt += KR2)
+      for (int64_t r0 = 0; r0 < RP; r0 += 2 * LANES) {
+        vec acc[KR2][2];
+        for (int i = 0; i < KR2; ++i) acc[i][0] = acc[i][1] = vzero();
+        const uint32_t* kt = keys + jt * D2;
+        const uint32_t* qt = b.qpairs.data() + r0;
+        for (int d = 0; d < D2; ++d) {
+          const __m512i q0 = _mm512_loadu_si512(qt + d * RP), q1 = _mm512_loadu_si512(qt + d * RP + LANES);
+          for (int i = 0; i < KR2; ++i) {
+            const __m512i kb = _mm512_set1_epi32(static_cast<int32_t>(kt[i * D2 + d]));
+            acc[i][0] = dot_pairs(acc[i][0], q0, kb);
+            acc[i][1] = dot_pairs(acc[i][1], q1, kb);
+          }
+        }
+        for (int i = 0; i < KR2 && jt + i < kc; ++i) {
+          vstoreu(b.scores.data() + (jt + i) * RP + r0, vmul(acc[i][0], vscale));
+          vstoreu(b.scores.data() + (jt + i) * RP + r0 + LANES, vmul(acc[i][1], vscale));
+        }
+      }
+    // 2. Their exponentials, then in bf16 pairs of keys (an odd chunk's last with a 0).
+    softmax_chunk(b, RP, j0, kc, c, u0, window);
+    for (int64_t i = 0; i < kp2; ++i)
+      for (int64_t r = 0; r < RP; r += LANES) {
+        const vec odd = 2 * i + 1 < kc ? vload(b.scores.data() + (2 * i + 1) * RP + r) : vzero();
+        _mm512_storeu_si512(b.ppairs.data() + i * RP + r, bf16_pairs(vload(b.scores.data() + 2 * i * RP + r), odd));
+      }
+    // 3. The values weighted by them, VR rows by CV vectors of the head a tile, a pair of keys a vdpbf16ps.
+    for (int64_t r0 = 0; r0 < RP; r0 += VR)
+      for (int d0 = 0; d0 < D; d0 += CV * LANES) {
+        vec acc[VR][CV];
+        for (int i = 0; i < VR; ++i)
+          for (int v = 0; v < CV; ++v)
+            acc[i][v] = vmul(vload(b.out.data() + (r0 + i) * D + d0 + v * LANES), vset1(b.correction[r0 + i]));
+        for (int64_t j = 0; j < kp2; ++j) {
+          __m512i vv[CV];
+          for (int v = 0; v < CV; ++v) vv[v] = _mm512_loadu_si512(b.vpairs.data() + j * D + d0 + v * LANES);
+          const uint32_t* p = b.ppairs.data() + j * RP + r0;
+          for (int i = 0; i < VR; ++i) {
+            const __m512i pb = _mm512_set1_epi32(static_cast<int32_t>(p[i]));
+            for (int v = 0; v < CV; ++v) acc[i][v] = dot_pairs(acc[i][v], vv[v], pb);
+          }
+        }
+        for (int i = 0; i < VR; ++i)
+          for (int v = 0; v < CV; ++v) vstoreu(b.out.data() + (r0 + i) * D + d0 + v * LANES, acc[i][v]);
+      }
+  }
+  finish_rows(b, start, u0, R, G, h, H, D, o);
+}
+#pragma GCC pop_options
+#endif
 
 // Query rows a work item takes (its queries times G, up to a whole pair of vectors): 32 queries of the bundled
 // model's 3 heads a KV head. On the AVX2 Zen 1 host 512 new tokens took 6.1 ms a layer so, 6.6 with 16 queries.
 constexpr int64_t BLOCK_ROWS = 96;
 
+// Whether this CPU runs `attend_block_pairs` (AVX-512 with BF16), and whether bf16 pools take it
+// (`set_attention_pairs`: on where it runs; off, the fp32 loops, the reference it is tested against).
+inline bool pairs_supported() {
+#if defined(__AVX512F__)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+std::atomic<bool> use_pairs{pairs_supported()};
+
+bool set_attention_pairs(bool on) {  // returns the setting before
+  return use_pairs.exchange(on && pairs_supported());
+}
+
 template <int D, typename P>
-void attend_long(const float* qf, const float* kf, const float* vf, const P* kp, const P* vp, const int32_t* table,
-                 int64_t BS, int64_t start, int64_t n, int64_t c, int64_t H, int64_t KVH, Window window, double scale,
-                 float* o) {
+void attend_long(const NewTokens& x, const P* kp, const P* vp, const int32_t* table, int64_t BS, int64_t start,
+                 int64_t n, int64_t c, int64_t H, int64_t KVH, Window window, double scale, float* o) {
   const int64_t TQ = std::max<int64_t>(1, BLOCK_ROWS / (H / KVH)), blocks = (n + TQ - 1) / TQ;
   // Items in the order first, last, second, second to last...: a causal block's work grows with its index, and
   // at::parallel_for gives each thread a contiguous range.
@@ -637,7 +810,17 @@ void attend_long(const float* qf, const float* kf, const float* vf, const P* kp,
     Tiles tiles;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / KVH, h = item % KVH, q = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
-      attend_block<D>(qf, kf, vf, kp, vp, table, BS, start, c, q * TQ, std::min(n, (q + 1) * TQ), h, H, KVH, window,
+      const int64_t u0 = q * TQ, u1 = std::min(n, (q + 1) * TQ);
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<P, uint16_t>) {
+        if (x.qb) {
+          attend_block_pairs<D>(x, kp, vp, table, BS, start, c, u0, u1, h, H, KVH, window, static_cast<float>(scale),
+                                tiles, o);
+          continue;
+        }
+      }
+#endif
+      attend_block<D>(x.qf, x.kf, x.vf, kp, vp, table, BS, start, c, u0, u1, h, H, KVH, window,
                       static_cast<float>(scale), tiles, o);
     }
   });
@@ -648,13 +831,6 @@ at::Tensor attend_flat(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        int64_t BS, const at::Tensor& table, const int32_t* st, const int32_t* ca, Window window,
                        double scale) {
   const int64_t N = q.size(0), H = q.size(1), KVH = k.size(1), G = H / KVH, S = table.size(0), TB = table.size(1);
-  std::vector<float> buffer((N * H + 2 * N * KVH) * D);
-  float* qf = buffer.data();
-  float* kf = qf + N * H * D;
-  float* vf = kf + N * KVH * D;
-  to_floats(q, qf);
-  to_floats(k, kf);
-  to_floats(v, vf);
   const int32_t* tp = table.data_ptr<int32_t>();  // contiguous (`attend_paged_flat`)
   auto out = at::empty({N, H, D}, q.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
@@ -669,8 +845,34 @@ at::Tensor attend_flat(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       most_blocks = std::max<int64_t>(most_blocks, (ca[s] + BS - 1) / BS);
     }
   }
-  for (int64_t s : longs) attend_long<D>(qf, kf, vf, kp, vp, tp + s * TB, BS, st[s], st[s + 1] - st[s], ca[s], H, KVH,
-                                         window, scale, o);
+  NewTokens x{};
+  const bool pairs = std::is_same_v<P, uint16_t> && use_pairs && !longs.empty();
+  at::Tensor qb, kb, vb;
+  if (pairs) {
+    qb = bf16_rows(q);
+    kb = bf16_rows(k);
+    vb = bf16_rows(v);
+    x.qb = reinterpret_cast<const uint16_t*>(qb.data_ptr<at::BFloat16>());
+    x.kb = reinterpret_cast<const uint16_t*>(kb.data_ptr<at::BFloat16>());
+    x.vb = reinterpret_cast<const uint16_t*>(vb.data_ptr<at::BFloat16>());
+    for (int i = 0; i < 2; ++i) {
+      x.qs[i] = qb.stride(i);
+      x.ks[i] = kb.stride(i);
+      x.vs[i] = vb.stride(i);
+    }
+  }
+  std::vector<float> buffer;
+  if (!pairs || !shorts.empty()) {
+    buffer.resize((N * H + 2 * N * KVH) * D);
+    x.qf = buffer.data();
+    x.kf = x.qf + N * H * D;
+    x.vf = x.kf + N * KVH * D;
+    to_floats(q, buffer.data());
+    to_floats(k, buffer.data() + N * H * D);
+    to_floats(v, buffer.data() + N * (H + KVH) * D);
+  }
+  for (int64_t s : longs)
+    attend_long<D>(x, kp, vp, tp + s * TB, BS, st[s], st[s + 1] - st[s], ca[s], H, KVH, window, scale, o);
   if (shorts.empty()) return out;
   const int64_t R = static_cast<int64_t>(shorts.size()), threads = at::get_num_threads();
   const int64_t NT = std::max<int64_t>(1, std::min<int64_t>(most_blocks, (threads + R - 1) / R));
@@ -685,7 +887,7 @@ at::Tensor attend_flat(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       mask.reset(new bool[std::max<int64_t>(1, T * c)]);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t j = 0; j < c; ++j) mask[t * c + j] = in_window(c + t, j, window);
-      attend_range<D>(qf + st[s] * H * D, T, KVH, G, kp, vp, BS, tp + s * TB, mask.get(), c, blocks * th / NT,
+      attend_range<D>(x.qf + st[s] * H * D, T, KVH, G, kp, vp, BS, tp + s * TB, mask.get(), c, blocks * th / NT,
                       blocks * (th + 1) / NT, (float)scale, parts.data() + item * part_size, scores, seen);
     }
   });
@@ -697,12 +899,12 @@ at::Tensor attend_flat(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       for (int64_t t = 0; t < T; ++t)
         for (int64_t hg = 0; hg < H; ++hg) {
           const int64_t h = hg / G, row = t * G + hg % G;
-          const float* qh = qf + ((first + t) * H + hg) * D;
+          const float* qh = x.qf + ((first + t) * H + hg) * D;
           for (int64_t u = 0; u <= t; ++u)
-            own[u] = in_window(c + t, c + u, window) ? dot<D>(qh, kf + ((first + u) * KVH + h) * D) * (float)scale
+            own[u] = in_window(c + t, c + u, window) ? dot<D>(qh, x.kf + ((first + u) * KVH + h) * D) * (float)scale
                                                      : NEG_INF;
           combine<D>(o + ((first + t) * H + hg) * D, own, t + 1,
-                     [&](int64_t u) { return vf + ((first + u) * KVH + h) * D; }, NT,
+                     [&](int64_t u) { return x.vf + ((first + u) * KVH + h) * D; }, NT,
                      [&](int64_t th) { return parts.data() + (ri * NT + th) * part_size + (h * RR + row) * (D + 2); });
         }
     }
@@ -767,6 +969,8 @@ at::Tensor attend_paged_flat(const at::Tensor& q, const at::Tensor& k, const at:
 }  // namespace attention
 
 TORCH_LIBRARY_FRAGMENT(inference_core, m) {
+  m.def("set_attention_pairs(bool on) -> bool", attention::set_attention_pairs);  // no tensors: one kernel
+  m.def("attention_pairs_supported() -> bool", attention::pairs_supported);
   m.def("attend_paged(Tensor q, Tensor k, Tensor v, Tensor k_pool, Tensor v_pool, Tensor table, Tensor key_mask, "
         "float scale) -> Tensor");
   m.def("attend_paged_queries(Tensor q, Tensor k, Tensor v, Tensor k_pool, Tensor v_pool, Tensor table, "
@@ -824,6 +1028,22 @@ def attend_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale: fl
     [B, T, heads, D]; k, v [B, T, KVH, D]; k_pool, v_pool one layer's [blocks, block, KVH, D]; table [B, blocks];
     key_mask [B, T, keys]; new_mask [B, T, T]. Returns fp32 [B, T, heads, D]."""
     return torch.ops.inference_core.attend_paged_queries(q, k, v, k_pool, v_pool, table, key_mask, new_mask, scale)
+
+
+def pairs_available() -> bool:
+    """Whether this CPU runs the tiled loops' bf16 pairs form (AVX-512 with BF16 dot products; the extension built)."""
+    return torch.ops.inference_core.attention_pairs_supported()
+
+
+@contextlib.contextmanager
+def pairs_form(on: bool):
+    """Long sequences over a bf16 pool through the bf16 pairs form (`on`, where the CPU has it) or the fp32 loops, the
+    reference, while inside (for tests and A/B timings; process-wide)."""
+    previous = torch.ops.inference_core.set_attention_pairs(on)
+    try:
+        yield
+    finally:
+        torch.ops.inference_core.set_attention_pairs(previous)
 
 
 def takes_flat(q: torch.Tensor, k: torch.Tensor, k_pool: torch.Tensor) -> bool:

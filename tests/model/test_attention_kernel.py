@@ -208,6 +208,7 @@ def flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale
     ([16, 1, 1, 1], [0, 33, 90, 5], 3, 3, 64, torch.float32, None),  # an fp32 pool
     ([9, 30, 1], [50, 17, 200], 2, 4, 128, torch.bfloat16, None),  # chunks after cached prefixes
     ([70], [0], 2, 2, 16, torch.float32, None),  # a long prompt: the tiled loops, causal
+    ([71], [0], 2, 2, 16, torch.bfloat16, None),  # ... bf16: an odd last chunk of keys
     ([100, 2], [37, 60], 2, 2, 32, torch.bfloat16, None),  # a long chunk after a prefix
     ([8, 7], [130, 130], 3, 3, 64, torch.float32, None),  # the shortest tiled sequence beside the longest short one
     ([200], [300], 1, 5, 64, torch.bfloat16, None),  # several key chunks; 5 heads a KV head pad the rows
@@ -220,13 +221,38 @@ def flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale
     ([0, 5, 0, 1], [0, 19, 0, 3], 2, 2, 16, torch.float32, None),  # empty rows (a bucket's padding sequences)
     ([2], [0], 4, 1, 16, torch.float32, None),  # the smallest flat step
 ])
-def test_the_flat_op_equals_a_plain_attention(our_ops, news, cached, kv_heads, group, head_dim, dtype, window):
+@pytest.mark.parametrize("pairs", [False, True], ids=["fp32 products", "bf16 pairs"])
+def test_the_flat_op_equals_a_plain_attention(our_ops, news, cached, kv_heads, group, head_dim, dtype, window, pairs):
+    """Both forms of the tiled loops: fp32 products (every CPU; the reference), and where the CPU has BF16 dot products
+    a bf16 pool's in bf16 pairs, whose exponentials are rounded to bf16 for the weighted values (about 3 of bf16's 8
+    bits of error, where a wrong mask or a missed key errs by tenths)."""
+    if pairs and not attention_kernel.pairs_available():
+        pytest.skip("the CPU has no AVX-512 BF16 dot products")
     case = flat_case(news, cached, kv_heads, group, head_dim, dtype, seed=sum(news))
     window, sinks = window if isinstance(window, tuple) else (window, 0)
     want = flat_reference(*case, window, head_dim**-0.5, sinks)
-    got = attention_kernel.attend_flat(*case, torch.tensor([window or 0, sinks], dtype=torch.int32), head_dim**-0.5)
+    with attention_kernel.pairs_form(pairs):
+        got = attention_kernel.attend_flat(*case, torch.tensor([window or 0, sinks], dtype=torch.int32),
+                                           head_dim**-0.5)
     assert got.dtype == torch.float32 and got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    bf16_pairs = pairs and dtype == torch.bfloat16 and max(news) >= 8  # the tiled loops' sequences only
+    torch.testing.assert_close(got, want, rtol=2e-5 if not bf16_pairs else 1e-2,
+                               atol=2e-5 if not bf16_pairs else 8e-3)
+
+
+def test_the_pairs_form_reads_strided_new_tokens(our_ops):
+    """q, k and v as the flat step hands them over (views of the projection's output: strided by token and head)
+    give what their contiguous copies give, in the pairs form that reads them in place."""
+    if not attention_kernel.pairs_available():
+        pytest.skip("the CPU has no AVX-512 BF16 dot products")
+    q, k, v, k_pool, v_pool, table, starts, cached = flat_case([40, 1], [20, 9], 3, 3, 64, torch.bfloat16, seed=3)
+    wide = torch.randn(41, 15, 64).bfloat16()
+    wide[:, :9], wide[:, 9:12], wide[:, 12:] = q, k, v
+    window = torch.tensor([0, 0], dtype=torch.int32)
+    strided = attention_kernel.attend_flat(wide[:, :9], wide[:, 9:12], wide[:, 12:], k_pool, v_pool, table, starts,
+                                           cached, window, 0.125)
+    assert torch.equal(strided, attention_kernel.attend_flat(q, k, v, k_pool, v_pool, table, starts, cached, window,
+                                                             0.125))
 
 
 def test_the_flat_op_refuses_a_block_outside_the_pool(our_ops):

@@ -495,11 +495,12 @@ class CompiledDecoder:
         return table
 
     @torch.inference_mode()
-    def run_flat(self, seqs, num_new_tokens: list[int], num_logits: int = 1):
+    def run_flat(self, seqs, num_new_tokens: list[int], num_logits: int = 1, hidden_states: bool = True):
         """Forward `num_new_tokens[i]` new tokens of each of `seqs` after its cached ones through the flat step
         (`query_graph.FlatGraph`), where `flat_refusal` found none. Returns what `run_queries` does: the fp32 logits
         of each sequence's last `num_logits` new tokens, [rows, vocab], and per sequence the final-normed hidden
-        states of its new tokens. Writes the new KV (the caller has made room, and commits)."""
+        states of its new tokens (None without `hidden_states`: the last layer then finishes only the rows whose
+        logits are read). Writes the new KV (the caller has made room, and commits)."""
         self.kv_cache.settle()
         rows = self.buckets[-1]
         firsts = [seq.num_computed_tokens for seq in seqs]
@@ -517,13 +518,19 @@ class CompiledDecoder:
         width = self._width(max(-(-first // self.block_size) for first in firsts))
         table = self._block_rows(seqs, rows, width)
         pool = self._pool_inputs(table)
+        logit_rows = [row for start, new in zip(starts, num_new_tokens)
+                      for row in range(start + new - min(num_logits, new), start + new)]
+        # The rows the last layer finishes: every token's where hidden states are read, else the logits' (at least 2,
+        # the package's least: the last one again).
+        keep = list(range(len(input_ids))) if hidden_states else logit_rows + logit_rows[-1:] * (2 - len(logit_rows))
         args = (torch.tensor(input_ids), torch.tensor(positions), table, torch.tensor(starts, dtype=torch.int32),
-                torch.tensor(firsts + [0] * (rows - len(seqs)), dtype=torch.int32), self._window, *pool)
+                torch.tensor(firsts + [0] * (rows - len(seqs)), dtype=torch.int32), self._window, torch.tensor(keep),
+                *pool)
         hidden, new_k, new_v = self._call_package(("flat",), args, self.flat_step)
         token_seqs = [seq for seq, new in zip(seqs, num_new_tokens) for _ in range(new)]
         self._store(new_k[:, :real], new_v[:, :real], token_seqs, positions[:real], None, None)
-        logit_rows = [row for start, new in zip(starts, num_new_tokens)
-                      for row in range(start + new - min(num_logits, new), start + new)]
+        if not hidden_states:
+            return self.model.lm_head.forward(hidden[:len(logit_rows)]).float(), None
         logits = self.model.lm_head.forward(hidden[logit_rows]).float()
         return logits, [hidden[start:start + new] for start, new in zip(starts, num_new_tokens)]
 
@@ -536,7 +543,7 @@ class CompiledDecoder:
         pool = self._pool_inputs(table)
         args = (torch.zeros(2, dtype=torch.long), torch.arange(2), table,
                 torch.tensor([0] + [2] * rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32), self._window,
-                *pool)
+                torch.arange(2), *pool)
         self._call_package(("flat",), args, self.flat_step)
 
     @torch.inference_mode()
@@ -873,6 +880,8 @@ class CompiledDecoder:
             for index, dim in graph.token_dims().items():
                 if index < count:
                     sizes[index][dim] = tokens
+            if count > FlatGraph.KEEP:
+                sizes[FlatGraph.KEEP][0] = torch.export.Dim("keep", min=2)
         if count - _fixed_inputs(graph) == INT4_POOL_INPUTS:  # an int4 pool: its tail's blocks, the blocks read
             first, tail, read = _fixed_inputs(graph), torch.export.Dim("tail", min=2), torch.export.Dim("read", min=2)
             sizes[first + 2][1] = sizes[first + 3][1] = tail

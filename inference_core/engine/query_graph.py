@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_core.config import int4_value_group
-from inference_core.model import attention_kernel, kv_kernel
+from inference_core.model import attention_kernel, kv_kernel, mlp_kernel
 from inference_core.model.llama import CausalLM
 
 # The most new tokens a sequence forwards through the graph: the last token and the longest chain
@@ -81,7 +81,12 @@ class FlatGraph(nn.Module):
     through the block table and its new keys up to itself, within a sliding window given as an input. The token count
     and the block table's width are dynamic sizes of one package, so one package serves every step; the sequence
     rows are the engine's most (`CompiledDecoder.run_flat` leaves the unused ones empty). The LM head is left out: the
-    caller applies it to the rows whose logits it reads (a prefill chunk reads one of its hundreds)."""
+    caller applies it to the rows whose logits it reads (a prefill chunk reads one of its hundreds). The last layer
+    computes its attention's output projection and its MLP only for the rows `keep` names (what llama.cpp's graphs
+    do for the tokens whose output nobody reads): a 512-token prompt read for its last token's logits skips 1/30 of
+    the bundled model's projections. A bf16 model's MLP activation is our op too (`model.mlp_kernel`)."""
+
+    KEEP = 6  # the input `keep`, its length dynamic in a package
 
     def __init__(self, model: CausalLM):
         super().__init__()
@@ -96,26 +101,28 @@ class FlatGraph(nn.Module):
         """The token count's dimension of each input that has one (dynamic in a package)."""
         return {0: 0, 1: 0}
 
-    def forward(self, input_ids, positions, table, starts, cached, window, *pool):
+    def forward(self, input_ids, positions, table, starts, cached, window, keep, *pool):
         """input_ids, positions: [N]; table: [S, blocks] int32 block tables; starts: [S + 1] int32, sequence s's
         tokens at [starts[s], starts[s + 1]); cached: [S] int32, its keys in the pool before them; window: [2] int32,
-        a sliding window's size (0: none) and the attention sinks beside it. pool: the cache's whole tensors
-        (`layer_pool`). Returns the final-normed hidden states [N, hidden] and the new k, v [layers, N, kv_heads,
-        head_dim]."""
+        a sliding window's size (0: none) and the attention sinks beside it; keep: [K] int64, the rows whose hidden
+        states are returned. pool: the cache's whole tensors (`layer_pool`). Returns the final-normed hidden states of
+        those rows [K, hidden] and the new k, v [layers, N, kv_heads, head_dim]."""
 
         def attend(index, attn, q, k, v):
             k_layer, v_layer = layer_pool(pool, index, self.group)
             return attention_kernel.attend_flat(q, k, v, k_layer, v_layer, table, starts, cached, window, attn.scale)
 
-        x, new_k, new_v = forward_layers(self.model, input_ids, positions, attend)
+        x, new_k, new_v = forward_layers(self.model, input_ids, positions, attend, keep, silu_mul)
         return self.model.norm.forward(x), new_k, new_v
 
 
-def forward_layers(model: CausalLM, input_ids, positions, attend):
+def forward_layers(model: CausalLM, input_ids, positions, attend, keep=None, activation=None):
     """The decoder layers over a flat batch of tokens (`input_ids`, `positions`: [tokens]) with attention left to
     `attend(layer index, attention module, q, k, v)` (q [tokens, heads, d], k and v [tokens, kv_heads, d], already
     normed and rotated) -> [tokens, heads, d]: the part the compiled steps share. Returns the last layer's output
-    [tokens, hidden] (before the final norm) and every layer's new k and v, [layers, tokens, kv_heads, d]."""
+    [tokens, hidden] (before the final norm; with `keep`, an int64 tensor of rows, those rows' only, the last layer's
+    projection after attention and MLP computed for them alone) and every layer's new k and v, [layers, tokens,
+    kv_heads, d]. `activation(gate_up)`: the MLP's silu(gate) * up where given."""
     x = F.embedding(input_ids, model.embed_tokens.weight)
     cos_table, sin_table = model.rope_tables(x.dtype)
     cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
@@ -126,9 +133,20 @@ def forward_layers(model: CausalLM, input_ids, positions, attend):
         new_k.append(k)
         new_v.append(v)
         out = attend(index, attn, q, k, v)
+        if keep is not None and index == len(model.layers) - 1:
+            x, out = x.index_select(0, keep), out.index_select(0, keep)
         x = x + attn.o_proj.forward(out.reshape(x.shape[0], attn.q_size).to(x.dtype))
-        x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
+        x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x), activation)
     return x, torch.stack(new_k), torch.stack(new_v)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation in the flat step: our op where it takes the tensor (`model.mlp_kernel`: a bf16 model's),
+    else silu(gate) * up as the eager forward computes it."""
+    if mlp_kernel.takes(gate_up):
+        return mlp_kernel.silu_mul(gate_up)
+    half = gate_up.shape[1] // 2
+    return F.silu(gate_up[:, :half]) * gate_up[:, half:]
 
 
 def layer_pool(pool: tuple, index: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:

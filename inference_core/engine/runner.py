@@ -258,7 +258,7 @@ class ModelRunner:
             if reason is not None:
                 self.count_fallback(reason)
                 return None
-            step = decoder.run_flat
+            step = functools.partial(decoder.run_flat, hidden_states=return_hidden)
         for seq, count in zip(seqs, num_new_tokens):
             self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + count)
         logits, hidden = step(seqs, num_new_tokens, num_logits)

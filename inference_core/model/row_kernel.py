@@ -62,8 +62,9 @@ Where they cannot run (neither AVX-512 nor AVX2, not bf16 activations, more rows
 the projection stays `F.linear` (or ATen's int8 or int4 kernel), whose kernels inductor picks itself.
 
 The same build holds our paged attention op (`model.attention_kernel`) and the host's work between compiled greedy
-steps (`model.step_kernel`), the int4 KV cache's read (`model.kv_kernel`) and int4 weights by int8 activations
-(`model.w4a8_kernel`): one extension, one build, one `unavailable`.
+steps (`model.step_kernel`), the int4 KV cache's read (`model.kv_kernel`), int4 weights by int8 activations
+(`model.w4a8_kernel`) and the flat step's MLP activation (`model.mlp_kernel`): one extension, one build, one
+`unavailable`.
 A compiled package calls each of our ops as a C function (`SHIMS`, `c_shims`), not through AOTInductor's proxy executor.
 """
 
@@ -83,7 +84,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.cpp_extension
 
-from inference_core.model import attention_kernel, kv_kernel, step_kernel, w4a8_kernel
+from inference_core.model import attention_kernel, kv_kernel, mlp_kernel, step_kernel, w4a8_kernel
 from inference_core.model.paths import cache_root
 
 BLOCK = 48  # output features per packed block (three 16-lane fp32 vectors, or six 8-lane ones)
@@ -806,8 +807,8 @@ def unavailable() -> str | None:
 
 def full_source() -> str:
     """The C++ of all of our ops, the one extension's source (`load_inline` puts torch's header before it)."""
-    return (SOURCE + attention_kernel.SOURCE + step_kernel.SOURCE + kv_kernel.SOURCE + w4a8_kernel.SOURCE + SHIMS
-            + w4a8_kernel.SHIM)
+    return (SOURCE + attention_kernel.SOURCE + step_kernel.SOURCE + kv_kernel.SOURCE + w4a8_kernel.SOURCE
+            + mlp_kernel.SOURCE + SHIMS + w4a8_kernel.SHIM + mlp_kernel.SHIM)
 
 
 @functools.cache
@@ -834,6 +835,7 @@ def _build() -> str | None:
     attention_kernel.register_fake()
     kv_kernel.register_fake()
     w4a8_kernel.register_fake()
+    mlp_kernel.register_fake()
     _state_tuning.update(_tuned(directory / "tuning.json", capability))
     apply_tuning()
     return None
@@ -1123,7 +1125,7 @@ def c_shims() -> dict:
     int4_kv = ", ".join(["AtenTensorHandle"] * 6 + ["int64_t", "AtenTensorHandle*", "AtenTensorHandle*"])
     arguments = {"linear_rows": bf16, "linear_rows_int8": int8, "linear_rows_int4": int4, "attend_paged": attention,
                  "attend_paged_queries": queries, "attend_paged_flat": flat, "int4_kv_read": int4_kv,
-                 "linear_int4_a8": w4a8_kernel.SHIM_ARGUMENTS}
+                 "linear_int4_a8": w4a8_kernel.SHIM_ARGUMENTS, "silu_mul": mlp_kernel.SHIM_ARGUMENTS}
     return {getattr(torch.ops.inference_core, name).default: [f"AOTITorchError aoti_torch_cpu_{name}({types})"]
             for name, types in arguments.items()}
 

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import inference_core
 from inference_core.engine.compiled import DecodeGraph, _attend_one_fused, _read_context
-from inference_core.engine.query_graph import QueryGraph, attend_queries, read_context
+from inference_core.engine.query_graph import FlatGraph, QueryGraph, attend_queries, read_context
 from inference_core.model import attention_kernel
 
 
@@ -105,6 +105,24 @@ def test_an_exported_step_calls_it_only_where_asked(our_ops, wide_heads):
         assert ("attend_paged" in str(program.graph)) == ours
         outputs[ours] = program.module()(*args)
     torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=2e-2, atol=2e-2)  # logits, bf16 projections
+
+
+def test_an_exported_flat_step_calls_our_ops_and_finishes_the_rows_it_keeps(our_ops, wide_heads):
+    """The flat step of a bf16 model: attention and the MLP's activation through our ops (`model.mlp_kernel`), and
+    the last layer finishing only the rows `keep` names, which equal those rows of a step that keeps every row."""
+    pool = torch.randn(1, 8, 16, 2, 64).bfloat16()
+    inputs = (torch.arange(3, 13), torch.arange(10), torch.tensor([[1, 2]], dtype=torch.int32),
+              torch.tensor([0, 10], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+              torch.tensor([0, 0], dtype=torch.int32))
+    step = FlatGraph(wide_heads.model).eval()
+    with torch.no_grad():
+        program = torch.export.export(step, (*inputs, torch.tensor([9, 3]), pool, pool.clone()))
+        graph = str(program.graph)
+        assert "attend_paged_flat" in graph and "silu_mul" in graph
+        kept, _, _ = program.module()(*inputs, torch.tensor([9, 3]), pool, pool.clone())
+        every, new_k, _ = step(*inputs, torch.arange(10), pool, pool.clone())
+    assert kept.shape == (2, 64) and every.shape == (10, 64) and new_k.shape == (1, 10, 2, 64)
+    torch.testing.assert_close(kept, every[[9, 3]], rtol=2e-2, atol=2e-2)  # bf16 projections of 2 rows against 10
 
 
 def queries_case(batch: int, queries: int, blocks: int, kv_heads: int, group: int, head_dim: int, seed: int,

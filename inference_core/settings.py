@@ -32,7 +32,7 @@ SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "e
                       "medusa": "Medusa heads (trained)", "eagle": "EAGLE layer (trained)"}
 WEIGHTS_LABELS = {"none": "model dtype", "int8": "int8 per channel", "int4": "int4 per group",
                   "awq": "AWQ int4 per group (calibrated)", "gptq": "GPTQ int4 per group (calibrated)"}
-ACTIVATIONS_LABELS = {"model": "model dtype", "int8": "int8 per block of 32"}
+ACTIVATIONS_LABELS = {"model": "model dtype", "int8": "int8 (int4 weights: per block of 32; int8: per token)"}
 KV_DTYPE_LABELS = {"auto": "model dtype", "int8": "int8 + scale per token and head",
                    "int4": "int4: keys per channel, values per token (newest block in the model dtype)"}
 ATTENTION_LABELS = {"gather": "gather a copy (reference)", "flex": "FlexAttention through the block table"}
@@ -192,13 +192,15 @@ class LaneSettings:
         32, label="int4 group size", widget="dropdown", choices=GROUP_SIZES, flag="quant-group",
         help="int4: input features per scale and zero", applies=("weights", _one_of(*INT4_SCHEMES)))
     quant_activations: str = _setting(
-        "model", label="int4 activations", widget="radio", choices=ACTIVATIONS, labels=ACTIVATIONS_LABELS,
-        info="int8: each projection's input rounded to int8 per block of 32 and multiplied by the int4 weights in "
-             "integers (llama.cpp's way; our CPU kernel, faster where the CPU has no bf16 dot products)",
+        "model", label="activations", widget="radio", choices=ACTIVATIONS, labels=ACTIVATIONS_LABELS,
+        info="int8: each projection's input rounded to int8 (int4 weights: per block of 32, llama.cpp's way, our CPU "
+             "kernel; int8 weights: per token, oneDNN's int8 matmul, twice bf16's multiply-adds a cycle) and "
+             "multiplied by the weights in integers",
         flag="quant-activations",
-        help="int4 weights: multiply them by the activations in the model dtype (model) or by the activations "
-             "rounded to int8 per block of 32 input features, in integer dot products (int8: CPU only)",
-        applies=("weights", _one_of(*INT4_SCHEMES)), off_value="model", detail=False)
+        help="int4 or int8 weights: multiply them by the activations in the model dtype (model) or by the "
+             "activations rounded to int8 (int4: per block of 32 input features; int8: per token), in integer dot "
+             "products (int8: CPU only)",
+        applies=("weights", _one_of(*INT4_SCHEMES, "int8")), off_value="model", detail=False)
     kv_dtype: str = _setting(
         "auto", label="KV cache dtype", widget="radio", choices=KV_DTYPES, labels=KV_DTYPE_LABELS, flag="kv-dtype",
         help="KV cache storage: auto (the model dtype), int8 (per token and head scales) or int4 (KIVI: keys per "
@@ -262,7 +264,7 @@ class LaneSettings:
 
     def quant(self, lm_head: bool = True) -> QuantConfig:
         return QuantConfig(self.weights or "none", _whole(self.quant_group), lm_head,
-                           self.quant_activations if self.weights in INT4_SCHEMES else "model")
+                           self.quant_activations if self.weights in (*INT4_SCHEMES, "int8") else "model")
 
     def sampling(self, max_new_tokens: int, **more) -> SamplingParams:
         """The sampling settings for `max_new_tokens`; `more`: top-k, stop strings and the like, and any of the lane's

@@ -265,8 +265,8 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     """`python -m inference_core quality`'s flags."""
     add_model_arguments(parser, dtype="float32")  # the reference is full precision unless asked otherwise
     parser.add_argument("--quant", default="none,int8,int4",
-                        help=f"weight quantizations, comma-separated, from: {', '.join(SCHEMES)}; an int4 one with "
-                             f"'+a8' for int8 activations (e.g. int4+a8)")
+                        help=f"weight quantizations, comma-separated, from: {', '.join(SCHEMES)}; an int4 or int8 one "
+                             f"with '+a8' for int8 activations (e.g. int4+a8, int8+a8)")
     parser.add_argument("--quant-group", type=int, default=32, help="int4: input features per scale and zero")
     parser.add_argument("--quant-lm-head", action=argparse.BooleanOptionalAction, default=True,
                         help="quantize the LM head with the projections (--no-quant-lm-head: keep it in the model "
@@ -297,7 +297,7 @@ def run_quality(args) -> int:
     """`python -m inference_core quality`: the table printed, the rows and the host written to --json."""
 
     # 1. Every flag checked before the model loads.
-    schemes = _choices("--quant", args.quant, SCHEMES + tuple(f"{scheme}+a8" for scheme in INT4_SCHEMES))
+    schemes = _choices("--quant", args.quant, SCHEMES + tuple(f"{scheme}+a8" for scheme in (*INT4_SCHEMES, "int8")))
     kv_dtypes = _choices("--kv-dtype", args.kv_dtype, KV_DTYPES)
     variants = [Variant(QuantConfig(scheme.removesuffix("+a8"), args.quant_group, args.quant_lm_head,
                                     "int8" if scheme.endswith("+a8") else "model") if scheme != "none"

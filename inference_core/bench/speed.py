@@ -153,7 +153,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="our configurations to run, comma-separated: a KV mode (none, contiguous, paged), "
                              "with '+compile' for compiled decode, '+stepsN' for N compiled decode steps a host round "
                              "trip (greedy), '+int8' or '+int4' for quantized weights and, with one of them, "
-                             "'+float-lm-head' to keep the LM head in the model dtype, with int4 '+a8' for int8 "
+                             "'+float-lm-head' to keep the LM head in the model dtype, with int4 or int8 '+a8' for int8 "
                              "activations (default: paged, paged+compile+steps8 and the fastest quantized "
                              "configuration inside the quality table's limits on this machine: `default_configs`)")
     parser.add_argument("--quant-group", type=int, default=32, help="int4 rows: input features per scale and zero")
@@ -418,8 +418,8 @@ def parse_config(name: str, group_size: int = 32) -> tuple[EngineConfig, QuantCo
     decode, '+stepsN' for N compiled decode steps a host round trip, '+inductor-mm' for compiled decode with the
     matmuls inductor picks instead of our projection kernel (model.row_kernel), '+inductor-attention' with the
     attention inductor compiles instead of ours (model.attention_kernel), '+int8' or '+int4' for quantized weights
-    and, with one of them, '+float-lm-head' to keep the LM head in the model dtype, with int4 '+a8' for int8
-    activations (model.w4a8_kernel), '+kv-int8' or '+kv-int4' for a quantized KV cache (int8 eager only; e.g.
+    and, with one of them, '+float-lm-head' to keep the LM head in the model dtype, with int4 or int8 '+a8' for
+    int8 activations (model.w4a8_kernel; int8: `quant.kernels.int8_by_int8_mm`), '+kv-int8' or '+kv-int4' for a quantized KV cache (int8 eager only; e.g.
     paged+compile+int8, paged+compile+steps8, paged+compile+int4+a8+float-lm-head, paged+compile+kv-int4)."""
     kv_mode, *extras = name.split("+")
     quant = [extra for extra in extras if extra in ("int8", "int4")]
@@ -430,13 +430,13 @@ def parse_config(name: str, group_size: int = 32) -> tuple[EngineConfig, QuantCo
            and not re.fullmatch(r"steps\d+", extra)
            for extra in extras) \
             or len(quant) > 1 or len(steps) > 1 or len(kv_dtype) > 1 or len(set(extras)) < len(extras) \
-            or ("float-lm-head" in extras and not quant) or ("a8" in extras and quant != ["int4"]):
+            or ("float-lm-head" in extras and not quant) or ("a8" in extras and not quant):
         raise ConfigError(f"unknown bench configuration {name!r}: use a KV mode (none, contiguous, paged), with "
                           "'+compile' for compiled decode, '+stepsN' for N decode steps a round trip, '+inductor-mm' "
                           "for inductor's matmuls instead of our projection kernel, '+inductor-attention' for "
                           "inductor's attention instead of our attention kernel, '+int8' or '+int4' for quantized "
                           "weights and, with one of them, '+float-lm-head' to keep the LM head in the model dtype, "
-                          "with '+int4' '+a8' for int8 activations, '+kv-int8' or '+kv-int4' for a quantized KV cache "
+                          "with '+int4' or '+int8' '+a8' for int8 activations, '+kv-int8' or '+kv-int4' for a quantized KV cache "
                           "(e.g. paged+compile+int8).")
     return (EngineConfig(kv_mode=kv_mode, compile="compile" in extras, decode_steps=steps[0] if steps else 1,
                          kv_dtype=kv_dtype[0] if kv_dtype else "auto",

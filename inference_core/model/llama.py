@@ -460,6 +460,7 @@ def model_fingerprint(model: CausalLM) -> str:
     cached = getattr(model, "_fingerprint", None)
     if cached is None or cached[0] != signature:
         digest = hashlib.blake2b(repr(model.config).encode(), digest_size=12)
+        digest.update(repr(model).encode())  # the modules and how each computes (a quantized layer's activations)
         for name, tensor in tensors:
             digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
             digest.update(memoryview(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))

@@ -181,6 +181,17 @@ def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, path: 
     return torch._weight_int8pack_mm(x.contiguous(), qweight, scales)
 
 
+def int8_by_int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] -> [rows, out] in x's dtype: x rounded to int8 per row (symmetric, its largest magnitude to 127),
+    multiplied by the int8 weight [out, in] in integers (`torch._int_mm`: oneDNN's int8 matmul, VNNI's dot products
+    where the CPU has them), then by both scales. On the 2-vCPU Zen 4 host a 512-token prompt's projections ran at
+    406-430 G multiply-adds a second this way, against 200-215 for oneDNN's bf16 matmul."""
+    xf = x.float()
+    x_scale = xf.abs().amax(1, keepdim=True).clamp(min=1e-8) / 127
+    xq = torch.round(xf / x_scale).to(torch.int8)
+    return (torch._int_mm(xq, qweight.t()).float() * x_scale * scales.float()).to(x.dtype)
+
+
 def has_cuda_int8_kernel() -> bool:
     """Whether this torch registers a CUDA kernel for `_weight_int8pack_mm`."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", "CUDA")

@@ -58,8 +58,8 @@ class QuantConfig:
                               f"not {self.group_size}.")
         if self.activations not in ACTIVATIONS:
             raise ConfigError(f"unknown activations {self.activations!r}; one of {', '.join(ACTIVATIONS)}.")
-        if self.activations == "int8" and self.scheme not in INT4_SCHEMES:
-            raise ConfigError(f"int8 activations go with int4 weights (int4, awq or gptq), not {self.scheme}.")
+        if self.activations == "int8" and self.scheme == "none":
+            raise ConfigError("int8 activations go with quantized weights (int4, awq, gptq or int8), not none.")
 
     @property
     def name(self) -> str:
@@ -124,6 +124,9 @@ class QuantLinear(nn.Module):
         self.scheme, self.group_size, self.compute, self.name = scheme, group_size, compute, name
         self.bias = linear.bias
         if scheme == "int8":
+            if activations == "int8" and weight.device.type != "cpu":
+                raise ConfigError("int8 weights by int8 activations run on a CPU only; on a GPU set activations to "
+                                  "model.")
             scale = weight.abs().amax(1).clamp(min=1e-8) / 127
             q = torch.round(weight / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)  # [out, in]
             self.register_buffer("qweight", q.contiguous())
@@ -147,6 +150,12 @@ class QuantLinear(nn.Module):
         layer._store_int4(weight)
         return layer
 
+    def extra_repr(self) -> str:
+        """What the layer computes with (in the model's repr, which a compiled package's key hashes: int8 weights by
+        the model's activations or by int8 ones hold the same tensors)."""
+        return (f"{self.in_features}, {self.out_features}, {self.scheme}, group_size={self.group_size}, "
+                f"activations={self.activations}")
+
     def _store_int4(self, weight: Int4Weight) -> None:
         if self.activations == "int8":  # our op's layout (`model.w4a8_kernel.pack`), its scales and zeros in bf16
             check_int8_activations(weight.q.device, self.name, self.out_features, self.in_features, self.group_size)
@@ -167,7 +176,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.activations == "int8":  # the op takes the model's fp32 or bf16 as it is, and answers in it
+        if self.scheme == "int8" and self.activations == "int8":
+            out = kernels.int8_by_int8_mm(flat, self.qweight, self.scales)
+        elif self.activations == "int8":  # the op takes the model's fp32 or bf16 as it is, and answers in it
             out = w4a8_kernel.linear(flat if flat.dtype in (torch.float32, torch.bfloat16) else flat.float(),
                                      self.nibbles, self.numbers, self.group_size)
         else:

@@ -143,8 +143,8 @@ def test_a_compiled_step_gives_the_eager_ids(our_ops, tiny):
 
 
 def test_settings_cli_and_bench_spell_it_or_refuse_it(our_ops, tiny, tmp_path, capsys):
-    with pytest.raises(ConfigError, match="int8 activations go with int4 weights"):
-        QuantConfig("int8", activations="int8")
+    with pytest.raises(ConfigError, match="int8 activations go with quantized weights"):
+        QuantConfig("none", activations="int8")
     with pytest.raises(ConfigError, match="unknown activations"):
         QuantConfig("int4", activations="int4")
     with pytest.raises(ConfigError, match="run on a CPU only"):
@@ -153,10 +153,12 @@ def test_settings_cli_and_bench_spell_it_or_refuse_it(our_ops, tiny, tmp_path, c
         check_int8_activations(torch.device("cpu"), "q_proj", 60, 64, 32)
     lane = LaneSettings(weights="int4", quant_activations="int8")
     assert lane.quant().activations == "int8"
-    assert LaneSettings(weights="int8", quant_activations="int8").quant().activations == "model"  # does not apply
+    assert LaneSettings(weights="int8", quant_activations="int8").quant().activations == "int8"
+    assert LaneSettings(weights="none", quant_activations="int8").quant().activations == "model"  # does not apply
     config, scheme = parse_config("paged+compile+int4+a8", 64)
     assert config.compile and scheme == QuantConfig("int4", 64, True, "int8")
-    for bad in ("paged+int8+a8", "paged+a8"):
+    assert parse_config("paged+int8+a8")[1] == QuantConfig("int8", 32, True, "int8")
+    for bad in ("paged+a8", "paged+compile+a8"):
         with pytest.raises(ConfigError, match="'[+]a8' for int8 activations"):
             parse_config(bad)
     cpu = ["--model", tiny.name, "--device", "cpu", "--dtype", "float32"]

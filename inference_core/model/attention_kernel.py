@@ -582,6 +582,20 @@ inline void finish_rows(const Tiles& b, int64_t start, int64_t u0, int64_t R, in
   }
 }
 
+// A values tile's sums (VR rows by CV vectors of the head from row r0, feature d0): the rows' earlier sums times their
+// corrections, to add the chunk's weighted values to; then back.
+template <int CV>
+inline void corrected_sums(vec (&acc)[VR][CV], const Tiles& b, int64_t r0, int64_t d0, int64_t D) {
+  for (int i = 0; i < VR; ++i)
+    for (int v = 0; v < CV; ++v)
+      acc[i][v] = vmul(vload(b.out.data() + (r0 + i) * D + d0 + v * LANES), vset1(b.correction[r0 + i]));
+}
+template <int CV>
+inline void store_sums(const vec (&acc)[VR][CV], Tiles& b, int64_t r0, int64_t d0, int64_t D) {
+  for (int i = 0; i < VR; ++i)
+    for (int v = 0; v < CV; ++v) vstoreu(b.out.data() + (r0 + i) * D + d0 + v * LANES, acc[i][v]);
+}
+
 // Whether the chunk of keys [j0, j1) lies before every row's sliding window (and past its sinks): nothing to do.
 inline bool before_window(int64_t j0, int64_t j1, int64_t c, int64_t u0, Window window) {
   return window.size > 0 && j0 >= window.sinks && j1 - 1 <= c + u0 - window.size;
@@ -647,9 +661,7 @@ void attend_block(const float* qf, const float* kf, const float* vf, const P* kp
     for (int64_t r0 = 0; r0 < RP; r0 += VR)
       for (int d0 = 0; d0 < D; d0 += CV * LANES) {
         vec acc[VR][CV];
-        for (int i = 0; i < VR; ++i)
-          for (int v = 0; v < CV; ++v)
-            acc[i][v] = vmul(vload(b.out.data() + (r0 + i) * D + d0 + v * LANES), vset1(b.correction[r0 + i]));
+        corrected_sums<CV>(acc, b, r0, d0, D);
         for (int64_t j = 0; j < kc; ++j) {
           vec vv[CV];
           for (int v = 0; v < CV; ++v) vv[v] = vload(b.values.data() + j * D + d0 + v * LANES);
@@ -659,8 +671,7 @@ void attend_block(const float* qf, const float* kf, const float* vf, const P* kp
             for (int v = 0; v < CV; ++v) acc[i][v] = vfma(pb, vv[v], acc[i][v]);
           }
         }
-        for (int i = 0; i < VR; ++i)
-          for (int v = 0; v < CV; ++v) vstoreu(b.out.data() + (r0 + i) * D + d0 + v * LANES, acc[i][v]);
+        store_sums<CV>(acc, b, r0, d0, D);
       }
   }
   finish_rows(b, start, u0, R, G, h, H, D, o);
@@ -760,9 +771,7 @@ void attend_block_pairs(const NewTokens& x, const uint16_t* kp, const uint16_t* 
     for (int64_t r0 = 0; r0 < RP; r0 += VR)
       for (int d0 = 0; d0 < D; d0 += CV * LANES) {
         vec acc[VR][CV];
-        for (int i = 0; i < VR; ++i)
-          for (int v = 0; v < CV; ++v)
-            acc[i][v] = vmul(vload(b.out.data() + (r0 + i) * D + d0 + v * LANES), vset1(b.correction[r0 + i]));
+        corrected_sums<CV>(acc, b, r0, d0, D);
         for (int64_t j = 0; j < kp2; ++j) {
           __m512i vv[CV];
           for (int v = 0; v < CV; ++v) vv[v] = _mm512_loadu_si512(b.vpairs.data() + j * D + d0 + v * LANES);
@@ -772,8 +781,7 @@ void attend_block_pairs(const NewTokens& x, const uint16_t* kp, const uint16_t* 
             for (int v = 0; v < CV; ++v) acc[i][v] = dot_pairs(acc[i][v], vv[v], pb);
           }
         }
-        for (int i = 0; i < VR; ++i)
-          for (int v = 0; v < CV; ++v) vstoreu(b.out.data() + (r0 + i) * D + d0 + v * LANES, acc[i][v]);
+        store_sums<CV>(acc, b, r0, d0, D);
       }
   }
   finish_rows(b, start, u0, R, G, h, H, D, o);

@@ -153,8 +153,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="our configurations to run, comma-separated: a KV mode (none, contiguous, paged), "
                              "with '+compile' for compiled decode, '+stepsN' for N compiled decode steps a host round "
                              "trip (greedy), '+int8' or '+int4' for quantized weights and, with one of them, "
-                             "'+float-lm-head' to keep the LM head in the model dtype, with int4 or int8 '+a8' for int8 "
-                             "activations (default: paged, paged+compile+steps8 and the fastest quantized "
+                             "'+float-lm-head' to keep the LM head in the model dtype, with int4 or int8 '+a8' for "
+                             "int8 activations (default: paged, paged+compile+steps8 and the fastest quantized "
                              "configuration inside the quality table's limits on this machine: `default_configs`)")
     parser.add_argument("--quant-group", type=int, default=32, help="int4 rows: input features per scale and zero")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers row")
@@ -419,8 +419,9 @@ def parse_config(name: str, group_size: int = 32) -> tuple[EngineConfig, QuantCo
     matmuls inductor picks instead of our projection kernel (model.row_kernel), '+inductor-attention' with the
     attention inductor compiles instead of ours (model.attention_kernel), '+int8' or '+int4' for quantized weights
     and, with one of them, '+float-lm-head' to keep the LM head in the model dtype, with int4 or int8 '+a8' for
-    int8 activations (model.w4a8_kernel; int8: `quant.kernels.int8_by_int8_mm`), '+kv-int8' or '+kv-int4' for a quantized KV cache (int8 eager only; e.g.
-    paged+compile+int8, paged+compile+steps8, paged+compile+int4+a8+float-lm-head, paged+compile+kv-int4)."""
+    int8 activations (model.w4a8_kernel; int8: `quant.kernels.int8_by_int8_mm`), '+kv-int8' or '+kv-int4' for a
+    quantized KV cache (int8 eager only; e.g. paged+compile+int8, paged+compile+steps8,
+    paged+compile+int4+a8+float-lm-head, paged+compile+kv-int4)."""
     kv_mode, *extras = name.split("+")
     quant = [extra for extra in extras if extra in ("int8", "int4")]
     kv_dtype = [extra[3:] for extra in extras if extra in ("kv-int8", "kv-int4")]
@@ -436,8 +437,8 @@ def parse_config(name: str, group_size: int = 32) -> tuple[EngineConfig, QuantCo
                           "for inductor's matmuls instead of our projection kernel, '+inductor-attention' for "
                           "inductor's attention instead of our attention kernel, '+int8' or '+int4' for quantized "
                           "weights and, with one of them, '+float-lm-head' to keep the LM head in the model dtype, "
-                          "with '+int4' or '+int8' '+a8' for int8 activations, '+kv-int8' or '+kv-int4' for a quantized KV cache "
-                          "(e.g. paged+compile+int8).")
+                          "with '+int4' or '+int8' '+a8' for int8 activations, '+kv-int8' or '+kv-int4' for a "
+                          "quantized KV cache (e.g. paged+compile+int8).")
     return (EngineConfig(kv_mode=kv_mode, compile="compile" in extras, decode_steps=steps[0] if steps else 1,
                          kv_dtype=kv_dtype[0] if kv_dtype else "auto",
                          row_kernel="inductor-mm" not in extras, attention_kernel="inductor-attention" not in extras),

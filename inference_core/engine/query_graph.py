@@ -27,7 +27,7 @@ from torch import nn
 
 from inference_core.config import int4_value_group
 from inference_core.model import attention_kernel, kv_kernel, mlp_kernel
-from inference_core.model.llama import CausalLM
+from inference_core.model.llama import MLP, CausalLM
 
 # The most new tokens a sequence forwards through the graph: the last token and the longest chain
 # (spec.decoding.MAX_K drafts). Each count T up to it is a package of its own (`CompiledDecoder.run_queries` takes the
@@ -142,11 +142,8 @@ def forward_layers(model: CausalLM, input_ids, positions, attend, keep=None, act
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """The MLP's activation in the flat step: our op where it takes the tensor (`model.mlp_kernel`: a bf16 model's),
-    else silu(gate) * up as the eager forward computes it."""
-    if mlp_kernel.takes(gate_up):
-        return mlp_kernel.silu_mul(gate_up)
-    half = gate_up.shape[1] // 2
-    return F.silu(gate_up[:, :half]) * gate_up[:, half:]
+    else the eager forward's (`MLP.activate`)."""
+    return mlp_kernel.silu_mul(gate_up) if mlp_kernel.takes(gate_up) else MLP.activate(gate_up)
 
 
 def layer_pool(pool: tuple, index: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:

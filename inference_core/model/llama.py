@@ -345,17 +345,20 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, silu_mul=None) -> torch.Tensor:
-        """silu(gate) * up of x's projections, projected down; `silu_mul(gate_up)` computes the activation where
-        given (the flat step's op: `model.mlp_kernel`)."""
+    def forward(self, x: torch.Tensor, activation=None) -> torch.Tensor:
+        """silu(gate) * up of x's projections, projected down; `activation(gate_up)` computes silu(gate) * up where
+        given (the flat step's: `engine.query_graph.silu_mul`), else `activate`."""
         with profile_range("ic::projection"):
             gate_up = self.gate_up_proj.forward(x)
-        if silu_mul is not None:
-            activated = silu_mul(gate_up)
-        else:
-            activated = F.silu(gate_up[:, :self.intermediate_size]) * gate_up[:, self.intermediate_size:]
+        activated = (activation or MLP.activate)(gate_up)
         with profile_range("ic::projection"):
             return self.down_proj.forward(activated)
+
+    @staticmethod
+    def activate(gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the gate-and-up projection's output [rows, 2 * features]: the reference."""
+        half = gate_up.shape[1] // 2
+        return F.silu(gate_up[:, :half]) * gate_up[:, half:]
 
 
 class DecoderLayer(nn.Module):

@@ -26,7 +26,9 @@ using attention::vadd;
 inline vec neg_abs(vec x) {  // -|x|: the sign bit set
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
 }
-inline vec where_nonneg(vec x, vec a, vec b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vzero(), _CMP_GE_OQ), b, a); }
+inline vec where_nonneg(vec x, vec a, vec b) {  // a where x >= 0, else b
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vzero(), _CMP_GE_OQ), b, a);
+}
 inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
 // 16 fp32 -> bf16 (round to nearest even; a NaN stays a quiet NaN, as at::BFloat16 rounds).
 inline void store_bf16(uint16_t* p, vec x) {

@@ -38,8 +38,8 @@ Two ways to compile it (`CompiledDecoder(backend=...)`):
   time by AOTInductor with the same inductor options (freezing, max-autotune) into a package on disk
   (`compile_cache_dir()`), one per model, dtype, KV layout and batch bucket. With the options `row_kernel` and
   `attention_kernel` (`default_options`: the first for bf16 and quantized models, the second for every model), the bf16
-  projections of steps of up to `row_kernel.max_rows` rows (8, or 16 where its AMX form runs) run through our kernel
-  (`model.row_kernel`) instead of the matmul inductor picks, and the attention over a bf16 or fp32 paged pool (the
+  projections of steps of up to `row_kernel.max_rows` rows (16 where the weights are in pairs, else 8) run through our
+  kernel (`model.row_kernel`) instead of the matmul inductor picks, and the attention over a bf16 or fp32 paged pool (the
   decode step's and the query step's) through our attention kernel (`model.attention_kernel`). A second start loads the
   package in a few seconds instead of compiling again: `torch.compile` cannot keep a frozen graph in its own caches (its
   prepacked oneDNN weights do not pickle), so it rebuilt the graph each start (about 70% of a first compile). Measured

@@ -103,7 +103,7 @@ class Linear(nn.Module):
 
     def use_row_kernel(self) -> None:
         """Also keep the weight in our projection op's layout (`row_kernel.pack_for_op`; call where
-        `row_kernel.unavailable()` is None), which eager inputs of at most MAX_ROWS bf16 rows then take: a draft
+        `row_kernel.unavailable()` is None), which eager inputs of at most `max_rows` bf16 rows then take: a draft
         layer's steps, which oneDNN ran at about a quarter of the rate memory gives."""
         if not self.in_out:
             self.rows_packed = row_kernel.pack_for_op(self.weight.detach())
@@ -119,7 +119,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.in_out and row_kernel.takes(x, self.weight):  # exporting a compiled decode step (row_kernel)
             return row_kernel.linear(x, self.weight, self.bias)
-        if (self.rows_packed is not None and x.dim() == 2 and x.shape[0] <= row_kernel.MAX_ROWS
+        if (self.rows_packed is not None and x.dim() == 2 and x.shape[0] <= row_kernel.max_rows(x.shape[1])
                 and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling()):
             out = torch.ops.inference_core.linear_rows(x, self.rows_packed, self.weight.shape[0])
             return out if self.bias is None else out + self.bias

@@ -31,8 +31,10 @@ run as AMX tiles, [rows, 32] of x by [32, 16] of the weight in one tdpbf16ps, re
 to 16 rows then cost about what one does (the weights' read from memory): on the 2-vCPU Intel host over the step's
 121 weight shapes, 5 rows 0.99-1.12x one row's time and 16 rows 1.19x, against 1.39-1.51x and 3.6x for the loop and
 2.5-2.9x for oneDNN; the compiled 5-token verification step took 14.6 ms against the loop's 17.3 and the decode
-step's 10.0 (docs/benchmarks.md, "AMX for a verification's rows"). So there the op takes up to AMX_MAX_ROWS rows
-(`max_rows`).
+step's 10.0 (docs/benchmarks.md, "AMX for a verification's rows"). Without AMX, more rows than one pass over two
+blocks holds walk one block at a time, 8 rows a pass (`wide`), so that each block's read from memory overlaps the dot
+products of all of its rows: on the 2-vCPU Zen 4 host 8 rows then cost about one row's time. So the pairs form takes
+up to PAIRS_MAX_ROWS rows (`max_rows`).
 
 How many streams a thread walks (two, or four on AVX-512) and whether the loop asks for each stream's weights some
 bytes ahead (software prefetch) is the host's `tuning`, chosen by measurement once per machine (`measure_tuning`, kept
@@ -89,7 +91,7 @@ from inference_core.model.paths import cache_root
 
 BLOCK = 48  # output features per packed block (three 16-lane fp32 vectors, or six 8-lane ones)
 MAX_ROWS = 8  # input rows the op takes; a batch above it uses inductor's matmul (compute, not memory, then matters)
-AMX_MAX_ROWS = 16  # ... where the AMX form runs (`max_rows`): the rows one tile holds
+PAIRS_MAX_ROWS = 16  # ... bf16 weights in pairs (`max_rows`): one AMX tile's rows, or two of the loop's wide passes
 AMX_CANDIDATE_ROWS = (2, 3, 4, 6, 8)  # row counts `measure_amx` times both forms at
 
 SOURCE = r"""
@@ -281,11 +283,11 @@ void blocks_rows(const float* x, int64_t M, int64_t K, const T* const* w, const 
 }
 
 // Walks a weight's blocks over the threads: `run(S, b)` computes every row against blocks b[0..S) (S streams of the
-// weight in flight per thread; `S` a std::integral_constant), each block once. Four streams only where `four` (the
-// rows fit four streams' sums) and the host's tuning of the loop's `form` asks for them.
+// weight in flight per thread; `S` a std::integral_constant), each block once: one at a time where `alone`, else two,
+// or four where `four` (the rows fit four streams' sums) and the host's tuning of the loop's `form` asks for them.
 template <class Run>
-void walk_blocks(int64_t M, int64_t blocks, bool four, int form, const Run& run) {
-  if (M > TWO_STREAMS_UP_TO) {  // each block alone (AVX2's registers hold two rows of one block, not of two)
+void walk_blocks(bool alone, int64_t blocks, bool four, int form, const Run& run) {
+  if (alone) {
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) run(std::integral_constant<int, 1>(), &b);
     });
@@ -337,7 +339,10 @@ at::Tensor rows_by_blocks(const at::Tensor& x, const T* wp, const float* scales,
   auto out = at::empty({M, N}, x.options());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t pf = g_prefetch[0].load(std::memory_order_relaxed);
-  walk_blocks(M, (N + BLOCK - 1) / BLOCK, M <= ROWS_FOUR, 0, [&](auto streams, const int64_t* b) {
+  // More rows than two streams' passes take: each block alone (AVX2's registers hold two rows of one block, not of
+  // two).
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  walk_blocks(M > TWO_STREAMS_UP_TO, blocks, M <= ROWS_FOUR, 0, [&](auto streams, const int64_t* b) {
     constexpr int S = decltype(streams)::value;
     int64_t n0[S];
     const T* w[S];
@@ -460,6 +465,8 @@ void amx_block_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t*
 }
 #pragma GCC pop_options
 
+constexpr int WIDE_ROWS = 8;  // rows a pass over one block of pairs computes when more than ROWS_TWO come
+
 // x [M, K] bf16 by the pair-packed weight [blocks, K / 2, 96] -> [M, N] bf16.
 at::Tensor pair_rows_by_blocks(const at::Tensor& x, const uint16_t* wp, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), K2 = K / 2;
@@ -470,7 +477,13 @@ at::Tensor pair_rows_by_blocks(const at::Tensor& x, const uint16_t* wp, int64_t 
   const int64_t pf = g_prefetch[0].load(std::memory_order_relaxed);
   const int64_t amx_from = g_amx_from.load(std::memory_order_relaxed);
   const bool amx = amx_from > 0 && M >= amx_from && M <= 16 && K % 32 == 0 && amx_usable();
-  walk_blocks(amx ? 1 : M, (N + BLOCK - 1) / BLOCK, !amx && M <= ROWS_FOUR, 0,  // AMX: two streams
+  // More rows than a pass over two blocks holds (`wide`): each block alone, WIDE_ROWS rows a pass (24 sums; x's
+  // pairs broadcast from memory). Each block then comes from memory while all of its rows are multiplied, where passes
+  // over two blocks took turns over runs of them (`take_rows`), memory idle while the later passes ran from L1: on
+  // the 2-vCPU Zen 4 host over the step's 120 layer weights, 8 rows then cost 1.00x one row's time against 1.31x,
+  // 6 rows 0.97x against 1.11x, 16 rows (two passes) 1.89x (docs/benchmarks.md, "Eight rows for the price of one").
+  const bool wide = !amx && M > ROWS_TWO;
+  walk_blocks(wide, (N + BLOCK - 1) / BLOCK, !amx && M <= ROWS_FOUR, 0,  // AMX: two streams
               [&](auto streams, const int64_t* b) {
     constexpr int S = decltype(streams)::value;
     int64_t n0[S];
@@ -485,6 +498,16 @@ at::Tensor pair_rows_by_blocks(const at::Tensor& x, const uint16_t* wp, int64_t 
           amx_block_rows<S, true>(xc.data_ptr<at::BFloat16>(), M, K, w, op, N, n0, pf);
         else
           amx_block_rows<S, false>(xc.data_ptr<at::BFloat16>(), M, K, w, op, N, n0, pf);
+      }
+      return;
+    }
+    if (wide) {
+      if constexpr (S == 1) {
+        take_rows<WIDE_ROWS>(M, K2, CARRY_RUN / 2, 1, pf, [&](int64_t m, auto rows, auto prefetch, int64_t p0,
+                                                              int64_t p1, float* carry) {
+          pair_block_rows<decltype(rows)::value, 1, decltype(prefetch)::value>(xp + m * K2, K2, p0, p1, w,
+                                                                               op + m * N, N, n0, pf, carry);
+        });
       }
       return;
     }
@@ -568,7 +591,8 @@ at::Tensor int4_rows_by_blocks(const at::Tensor& x, const uint8_t* wp, int64_t G
   auto out = at::empty({M, N}, x.options());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t pf = g_prefetch[1].load(std::memory_order_relaxed);
-  walk_blocks(M, (N + BLOCK - 1) / BLOCK, M <= ROWS_FOUR, 1, [&](auto streams, const int64_t* b) {
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  walk_blocks(M > TWO_STREAMS_UP_TO, blocks, M <= ROWS_FOUR, 1, [&](auto streams, const int64_t* b) {
     constexpr int S = decltype(streams)::value;
     constexpr int ROWS = S == 4 ? 1 : INT4_ROWS;
     int64_t n0[S];
@@ -1108,9 +1132,9 @@ def pairs_form() -> bool:
 
 
 def max_rows(in_features: int) -> int:
-    """The most input rows the op takes for a weight of `in_features`: AMX_MAX_ROWS where the AMX form runs
-    (`amx_rows`, input features a multiple of 32: whole tiles), else MAX_ROWS."""
-    return AMX_MAX_ROWS if amx_rows() and in_features % 32 == 0 else MAX_ROWS
+    """The most input rows the op takes for a bf16 weight of `in_features`: PAIRS_MAX_ROWS where the weight is
+    packed in pairs (`pack_for_op`), else MAX_ROWS."""
+    return PAIRS_MAX_ROWS if pairs_form() and in_features % 2 == 0 else MAX_ROWS
 
 
 def c_shims() -> dict:
@@ -1195,7 +1219,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a projection of `x` by `weight` runs through the op: inside `tracing(True)`, on the CPU, 2-D bf16 x, a
     bf16 weight of at most `max_rows` rows, or an int8 one (`linear_int8`) of at most MAX_ROWS where `int8_form` says
     so."""
-    if not _takes_rows(x, AMX_MAX_ROWS):  # (first: eager forwards ask too)
+    if not _takes_rows(x, PAIRS_MAX_ROWS):  # (first: eager forwards ask too)
         return False
     if weight.dtype == torch.bfloat16:
         return x.shape[0] <= max_rows(weight.shape[1])

@@ -140,11 +140,12 @@ needs_pairs_form = pytest.mark.skipif(not row_kernel.pairs_form(), reason="the p
 
 @needs_pairs_form
 @pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17])
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (577, 576), (50, 40), (7, 1536)])
 def test_pair_packed_weights_equal_an_fp32_matmul_rounded_to_bf16(our_ops, amx, rows, out_features, in_features):
-    """bf16 weights in pairs (`pack_pairs`), through the AVX-512 BF16 loop or (whole tiles of 32 input features,
-    where the CPU has it) AMX, every row count either takes: the fp32 sums rounded once to bf16."""
+    """bf16 weights in pairs (`pack_pairs`), through the AVX-512 BF16 loop (two blocks a pass up to 4 rows, one
+    block 8 rows a pass beyond, several passes past 8) or (whole tiles of 32 input features, where the CPU has it)
+    AMX, every row count either takes: the fp32 sums rounded once to bf16."""
     if amx and not row_kernel.amx_capable():
         pytest.skip("no AMX here")
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -168,17 +169,18 @@ def test_pack_pairs_lays_out_each_output_features_pairs_of_input_features():
     assert not packed[1, :, 4:].any()  # padding
 
 
-def test_amx_takes_up_to_a_tile_of_rows_for_whole_tiles_of_input_features(our_ops, monkeypatch):
-    monkeypatch.setenv("INFERENCE_CORE_AMX_ROWS", "2")
-    wide, narrow = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 40, dtype=torch.bfloat16)
+@pytest.mark.parametrize("amx_rows", ["2", "0"])
+def test_weights_in_pairs_take_up_to_16_rows(our_ops, monkeypatch, amx_rows):
+    """With the AMX form or without it: where the bf16 weights are packed in pairs (even input features, on AVX-512
+    with BF16) up to PAIRS_MAX_ROWS rows, else up to MAX_ROWS."""
+    monkeypatch.setenv("INFERENCE_CORE_AMX_ROWS", amx_rows)
+    even, odd = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 41, dtype=torch.bfloat16)
     with row_kernel.tracing(True):
-        most = row_kernel.AMX_MAX_ROWS if row_kernel.amx_capable() else row_kernel.MAX_ROWS
-        assert row_kernel.takes(torch.zeros(most, 64, dtype=torch.bfloat16), wide)
-        assert not row_kernel.takes(torch.zeros(most + 1, 64, dtype=torch.bfloat16), wide)
-        assert not row_kernel.takes(torch.zeros(row_kernel.MAX_ROWS + 1, 40, dtype=torch.bfloat16), narrow)
-    monkeypatch.setenv("INFERENCE_CORE_AMX_ROWS", "0")  # the form off: MAX_ROWS
-    with row_kernel.tracing(True):
-        assert not row_kernel.takes(torch.zeros(row_kernel.MAX_ROWS + 1, 64, dtype=torch.bfloat16), wide)
+        most = row_kernel.PAIRS_MAX_ROWS if row_kernel.pairs_form() else row_kernel.MAX_ROWS
+        assert row_kernel.takes(torch.zeros(most, 64, dtype=torch.bfloat16), even)
+        assert not row_kernel.takes(torch.zeros(most + 1, 64, dtype=torch.bfloat16), even)
+        assert row_kernel.takes(torch.zeros(row_kernel.MAX_ROWS, 41, dtype=torch.bfloat16), odd)
+        assert not row_kernel.takes(torch.zeros(row_kernel.MAX_ROWS + 1, 41, dtype=torch.bfloat16), odd)
 
 
 def test_pack_lays_out_blocks_of_48_output_features():
@@ -191,7 +193,8 @@ def test_pack_lays_out_blocks_of_48_output_features():
 
 def test_it_takes_few_bf16_rows_and_only_while_tracing():
     weight = torch.zeros(8, 4, dtype=torch.bfloat16)
-    rows = [torch.zeros(n, 4, dtype=torch.bfloat16) for n in (1, row_kernel.MAX_ROWS, row_kernel.MAX_ROWS + 1)]
+    most = row_kernel.max_rows(4)
+    rows = [torch.zeros(n, 4, dtype=torch.bfloat16) for n in (1, most, most + 1)]
     assert not row_kernel.takes(rows[0], weight)  # not tracing
     with row_kernel.tracing(True):
         assert [row_kernel.takes(x, weight) for x in rows] == [True, True, False]
@@ -347,7 +350,8 @@ def every_op(x: torch.Tensor, weights: tuple, out_features: int) -> list:
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("rows, out_features, in_features", [(1, 577, 64), (1, 48, 64), (1, 1000, 32), (2, 150, 32)])
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 577, 64), (1, 48, 64), (1, 1000, 32), (2, 150, 32),
+                                                              (6, 577, 64), (12, 150, 32)])
 def test_the_threads_share_of_the_blocks_changes_no_bit(our_ops, threads, rows, out_features, in_features):
     """The threads take the blocks as they come free (two a range, one from each end): the result is that of one
     thread, bit for bit, for each projection op, with an odd thread count and odd block counts."""
@@ -501,7 +505,7 @@ def test_the_int4_form_runs_where_the_cpu_can_and_it_measured_no_slower_than_ate
 
 
 def test_an_eager_projection_with_our_layout_calls_the_op_for_few_bf16_rows(our_ops, monkeypatch):
-    """`Linear.use_row_kernel` (a compiled engine's draft heads): eager inputs of up to MAX_ROWS bf16 rows go through
+    """`Linear.use_row_kernel` (a compiled engine's draft heads): eager inputs of up to `max_rows` bf16 rows go through
     the op, equal to F.linear within bf16 rounding; more rows keep the layer's own path."""
     from inference_core.model.llama import Linear
     generator = torch.Generator().manual_seed(7)
@@ -512,7 +516,7 @@ def test_an_eager_projection_with_our_layout_calls_the_op_for_few_bf16_rows(our_
     calls = []
     op = torch.ops.inference_core.linear_rows
     monkeypatch.setattr(torch.ops.inference_core, "linear_rows", lambda *args: calls.append(1) or op(*args))
-    for rows in (1, row_kernel.MAX_ROWS, row_kernel.MAX_ROWS + 1):
+    for rows in (1, row_kernel.max_rows(64), row_kernel.max_rows(64) + 1):
         x = torch.randn(rows, 64, generator=generator).bfloat16()
         want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
         assert torch.allclose(layer(x).float(), want, rtol=2 ** -7, atol=1e-2)

@@ -39,10 +39,11 @@ Two ways to compile it (`CompiledDecoder(backend=...)`):
   (`compile_cache_dir()`), one per model, dtype, KV layout and batch bucket. With the options `row_kernel` and
   `attention_kernel` (`default_options`: the first for bf16 and quantized models, the second for every model), the bf16
   projections of steps of up to `row_kernel.max_rows` rows (16 where the weights are in pairs, else 8) run through our
-  kernel (`model.row_kernel`) instead of the matmul inductor picks, and the attention over a bf16 or fp32 paged pool (the
-  decode step's and the query step's) through our attention kernel (`model.attention_kernel`). A second start loads the
-  package in a few seconds instead of compiling again: `torch.compile` cannot keep a frozen graph in its own caches (its
-  prepacked oneDNN weights do not pickle), so it rebuilt the graph each start (about 70% of a first compile). Measured
+  kernel (`model.row_kernel`) instead of the matmul inductor picks, and the attention over a bf16 or fp32 paged pool
+  (the decode step's and the query step's) through our attention kernel (`model.attention_kernel`), with a bf16 model's
+  MLP activation (`model.mlp_kernel`). A second start loads the package in a few seconds instead of compiling again:
+  `torch.compile` cannot keep a frozen graph in its own caches (its prepacked oneDNN weights do not pickle), so it
+  rebuilt the graph each start (about 70% of a first compile). Measured
   on the bundled model, fp32, batch 1: the same step time as `torch.compile` with those options (23.7 vs 23.6 ms). The
   package keeps its weights beside its library, and loading places them in huge pages (`package_weights`).
 - `torch.compile` (CUDA's default, with CUDA graphs through `mode="reduce-overhead"`): compiled in the process, on
@@ -70,7 +71,7 @@ from torch import nn
 from inference_core.config import ConfigError
 from inference_core.config import int4_value_group
 from inference_core.engine import package_weights, query_graph, triton_attention
-from inference_core.engine.query_graph import MAX_QUERIES, FlatGraph, QueryGraph, forward_layers, layer_pool
+from inference_core.engine.query_graph import MAX_QUERIES, FlatGraph, QueryGraph, forward_layers, layer_pool, silu_mul
 from inference_core.engine.query_graph import read_context as _read_context
 from inference_core.engine.runner import window_mask
 from inference_core.model import attention_kernel, row_kernel, w4a8_kernel
@@ -152,7 +153,9 @@ class DecodeGraph(nn.Module):
         # size that changes from step to step, then reaches no kernel inductor generates, so no lowering decision
         # can specialize it (on CUDA inductor split the softmax over the width and fixed the width to a constant).
         self.opaque_attention = opaque_attention
-        self.our_attention = our_attention  # our CPU kernel where it takes a layer (`model.attention_kernel`)
+        # Our CPU ops where they take a layer: the attention (`model.attention_kernel`) and a bf16 model's MLP
+        # activation (`model.mlp_kernel`, as the flat step's and the query step's).
+        self.our_attention = our_attention
         self.group = int4_value_group(model.config.head_dim)  # an int4 pool's (`query_graph.layer_pool`)
 
     def width_dims(self) -> dict[int, int]:
@@ -177,7 +180,8 @@ class DecodeGraph(nn.Module):
             k_ctx, v_ctx = _read_context(k_layer, v_layer, read_index, width, self.paged)
             return _attend_one_fused(q, k, v, k_ctx, v_ctx, key_mask, attn.scale)
 
-        x, new_k, new_v = forward_layers(self.model, input_ids, positions, attend)
+        x, new_k, new_v = forward_layers(self.model, input_ids, positions, attend,
+                                         activation=silu_mul if self.our_attention else None)
         return self.model.lm_head.forward(self.model.norm.forward(x)).float(), new_k, new_v
 
 

@@ -44,7 +44,9 @@ class QueryGraph(nn.Module):
         self.model = model
         self.paged = paged
         self.block_size = block_size
-        self.our_attention = our_attention  # our CPU kernel where it takes a layer (`model.attention_kernel`)
+        # Our CPU ops where they take a layer: the attention (`model.attention_kernel`) and a bf16 model's MLP
+        # activation (`model.mlp_kernel`, as the decode step's: a verification's logits are a decode step's).
+        self.our_attention = our_attention
         self.group = int4_value_group(model.config.head_dim)  # an int4 pool's (`layer_pool`)
 
     def width_dims(self) -> dict[int, int]:
@@ -69,7 +71,8 @@ class QueryGraph(nn.Module):
             k_ctx, v_ctx = read_context(k_layer, v_layer, read_index, width, self.paged)
             return attend_queries(q, k, v, k_ctx, v_ctx, key_mask, new_mask, attn.scale)
 
-        x, new_k, new_v = forward_layers(self.model, input_ids.reshape(-1), positions.reshape(-1), attend)
+        x, new_k, new_v = forward_layers(self.model, input_ids.reshape(-1), positions.reshape(-1), attend,
+                                         activation=silu_mul if self.our_attention else None)
         hidden = self.model.norm.forward(x)
         return self.model.lm_head.forward(hidden).float(), hidden, new_k, new_v
 
@@ -141,8 +144,8 @@ def forward_layers(model: CausalLM, input_ids, positions, attend, keep=None, act
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """The MLP's activation in the flat step: our op where it takes the tensor (`model.mlp_kernel`: a bf16 model's),
-    else the eager forward's (`MLP.activate`)."""
+    """The MLP's activation in the compiled CPU steps: our op where it takes the tensor (`model.mlp_kernel`: a bf16
+    model's), else the eager forward's (`MLP.activate`)."""
     return mlp_kernel.silu_mul(gate_up) if mlp_kernel.takes(gate_up) else MLP.activate(gate_up)
 
 

@@ -481,7 +481,7 @@ at::Tensor pair_rows_by_blocks(const at::Tensor& x, const uint16_t* wp, int64_t 
   // pairs broadcast from memory). Each block then comes from memory while all of its rows are multiplied, where passes
   // over two blocks took turns over runs of them (`take_rows`), memory idle while the later passes ran from L1: on
   // the 2-vCPU Zen 4 host over the step's 120 layer weights, 8 rows then cost 1.00x one row's time against 1.31x,
-  // 6 rows 0.97x against 1.11x, 16 rows (two passes) 1.89x (docs/benchmarks.md, "Eight rows for the price of one").
+  // 6 rows 0.97x against 1.11x, 16 rows (two passes) 1.97x (docs/benchmarks.md, "Eight rows for the price of one").
   const bool wide = !amx && M > ROWS_TWO;
   walk_blocks(wide, (N + BLOCK - 1) / BLOCK, !amx && M <= ROWS_FOUR, 0,  // AMX: two streams
               [&](auto streams, const int64_t* b) {

@@ -369,7 +369,11 @@ class Engine:
             # Sequences whose whole text is now computed get a new token; a prefill chunk that is not the prompt's
             # last waits for the next step.
             done = [i for i, request in enumerate(requests) if self._completes(request)]
-            tokens, logprobs = self._choose(logits[done], [requests[i] for i in done]) if done else ([], [])
+            if done:  # (every row of a decode step: the logits as they are, not a copy of them)
+                rows = logits if len(done) == logits.shape[0] else logits[done]
+                tokens, logprobs = self._choose(rows, [requests[i] for i in done])
+            else:
+                tokens, logprobs = [], []
         except BaseException as error:
             for request in requests:
                 self._fail(request, error)

@@ -43,9 +43,9 @@ Two ways to compile it (`CompiledDecoder(backend=...)`):
   (the decode step's and the query step's) through our attention kernel (`model.attention_kernel`), with a bf16 model's
   MLP activation (`model.mlp_kernel`). A second start loads the package in a few seconds instead of compiling again:
   `torch.compile` cannot keep a frozen graph in its own caches (its prepacked oneDNN weights do not pickle), so it
-  rebuilt the graph each start (about 70% of a first compile). Measured
-  on the bundled model, fp32, batch 1: the same step time as `torch.compile` with those options (23.7 vs 23.6 ms). The
-  package keeps its weights beside its library, and loading places them in huge pages (`package_weights`).
+  rebuilt the graph each start (about 70% of a first compile). Measured on the bundled model, fp32, batch 1: the same
+  step time as `torch.compile` with those options (23.7 vs 23.6 ms). The package keeps its weights beside its library,
+  and loading places them in huge pages (`package_weights`).
 - `torch.compile` (CUDA's default, with CUDA graphs through `mode="reduce-overhead"`): compiled in the process, on
   the first step of each bucket; inductor's disk cache keeps its generated kernels between starts.
 """

@@ -83,6 +83,7 @@ class Linear(nn.Module):
         self.out_in_rows: torch.Tensor | None = None  # in_out only: the same weight as [out, in], where kept
         self.packed: torch.Tensor | None = None  # packed only: the weight in oneDNN's blocked layout
         self.rows_packed: torch.Tensor | None = None  # beside any layout: our projection op's (`use_row_kernel`)
+        self.rows_most = 0  # the most rows of x that go through it (0: none)
 
     @property
     def layout(self) -> str:
@@ -107,6 +108,7 @@ class Linear(nn.Module):
         layer's steps, which oneDNN ran at about a quarter of the rate memory gives."""
         if not self.in_out:
             self.rows_packed = row_kernel.pack_for_op(self.weight.detach())
+            self.rows_most = row_kernel.max_rows(self.weight.shape[1])
 
     def use_layout(self, layout: str, keep_out_in: bool = False) -> None:
         """Switch from the reference layout to `layout` ('out_in' stays as it is); `keep_out_in`: see
@@ -119,8 +121,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.in_out and row_kernel.takes(x, self.weight):  # exporting a compiled decode step (row_kernel)
             return row_kernel.linear(x, self.weight, self.bias)
-        if (self.rows_packed is not None and x.dim() == 2 and x.shape[0] <= row_kernel.max_rows(x.shape[1])
-                and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling()):
+        if (x.dim() == 2 and x.shape[0] <= self.rows_most and x.dtype == torch.bfloat16
+                and not torch.compiler.is_compiling()):
             out = torch.ops.inference_core.linear_rows(x, self.rows_packed, self.weight.shape[0])
             return out if self.bias is None else out + self.bias
         if self.packed is not None and not torch.compiler.is_compiling():

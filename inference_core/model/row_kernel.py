@@ -501,18 +501,10 @@ at::Tensor pair_rows_by_blocks(const at::Tensor& x, const uint16_t* wp, int64_t 
       }
       return;
     }
-    if (wide) {
-      if constexpr (S == 1) {
-        take_rows<WIDE_ROWS>(M, K2, CARRY_RUN / 2, 1, pf, [&](int64_t m, auto rows, auto prefetch, int64_t p0,
-                                                              int64_t p1, float* carry) {
-          pair_block_rows<decltype(rows)::value, 1, decltype(prefetch)::value>(xp + m * K2, K2, p0, p1, w,
-                                                                               op + m * N, N, n0, pf, carry);
-        });
-      }
-      return;
-    }
-    take_rows<rows_a_pass<S>()>(M, K2, CARRY_RUN / 2, S, pf, [&](int64_t m, auto rows, auto prefetch, int64_t p0,
-                                                                 int64_t p1, float* carry) {
+    // One stream: the wide passes (`wide`, the blocks walked alone); else a pass's rows over two or four blocks.
+    constexpr int ROWS = S == 1 ? WIDE_ROWS : rows_a_pass<S>();
+    take_rows<ROWS>(M, K2, CARRY_RUN / 2, S, pf, [&](int64_t m, auto rows, auto prefetch, int64_t p0, int64_t p1,
+                                                     float* carry) {
       pair_block_rows<decltype(rows)::value, S, decltype(prefetch)::value>(xp + m * K2, K2, p0, p1, w, op + m * N, N,
                                                                            n0, pf, carry);
     });

@@ -610,7 +610,10 @@ class CompiledDecoder:
                     torch.tensor(token_positions), slot_rows)
         logit_rows = [row * queries + offset for row, new in enumerate(num_new_tokens)
                       for offset in range(new - min(num_logits, new), new)]
-        return logits[logit_rows], [hidden[row * queries:row * queries + new] for row, new in enumerate(num_new_tokens)]
+        # Consecutive rows (one sequence's verification) as a view: indexing copied 0.8 MB of fresh memory, 0.17 ms.
+        consecutive = logit_rows == list(range(logit_rows[0], logit_rows[0] + len(logit_rows)))
+        return (logits[logit_rows[0]:logit_rows[-1] + 1] if consecutive else logits[logit_rows],
+                [hidden[row * queries:row * queries + new] for row, new in enumerate(num_new_tokens)])
 
     @torch.inference_mode()
     def run(self, seqs) -> torch.Tensor:

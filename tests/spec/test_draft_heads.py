@@ -17,6 +17,7 @@ from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core import load_model
 from inference_core.engine.compiled import compile_unavailable
 from inference_core.spec.draft_heads import EagleDrafter, MedusaDrafter, find_heads, lm_head_rows, load_heads
+from inference_core.model import w4a8_kernel
 from inference_core.model.llama import Linear, packed_bf16_available
 from inference_core.quant.linear import QuantConfig, QuantLinear
 from inference_core.quant.quantize import quantize
@@ -109,9 +110,13 @@ def test_heads_take_the_targets_quantized_weights(tiny, tiny_heads, weights, req
         scorer = heads.scorer(engine.loaded.model)
         rows = len(heads.vocab_ids)
         assert isinstance(scorer, QuantLinear) and scorer.out_features == 16 > rows == 13
-        hidden = torch.randn(3, engine.loaded.config.hidden_size)
+        hidden = torch.randn(3, engine.loaded.config.hidden_size, generator=torch.Generator().manual_seed(0))
         scores = MedusaDrafter(heads, engine.loaded.model).scores(hidden)
-        torch.testing.assert_close(scores, (hidden @ scorer.dequantized().t())[:, :rows], atol=0.05, rtol=0.05)
+        # The op's own formula: int8 activations round the hidden states first (the plain fp32 product of unrounded
+        # states fell outside the tolerance for some draws)
+        expected = (hidden @ scorer.dequantized().t() if weights == "int8"
+                    else w4a8_kernel.reference(hidden, *w4a8_kernel.unpack(scorer.nibbles, scorer.numbers)))
+        torch.testing.assert_close(scores, expected[:, :rows], atol=0.05, rtol=0.05)
         accepted = 0
         for prompt in ([1, 5, 9, 3], [7, 7, 4]):
             plain = engine.complete(prompt, params)
@@ -294,6 +299,31 @@ def test_the_eagle_drafter_computes_what_training_computed(tiny, tiny_heads, tin
         for steps in (1, 2, 3):
             torch.testing.assert_close(probs[steps - 1, heads.vocab_ids],
                                        unrolled(ids[:last + 1] + drafts[:steps - 1], steps), msg=str((last, steps)))
+
+
+def test_the_eagle_drafter_attends_through_our_op_as_sdpa_does(tiny, tiny_heads, tiny_answers, our_ops):
+    """Where the heads' projections run through our op (bf16), the drafter's layer attends through our attention op,
+    its KV cache read in place as one block (`attention_kernel.attend_flat`): the catch-up over several positions and
+    each draft after it give SDPA's distributions to bf16's precision, and the same drafts."""
+    tiny_bf16 = load_model(tiny.name, device="cpu", dtype="bfloat16")
+    heads = load_heads(tiny_heads["eagle"][0], tiny.config, model_dtype=torch.bfloat16)
+    assert heads.dtype == torch.bfloat16
+    heads.use_row_kernel()
+    ids = tiny_answers[0][:24]
+    features = model_targets(tiny, [ids], progress=False)[0][0]
+    ours, sdpa = (EagleDrafter(heads, tiny_bf16.model, 64) for _ in range(2))
+    assert ours.our_attention
+    sdpa.our_attention = False
+    observed = 0
+    for last in (9, 10, 15, 19):  # catch up over several positions (9, 15, 19) or one (10), then draft three tokens
+        proposals = []
+        for drafter in (ours, sdpa):
+            drafter.observe(observed, features[observed:last].to(torch.bfloat16))
+            proposals.append(drafter.propose(Sequence(ids[:last + 1]), 3, SamplingParams(temperature=1.0),
+                                             torch.Generator().manual_seed(last)))
+        observed = last
+        assert proposals[0][0] == proposals[1][0], last
+        torch.testing.assert_close(proposals[0][1], proposals[1][1], atol=0.01, rtol=0, msg=str(last))
 
 
 def test_eagle_trains_its_later_drafts_on_its_own_estimates(tiny, tiny_answers):

@@ -172,11 +172,17 @@ void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const P* kp
     for (int64_t h = 0; h < KVH; ++h) {
       for (int64_t r0 = 0; r0 < R; r0 += CH) {
         const int64_t rows = std::min<int64_t>(CH, R - r0);
+        // Whole loops over CH with the pass's rows as a condition, here and below: the queries and sums stay in
+        // registers (loops to a bound known only at run time kept them in memory, each multiply-add waiting on the
+        // last one's store: the values' pass took 2x as long)
         vec qv[CH][C];
         const bool* sees[CH];
-        for (int64_t i = 0; i < rows; ++i) {
-          const int64_t t = (r0 + i) / G, g = (r0 + i) % G;
+        float top[CH];
+#pragma GCC unroll 16
+        for (int i = 0; i < CH; ++i) {
+          const int64_t t = std::min<int64_t>(r0 + i, R - 1) / G, g = std::min<int64_t>(r0 + i, R - 1) % G;
           sees[i] = mask + t * W;
+          top[i] = mx[h * R + std::min<int64_t>(r0 + i, R - 1)];
           for (int c = 0; c < C; ++c) qv[i][c] = vmul(vload(q + (t * H + h * G + g) * D + LANES * c), vset1(scale));
         }
         for (int64_t j = jb; j < je; ++j) {
@@ -188,7 +194,9 @@ void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const P* kp
           const P* k = kb + (j - jb) * row + h * D;
           vec kv[C];
           for (int c = 0; c < C; ++c) kv[c] = load_row(k + LANES * c);
-          for (int64_t i = 0; i < rows; ++i) {
+#pragma GCC unroll 16
+          for (int i = 0; i < CH; ++i) {
+            if (i >= rows) continue;
             if (!sees[i][j]) {
               s[i * n] = NEG_INF;
               continue;
@@ -196,9 +204,12 @@ void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const P* kp
             vec a = vmul(qv[i][0], kv[0]);
             for (int c = 1; c < C; ++c) a = vfma(qv[i][c], kv[c], a);
             s[i * n] = vsum(a);
-            mx[h * R + r0 + i] = std::max(mx[h * R + r0 + i], s[i * n]);
+            top[i] = std::max(top[i], s[i * n]);
           }
         }
+#pragma GCC unroll 16
+        for (int i = 0; i < CH; ++i)
+          if (i < rows) mx[h * R + r0 + i] = top[i];
       }
     }
   }
@@ -230,21 +241,28 @@ void attend_range(const float* q, int64_t T, int64_t KVH, int64_t G, const P* kp
       for (int64_t r0 = 0; r0 < R; r0 += CH) {
         const int64_t rows = std::min<int64_t>(CH, R - r0);
         float* acc_at = part + (h * R + r0) * (D + 2) + 2;
+        const float* p_at = scores.data() + (h * R + r0) * n - j0;
         vec acc[CH][C];
-        for (int64_t i = 0; i < rows; ++i)
-          for (int c = 0; c < C; ++c) acc[i][c] = vload(acc_at + i * (D + 2) + LANES * c);
+#pragma GCC unroll 16
+        for (int i = 0; i < CH; ++i)
+          for (int c = 0; c < C; ++c) acc[i][c] = i < rows ? vload(acc_at + i * (D + 2) + LANES * c) : vzero();
         for (int64_t j = jb; j < je; ++j) {
           if (!seen[j - j0]) continue;
           const P* v = vb + (j - jb) * row + h * D;
           vec vv[C];
           for (int c = 0; c < C; ++c) vv[c] = load_row(v + LANES * c);
-          for (int64_t i = 0; i < rows; ++i) {
-            const vec p = vset1(scores[(h * R + r0 + i) * n + (j - j0)]);
-            for (int c = 0; c < C; ++c) acc[i][c] = vfma(p, vv[c], acc[i][c]);
+#pragma GCC unroll 16
+          for (int i = 0; i < CH; ++i) {
+            if (i < rows) {
+              const vec p = vset1(p_at[i * n + j]);
+              for (int c = 0; c < C; ++c) acc[i][c] = vfma(p, vv[c], acc[i][c]);
+            }
           }
         }
-        for (int64_t i = 0; i < rows; ++i)
-          for (int c = 0; c < C; ++c) vstoreu(acc_at + i * (D + 2) + LANES * c, acc[i][c]);
+#pragma GCC unroll 16
+        for (int i = 0; i < CH; ++i)
+          if (i < rows)
+            for (int c = 0; c < C; ++c) vstoreu(acc_at + i * (D + 2) + LANES * c, acc[i][c]);
       }
     }
   }

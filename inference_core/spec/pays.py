@@ -4,10 +4,14 @@ A verification forwards k + 1 tokens for each speculating request where a plain 
 CPU that costs little more than a plain step (the weights are read once either way), but as the batch grows the
 forward turns compute-bound, and a verification then costs about what its tokens cost: speculation gives back less
 than it spends (vLLM turns it off above a batch size it is told, `disable_by_batch_size`). Here the engine measures
-instead of being told. For each size of the group of speculating requests it keeps the rate of its last
-`SAMPLES` steps of each kind, tokens produced over the step's wall time (drafting, verification and rollback
-included for a speculative step), and a group drafts in a step unless its plain steps' median rate is higher than its
-speculative steps'. A kind not yet measured at that size runs first (speculation before plain steps, as the user
+instead of being told. For each size of the group of speculating requests it keeps its last `SAMPLES` steps of each
+kind, the tokens each produced and its wall time (drafting, verification and rollback included for a speculative
+step), and a group drafts in a step unless its plain steps' rate is higher than its speculative steps'. A kind's rate
+is its steps' mean tokens over their median time: a verification costs about the same whatever it accepts, while
+its tokens swing between one a request (nothing accepted) and k + 1, so the median of each step's own rate read the
+many steps that accept nothing and missed the ones that accept everything (16 grounded requests with prompt lookup,
+4 a step: 669 request-steps went plain where drafting every step ran about 1.3x plain), and a median time is not
+moved by a step the host delayed. A kind not yet measured at that size runs first (speculation before plain steps, as the user
 asked for it), and the losing kind runs again every `EXPLORE_EVERY` steps, so that a batch whose prompts or lengths
 change can win back what it lost. Steps that compiled or loaded a package are not measured.
 
@@ -23,7 +27,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-SAMPLES = 8  # the steps of one kind and batch size whose median rate is that kind's rate
+SAMPLES = 8  # the steps of one kind and batch size whose tokens and times give that kind's rate
 EXPLORE_EVERY = 32  # a decided batch size runs the losing kind once in this many steps
 MIN_BATCH = 2  # the fewest speculating requests in a step whose drafting is decided by measurement
 
@@ -33,18 +37,21 @@ class SpeculationPolicy:
     choice between them (`plain_reason`)."""
 
     def __init__(self) -> None:
-        self._rates: dict[tuple[int, bool], deque[float]] = {}
+        self._steps: dict[tuple[int, bool], deque[tuple[int, float]]] = {}  # (tokens, seconds) by batch, kind
         self._decided_steps: dict[int, int] = {}
 
     def rate(self, batch: int, speculative: bool) -> float | None:
-        """Tokens per second of `batch` requests' recent steps of one kind (the median over them; None before any)."""
-        rates = self._rates.get((batch, speculative))
-        return statistics.median(rates) if rates else None
+        """Tokens per second of `batch` requests' recent steps of one kind: their mean tokens over their median time
+        (None before any)."""
+        steps = self._steps.get((batch, speculative))
+        if not steps:
+            return None
+        return statistics.fmean(tokens for tokens, _ in steps) / statistics.median(seconds for _, seconds in steps)
 
     def record(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
         """One step of `batch` speculating requests: whether they drafted, the tokens it produced and its wall time."""
         if seconds > 0:
-            self._rates.setdefault((batch, speculative), deque(maxlen=SAMPLES)).append(tokens / seconds)
+            self._steps.setdefault((batch, speculative), deque(maxlen=SAMPLES)).append((tokens, seconds))
 
     def plain_reason(self, batch: int) -> str | None:
         """Why `batch` greedy speculating requests take a plain step this time (None: they draft)."""
@@ -58,7 +65,7 @@ class SpeculationPolicy:
         explore = step % EXPLORE_EVERY == 0  # the losing kind once in a while: what it measured may be stale
         if plain > drafting and not explore:
             return (f"at batch {batch} plain steps produce {plain:.1f} tokens/s, speculative ones {drafting:.1f} "
-                    f"(the median of their last {SAMPLES} steps each)")
+                    f"(their last {SAMPLES} steps each)")
         if plain <= drafting and explore:
             return f"measuring plain steps at batch {batch} again (speculative ones lead: {drafting:.1f} tokens/s)"
         return None

@@ -28,13 +28,20 @@ def test_speculation_runs_first_then_plain_steps_are_measured_then_the_faster_ki
     assert policy.plain_reason(1) is None  # a lone request drafts as it asked
 
 
-def test_a_rate_is_the_median_of_the_last_steps():
+def test_a_rate_is_the_mean_tokens_over_the_median_time_of_the_last_steps():
     policy = SpeculationPolicy()
-    for seconds in [1.0] * SAMPLES + [0.01]:  # one quick outlier does not move the median
+    for seconds in [1.0] * SAMPLES + [0.01]:  # one quick outlier does not move the median time
         policy.record(1, False, tokens=10, seconds=seconds)
     assert policy.rate(1, False) == 10.0
     policy.record(1, True, tokens=5, seconds=0.0)  # a zero-length step measures nothing
     assert policy.rate(1, True) is None
+    # Verifications that accept nothing (4 tokens for 4 requests) or everything (16), at the same cost: the rate is
+    # what the steps produce together, where the median of each step's own rate read the rejections alone.
+    for tokens in [4, 4, 4, 4, 4, 16, 16, 16]:
+        policy.record(4, True, tokens=tokens, seconds=0.02)
+    assert policy.rate(4, True) == pytest.approx(8.5 / 0.02)
+    policy.record(4, False, tokens=4, seconds=0.012)  # plain: 333 tokens/s, more than 200 but less than 425
+    assert policy.plain_reason(4) is None
 
 
 @pytest.fixture(scope="module")

@@ -315,7 +315,7 @@ def test_a_note_says_when_the_engine_stopped_drafting_and_why(pool):
     settings = LaneSettings("paged", spec_method="eagle", spec_k=3)
     lane = _finished(pool, "A", settings, tokens=30, spec_steps=[(3, 1)] * 4)
     lane.stats.spec.update(plain_steps=22, plain_reason="at batch 1 plain steps produce 80.0 tokens/s, "
-                           "speculative ones 60.0 (the median of their last 8 steps each)")
+                           "speculative ones 60.0 (their last 8 steps each)")
     plain = _finished(pool, "B", LaneSettings("paged"))
     notes = dict(re.findall(r'data-note="([\w-]+)">(.*?)</li>', summary_notes_html([lane, plain])))
     assert notes["speculation-off"].startswith("Lane A drafted in 4 of its steps and took 22 without drafting, "

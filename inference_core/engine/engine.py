@@ -117,6 +117,12 @@ class Engine:
             self.decoder = CompiledDecoder(loaded.model, self.kv_cache, loaded.device, config.max_num_seqs,
                                            self.max_seq_len, options)
         self.runner = ModelRunner(loaded.model, self.kv_cache, loaded.device, self.decoder)
+        # The rows a compiled verification's projections take at about one decode row's cost (bf16 weights through
+        # our op's wide pass; None: not measured here): several speculating requests draft at most what fits them.
+        # 16 grounded requests with prompt lookup, 4 a step (docs/benchmarks.md): k=1 (8 rows) 1.33x plain, k=2 (12)
+        # 1.12x, k=3 (16) 1.06x.
+        self.verify_rows = (row_kernel.rows_at_one_rows_cost() if self.decoder is not None and loaded.quant is None
+                            and "row_kernel" in self.decoder.options and loaded.dtype == torch.bfloat16 else None)
         self.scheduler = Scheduler(self.kv_cache, config.batching, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.chunked_prefill, config.batch_window_ms, config.join_every)
         self.steps_taken = 0
@@ -484,7 +490,7 @@ class Engine:
                 seq = request.seq
                 if request.drafter is None:
                     request.drafter = self._drafter(request.spec)
-                k = 0 if plain_reason else self._draft_room(request)
+                k = 0 if plain_reason else self._draft_room(request, len(requests))
                 if plain_reason:
                     request.spec_stats.plain_steps += 1
                     request.spec_stats.plain_reason = plain_reason
@@ -525,10 +531,12 @@ class Engine:
                 if request.finished:
                     break
 
-    def _draft_room(self, request: Request) -> int:
-        """How many drafts `request` may propose this step: its draft length, shortened to the tokens it may still
-        produce and to what the free KV blocks hold (a tree holds k * width drafts while it is verified)."""
-        k = min(request.draft_k, request.room() - 1)
+    def _draft_room(self, request: Request, group: int = 1) -> int:
+        """How many drafts `request` may propose this step, one of a `group` of speculating requests: its draft
+        length, shortened to the tokens it may still produce, to what the free KV blocks hold (a tree holds k * width
+        drafts while it is verified) and, in a group of several, to a verification whose rows all cost about one
+        row's (`drafts_that_fit`)."""
+        k = self.drafts_that_fit(min(request.draft_k, request.room() - 1), request.spec.tree_width, group)
         while k > 0 and not self.kv_cache.can_append(request.seq, len(request.seq) + k * request.spec.tree_width):
             k -= 1
         return k
@@ -690,20 +698,28 @@ class Engine:
             self.decoder.warm_up_flat()
         for size in batch_sizes:
             self.decoder.warm_up(size)
-            for queries in self.compiled_queries(spec):
+            for queries in self.compiled_queries(spec, size):
                 self.decoder.warm_up_queries(size, queries)
         return time.perf_counter() - started
 
-    def compiled_queries(self, spec: SpecConfig | None) -> tuple[int, ...]:
-        """The query steps (tokens a sequence) a compiled engine runs for requests with `spec`: a chain's longest
-        verification, the last token and `max_k` drafts, or a tree's, the last token and k nodes a level for each of
-        its `tree_width` candidates. Shorter ones run in the same package, and so do trained heads' plain steps (one
-        token, its hidden state read) and their short prompts. Drafting passes run eager, and so does everything but
-        one-token decode steps on CUDA's torch.compile backend so far."""
+    def compiled_queries(self, spec: SpecConfig | None, group: int = 1) -> tuple[int, ...]:
+        """The query steps (tokens a sequence) a compiled engine runs for `group` requests with `spec`: a chain's
+        longest verification, the last token and `max_k` drafts (fewer in a group: `drafts_that_fit`), or a tree's,
+        the last token and k nodes a level for each of its `tree_width` candidates. Shorter ones run in the same
+        package, and so do trained heads' plain steps (one token, its hidden state read) and their short prompts.
+        Drafting passes run eager, and so does everything but one-token decode steps on CUDA's torch.compile backend
+        so far."""
         if spec is None or not spec.enabled or self.decoder is None or self.decoder.backend != "aoti":
             return ()
         spec = self.resolve_spec(spec)
-        return (1 + spec.max_k * spec.tree_width,)
+        return (1 + self.drafts_that_fit(spec.max_k, spec.tree_width, group) * spec.tree_width,)
+
+    def drafts_that_fit(self, k: int, tree_width: int, group: int) -> int:
+        """`k` drafts a request, shortened for a `group` of several speculating requests to what a verification of
+        at most `verify_rows` rows holds (at least 1 each; a tree's drafts take `tree_width` rows a level)."""
+        if group > 1 and self.verify_rows:
+            return min(k, max(1, (self.verify_rows // group - 1) // tree_width))
+        return k
 
     def num_requests(self) -> int:
         """Requests queued or running (0 whenever nothing is generating)."""

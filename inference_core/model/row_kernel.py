@@ -1123,6 +1123,17 @@ def pairs_form() -> bool:
     return int4_capable()
 
 
+WIDE_ROWS = 8  # the C++ loop's WIDE_ROWS: rows one wide pass over the pairs takes
+
+
+def rows_at_one_rows_cost() -> int | None:
+    """How many input rows a bf16 projection through the op takes at about one row's time here: WIDE_ROWS where the
+    weights are packed in pairs and AMX does not take the rows (the wide pass: a block's read from memory overlaps
+    all of its rows' dot products; past it the passes take turns, 16 rows 1.9x one row's time on the Zen 4 host), None
+    where that was not measured (AMX, the widening form; call after `unavailable()` returned None)."""
+    return WIDE_ROWS if pairs_form() and not amx_rows() else None
+
+
 def max_rows(in_features: int) -> int:
     """The most input rows the op takes for a bf16 weight of `in_features`: PAIRS_MAX_ROWS where the weight is
     packed in pairs (`pack_for_op`), else MAX_ROWS."""

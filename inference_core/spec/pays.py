@@ -6,14 +6,18 @@ forward turns compute-bound, and a verification then costs about what its tokens
 than it spends (vLLM turns it off above a batch size it is told, `disable_by_batch_size`). Here the engine measures
 instead of being told. For each size of the group of speculating requests it keeps its last `SAMPLES` steps of each
 kind, the tokens each produced and its wall time (drafting, verification and rollback included for a speculative
-step), and a group drafts in a step unless its plain steps' rate is higher than its speculative steps'. A kind's rate
-is its steps' mean tokens over their median time: a verification costs about the same whatever it accepts, while
-its tokens swing between one a request (nothing accepted) and k + 1, so the median of each step's own rate read the
-many steps that accept nothing and missed the ones that accept everything (16 grounded requests with prompt lookup,
-4 a step: 669 request-steps went plain where drafting every step ran about 1.3x plain), and a median time is not
-moved by a step the host delayed. A kind not yet measured at that size runs first (speculation before plain steps, as the user
-asked for it), and the losing kind runs again every `EXPLORE_EVERY` steps, so that a batch whose prompts or lengths
-change can win back what it lost. Steps that compiled or loaded a package are not measured.
+step), and a group drafts in a step unless its plain steps' rate is higher than its speculative steps'.
+
+- A kind's rate is its steps' mean tokens over their median time. A verification costs about the same whatever it
+  accepts, while its tokens swing between one a request (nothing accepted) and k + 1: the median of each step's own
+  rate read the many steps that accept nothing and missed those that accept everything (16 grounded requests with
+  prompt lookup, 4 a step, went plain for 669 request-steps where drafting every step ran about 1.3x plain). A
+  median time is not moved by a step the host delayed.
+- A kind not yet measured at that size runs first, `MEASURE_FIRST` steps, speculation before plain steps, as the
+  user asked for it (one verification that happened to accept nothing once turned speculation off until the next
+  try, 31 steps later).
+- The losing kind runs again every `EXPLORE_EVERY` steps, so that a batch whose prompts or lengths change can win
+  back what it lost. Steps that compiled or loaded a package are not measured.
 
 Only groups of at least `MIN_BATCH` greedy requests are decided so. Greedy speculation yields exactly plain greedy's
 tokens, so the choice changes speed alone; a group with a sampling request always drafts, so that its seeded draws
@@ -29,6 +33,7 @@ from collections import deque
 
 SAMPLES = 8  # the steps of one kind and batch size whose tokens and times give that kind's rate
 EXPLORE_EVERY = 32  # a decided batch size runs the losing kind once in this many steps
+MEASURE_FIRST = 4  # the steps of each kind measured before the rates decide: one verification's tokens say little
 MIN_BATCH = 2  # the fewest speculating requests in a step whose drafting is decided by measurement
 
 
@@ -53,13 +58,17 @@ class SpeculationPolicy:
         if seconds > 0:
             self._steps.setdefault((batch, speculative), deque(maxlen=SAMPLES)).append((tokens, seconds))
 
+    def measured(self, batch: int, speculative: bool) -> int:
+        """How many of `batch` requests' recent steps of one kind were measured (at most SAMPLES)."""
+        return len(self._steps.get((batch, speculative), ()))
+
     def plain_reason(self, batch: int) -> str | None:
         """Why `batch` greedy speculating requests take a plain step this time (None: they draft)."""
-        drafting, plain = self.rate(batch, True), self.rate(batch, False)
-        if batch < MIN_BATCH or drafting is None:
+        if batch < MIN_BATCH or self.measured(batch, True) < MEASURE_FIRST:
             return None  # speculation, as asked, until it is measured
+        drafting, plain = self.rate(batch, True), self.rate(batch, False)
         step = self._decided_steps[batch] = self._decided_steps.get(batch, 0) + 1
-        if plain is None:
+        if self.measured(batch, False) < MEASURE_FIRST:
             return (f"measuring plain steps at batch {batch} against speculative ones ({drafting:.1f} tokens/s so "
                     f"far)")
         explore = step % EXPLORE_EVERY == 0  # the losing kind once in a while: what it measured may be stale

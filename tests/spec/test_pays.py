@@ -6,7 +6,7 @@ import pytest
 
 from inference_core import Engine, EngineConfig, SamplingParams
 from inference_core.spec.decoding import SpecConfig
-from inference_core.spec.pays import EXPLORE_EVERY, SAMPLES, SpeculationPolicy
+from inference_core.spec.pays import EXPLORE_EVERY, MEASURE_FIRST, SAMPLES, SpeculationPolicy
 
 from conftest import assert_nothing_held
 from tiny_models import build_tiny, run_to_end
@@ -14,17 +14,20 @@ from tiny_models import build_tiny, run_to_end
 
 def test_speculation_runs_first_then_plain_steps_are_measured_then_the_faster_kind_wins():
     policy = SpeculationPolicy()
-    assert policy.plain_reason(4) is None  # nothing measured: speculate, as asked
-    policy.record(4, True, tokens=8, seconds=0.1)  # 80 tokens/s speculating
-    assert "measuring plain steps at batch 4" in policy.plain_reason(4)
-    policy.record(4, False, tokens=4, seconds=0.02)  # 200 tokens/s plain
+    for _ in range(MEASURE_FIRST):  # nothing measured: speculate, as asked, until MEASURE_FIRST steps are
+        assert policy.plain_reason(4) is None
+        policy.record(4, True, tokens=8, seconds=0.1)  # 80 tokens/s speculating
+    for _ in range(MEASURE_FIRST):  # then as many plain steps, whatever the first of them measure
+        assert "measuring plain steps at batch 4" in policy.plain_reason(4)
+        policy.record(4, False, tokens=4, seconds=0.02)  # 200 tokens/s plain
     reasons = [policy.plain_reason(4) for _ in range(2 * EXPLORE_EVERY)]
     assert reasons[0].startswith("at batch 4 plain steps produce 200.0 tokens/s, speculative ones 80.0")
     # The losing kind (speculation) once in EXPLORE_EVERY steps, so a stale measurement can be won back.
     assert sum(reason is None for reason in reasons) == 2
     assert policy.plain_reason(2) is None  # another batch size is measured on its own
-    policy.record(1, True, tokens=1, seconds=1.0)
-    policy.record(1, False, tokens=1, seconds=0.001)
+    for _ in range(MEASURE_FIRST):
+        policy.record(1, True, tokens=1, seconds=1.0)
+        policy.record(1, False, tokens=1, seconds=0.001)
     assert policy.plain_reason(1) is None  # a lone request drafts as it asked
 
 
@@ -40,7 +43,8 @@ def test_a_rate_is_the_mean_tokens_over_the_median_time_of_the_last_steps():
     for tokens in [4, 4, 4, 4, 4, 16, 16, 16]:
         policy.record(4, True, tokens=tokens, seconds=0.02)
     assert policy.rate(4, True) == pytest.approx(8.5 / 0.02)
-    policy.record(4, False, tokens=4, seconds=0.012)  # plain: 333 tokens/s, more than 200 but less than 425
+    for _ in range(MEASURE_FIRST):
+        policy.record(4, False, tokens=4, seconds=0.012)  # plain: 333 tokens/s, more than 200 but less than 425
     assert policy.plain_reason(4) is None
 
 
@@ -55,8 +59,9 @@ def test_greedy_requests_take_plain_steps_where_those_measured_faster_and_keep_t
     spec = SpecConfig("ngram", k=3, ngram_min=1)
     prompts = [[3 + (i * 5 + j * 3) % 13 for j in range(6 + i)] * 2 for i in range(2)]
     want = [engine.complete(ids, params).token_ids for ids in prompts]
-    engine.speculation.record(2, True, tokens=2, seconds=1.0)  # as if speculating at batch 2 were slow
-    engine.speculation.record(2, False, tokens=2, seconds=0.001)
+    for _ in range(MEASURE_FIRST):  # as if speculating at batch 2 were slow
+        engine.speculation.record(2, True, tokens=2, seconds=1.0)
+        engine.speculation.record(2, False, tokens=2, seconds=0.001)
     requests = [engine.submit(ids, params, spec=spec) for ids in prompts]
     run_to_end(engine)
     assert [request.events[-1].token_ids for request in requests] == want
@@ -73,9 +78,36 @@ def test_sampling_requests_always_draft_and_the_switch_turns_the_choice_off(tiny
                            (EngineConfig(kv_mode="paged", speculate_when_it_pays=False),
                             SamplingParams(max_new_tokens=16, ignore_eos=True))]:
         engine = Engine(tiny, config)
-        engine.speculation.record(2, True, tokens=2, seconds=1.0)
-        engine.speculation.record(2, False, tokens=2, seconds=0.001)
+        for _ in range(MEASURE_FIRST):
+            engine.speculation.record(2, True, tokens=2, seconds=1.0)
+            engine.speculation.record(2, False, tokens=2, seconds=0.001)
         requests = [engine.submit(prompt, params, spec=spec) for prompt in prompts]
         run_to_end(engine)
         assert [request.events[-1].stats.spec["plain_steps"] for request in requests] == [0, 0]
         assert all(request.events[-1].stats.spec["drafted"] > 0 for request in requests)
+
+
+def test_a_group_of_speculating_requests_drafts_what_a_verification_of_few_rows_holds(tiny):
+    """Where a verification's projections take `verify_rows` rows at about one row's cost (bf16 through our op's
+    wide pass), each of a group of speculating requests drafts at most what keeps the group's verification within
+    them (at least 1 draft); a lone request drafts its k. Greedy ids stay plain greedy's."""
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    spec = SpecConfig("ngram", k=3, ngram_min=1)
+    prompts = [[3 + (i * 5 + j * 3) % 13 for j in range(6 + i)] * 2 for i in range(4)]
+    later = {}  # drafts proposed past the first position, all requests together
+    for rows in (None, 8):
+        engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=2, max_num_seqs=4,
+                                           speculate_when_it_pays=False))
+        assert engine.verify_rows is None  # fp32, eager: no measured row count, every request drafts its k
+        engine.verify_rows = rows
+        if rows:
+            assert [engine.drafts_that_fit(3, 1, group) for group in (1, 2, 3, 4, 8)] == [3, 3, 1, 1, 1]
+            assert [engine.drafts_that_fit(2, 3, group) for group in (1, 2)] == [2, 1]
+            assert engine.compiled_queries(spec, 4) == ()  # eager: no query step to compile
+        want = [engine.complete(ids, params).token_ids for ids in prompts]
+        requests = [engine.submit(ids, params, spec=spec) for ids in prompts]
+        run_to_end(engine)
+        assert [request.events[-1].token_ids for request in requests] == want
+        later[rows] = sum(sum(request.events[-1].stats.spec["drafted_by_position"][1:]) for request in requests)
+        assert_nothing_held(engine)
+    assert 0 < later[8] < later[None]  # groups of 3 and 4 drafted one token each

@@ -121,7 +121,7 @@ class Engine:
         # our op's wide pass; None: not measured here): several speculating requests draft at most what fits them.
         # 16 grounded requests with prompt lookup, 4 a step (docs/benchmarks.md): k=1 (8 rows) 1.33x plain, k=2 (12)
         # 1.12x, k=3 (16) 1.06x.
-        self.verify_rows = (row_kernel.rows_at_one_rows_cost() if self.decoder is not None and loaded.quant is None
+        self.verify_rows = (row_kernel.rows_at_one_row_cost() if self.decoder is not None and loaded.quant is None
                             and "row_kernel" in self.decoder.options and loaded.dtype == torch.bfloat16 else None)
         self.scheduler = Scheduler(self.kv_cache, config.batching, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.chunked_prefill, config.batch_window_ms, config.join_every)

@@ -1126,7 +1126,7 @@ def pairs_form() -> bool:
 WIDE_ROWS = 8  # the C++ loop's WIDE_ROWS: rows one wide pass over the pairs takes
 
 
-def rows_at_one_rows_cost() -> int | None:
+def rows_at_one_row_cost() -> int | None:
     """How many input rows a bf16 projection through the op takes at about one row's time here: WIDE_ROWS where the
     weights are packed in pairs and AMX does not take the rows (the wide pass: a block's read from memory overlaps
     all of its rows' dot products; past it the passes take turns, 16 rows 1.9x one row's time on the Zen 4 host), None

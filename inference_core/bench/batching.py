@@ -312,7 +312,9 @@ def speculation_summary(row: dict, plain: dict | None, timings: list[Timing]) ->
             "mean_accepted_length": round((accepted + verifications) / verifications, 2) if verifications else 0.0,
             "verifications": verifications,
             # request-steps taken without drafting, where plain steps measured faster (`spec.pays`)
-            "plain_steps": sum(s["plain_steps"] for s in stats)}
+            "plain_steps": sum(s["plain_steps"] for s in stats),
+            # request-steps whose drafts were shortened to fit the group's verification (`Engine.drafts_that_fit`)
+            "fitted_steps": sum(s["fitted_steps"] for s in stats)}
 
 
 def mode_settings(name: str) -> dict | None:
@@ -448,7 +450,8 @@ def batch_bench(loaded: LoadedModel, model_dir: Path, prompt_rows: list[dict], o
             report["speculation"][name] = entry = speculation_summary(report["rows"][-1], plain, timings)
             print(f"{name}: {entry['ratio']}x {mode}'s throughput, acceptance {entry['acceptance_rate']}, "
                   f"{entry['mean_accepted_length']} tokens a verification, {entry['plain_steps']} request-steps "
-                  "without drafting (plain steps measured faster)", flush=True)
+                  f"without drafting (plain steps measured faster), {entry['fitted_steps']} with drafts shortened to "
+                  "fit the group's verification", flush=True)
         write_report(report, json_path, quiet=True)
         del engine  # its KV pool goes before the next one is made
     # 2. transformers: one model for both peers, a warm-up per row, the first `peer_count` requests.

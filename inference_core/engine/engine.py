@@ -535,8 +535,14 @@ class Engine:
         """How many drafts `request` may propose this step, one of a `group` of speculating requests: its draft
         length, shortened to the tokens it may still produce, to what the free KV blocks hold (a tree holds k * width
         drafts while it is verified) and, in a group of several, to a verification whose rows all cost about one
-        row's (`drafts_that_fit`)."""
-        k = self.drafts_that_fit(min(request.draft_k, request.room() - 1), request.spec.tree_width, group)
+        row's (`drafts_that_fit`, which the request's stats count and explain)."""
+        wanted = min(request.draft_k, request.room() - 1)
+        k = self.drafts_that_fit(wanted, request.spec.tree_width, group)
+        if k < wanted:
+            request.spec_stats.fitted_steps += 1
+            request.spec_stats.fitted_reason = (
+                f"{group} speculating requests verified together, and {k} draft{'s' if k > 1 else ''} each kept "
+                f"their verification within the {self.verify_rows} rows that cost about one row's time here")
         while k > 0 and not self.kv_cache.can_append(request.seq, len(request.seq) + k * request.spec.tree_width):
             k -= 1
         return k

@@ -265,6 +265,10 @@ class SpecStats:
     # reason given.
     plain_steps: int = 0
     plain_reason: str | None = None
+    # Steps whose drafts were shortened so that the step's group of speculating requests verified within the rows
+    # that cost about one row's time (`Engine.drafts_that_fit`), and why.
+    fitted_steps: int = 0
+    fitted_reason: str | None = None
     accepted_by_position: list[int] = field(default_factory=list)  # drafts accepted at position i (0-based)
     drafted_by_position: list[int] = field(default_factory=list)  # drafts proposed at position i
 
@@ -299,6 +303,7 @@ class SpecStats:
             "drafted_by_position": list(self.drafted_by_position),
             "draft_ms": self.draft_ms, "verify_ms": self.verify_ms,
             "plain_steps": self.plain_steps, "plain_reason": self.plain_reason,
+            "fitted_steps": self.fitted_steps, "fitted_reason": self.fitted_reason,
         }
 
 

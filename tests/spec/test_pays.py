@@ -109,5 +109,12 @@ def test_a_group_of_speculating_requests_drafts_what_a_verification_of_few_rows_
         run_to_end(engine)
         assert [request.events[-1].token_ids for request in requests] == want
         later[rows] = sum(sum(request.events[-1].stats.spec["drafted_by_position"][1:]) for request in requests)
+        stats = [request.events[-1].stats.spec for request in requests]
+        if rows:  # the stats count the shortened steps and say why
+            assert sum(s["fitted_steps"] for s in stats) > 0
+            reason = next(s["fitted_reason"] for s in stats if s["fitted_steps"])
+            assert "1 draft each kept their verification within the 8 rows" in reason
+        else:
+            assert all(s["fitted_steps"] == 0 and s["fitted_reason"] is None for s in stats)
         assert_nothing_held(engine)
     assert 0 < later[8] < later[None]  # groups of 3 and 4 drafted one token each

@@ -92,6 +92,7 @@ from inference_core.model.paths import cache_root
 BLOCK = 48  # output features per packed block (three 16-lane fp32 vectors, or six 8-lane ones)
 MAX_ROWS = 8  # input rows the op takes; a batch above it uses inductor's matmul (compute, not memory, then matters)
 PAIRS_MAX_ROWS = 16  # ... bf16 weights in pairs (`max_rows`): one AMX tile's rows, or two of the loop's wide passes
+WIDE_ROWS = 8  # rows one wide pass over a block of pairs takes (the loop's WIDE_ROWS: `rows_at_one_row_cost`)
 AMX_CANDIDATE_ROWS = (2, 3, 4, 6, 8)  # row counts `measure_amx` times both forms at
 
 SOURCE = r"""
@@ -1121,9 +1122,6 @@ def pairs_form() -> bool:
     int4 form runs too). Measured on the 2-vCPU Intel host over the step's 121 weight shapes: the pairs loop's pass
     equals the widening one's at 1 and 2 rows and takes 0.91-0.93x its time at 4 and 5."""
     return int4_capable()
-
-
-WIDE_ROWS = 8  # the C++ loop's WIDE_ROWS: rows one wide pass over the pairs takes
 
 
 def rows_at_one_row_cost() -> int | None:

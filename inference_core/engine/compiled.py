@@ -250,6 +250,9 @@ class CompileStats:
     steps_by_bucket: dict[str, int] = field(default_factory=dict)
     # Forwards of a compiled engine that ran eager, by the reason (`CompiledDecoder.refusal`).
     fallbacks: dict[str, int] = field(default_factory=dict)
+    # EAGLE's draft layer steps run through its packages (`spec.draft_heads.EagleDraftStep`), by token bucket
+    # ("2-token"); not forwards of the model, so not in the counts above.
+    draft_steps: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {name: dict(value) if isinstance(value, dict) else value for name, value in self.__dict__.items()}
@@ -765,9 +768,15 @@ class CompiledDecoder:
             return self._call_package(bucket, args)
         return self._call_compiled(bucket, args)
 
+    def run_draft(self, graph: nn.Module, tokens: int, args: tuple):
+        """EAGLE's draft layer step of `tokens` tokens (a bucket of `spec.draft_heads.DRAFT_TOKENS`) through its
+        package (`graph`: an `EagleDraftStep`), loaded or built on first use (AOTInductor only)."""
+        return self._call_package(("draft", tokens), args, graph)
+
     def _call_package(self, bucket, args: tuple, graph: nn.Module | None = None):
-        """Call the package of `bucket` (a batch bucket of the decode step, or ("queries", batch bucket, query
-        bucket) of `graph`, the query step), loading or building it on first use."""
+        """Call the package of `bucket` (a batch bucket of the decode step, ("queries", batch bucket, query bucket)
+        of `graph`, the query step, ("flat",) of the flat step or ("draft", tokens) of EAGLE's draft step), loading
+        or building it on first use."""
         # An exported program takes its inputs with the strides it was traced with (dense): the width views of the
         # bucket's buffers are not.
         args = tuple(arg.contiguous() for arg in args)
@@ -776,6 +785,9 @@ class CompiledDecoder:
         if program is None:
             program = self._programs[bucket] = self._load_or_build(args, self.step if graph is None else graph)
             self.stats.warmup_s += time.perf_counter() - started
+        elif isinstance(bucket, tuple) and bucket[0] == "draft" and bucket in self._ready_buckets:
+            name = f"{bucket[1]}-token"
+            self.stats.draft_steps[name] = self.stats.draft_steps.get(name, 0) + 1
         elif bucket in self._ready_buckets:
             self.stats.compiled_steps += 1
             name = (f"{bucket}x1" if not isinstance(bucket, tuple) else "flat" if bucket[0] == "flat"
@@ -906,7 +918,8 @@ class CompiledDecoder:
         shapes = [(t.dtype, tuple(size for dim, size in enumerate(t.shape) if dim not in dynamic))
                   for t, dynamic in zip(args, self._dynamic_sizes(graph, len(args)))]
         digest = hashlib.blake2b(digest_size=12)
-        for part in (type(graph).__name__, model_fingerprint(self.model), _CODE_FINGERPRINT, torch.__version__,
+        for part in (type(graph).__name__, model_fingerprint(self.model), getattr(graph, "identity", None),
+                     _CODE_FINGERPRINT, torch.__version__,
                      self.device.type, torch.backends.cpu.get_cpu_capability(), row_kernel.int8_form(),
                      row_kernel.int4_form(), row_kernel.pairs_form(), row_kernel.amx_rows(),
                      self.paged, self.block_size, self.max_width, sorted(self.options.items()), shapes):

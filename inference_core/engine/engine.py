@@ -45,7 +45,8 @@ from inference_core.sampling import SamplingParams, sample_batch
 from inference_core.spec.decoding import (MAX_K, ChainDraft, DraftModelDrafter, EarlyExitDrafter, NgramDrafter,
                                           SpecConfig, draft_chain, finish_chain, next_k, tree_speculative_step)
 from inference_core.spec import defaults as spec_defaults
-from inference_core.spec.draft_heads import DraftHeads, EagleDrafter, MedusaDrafter, find_heads, load_heads
+from inference_core.spec.draft_heads import (DRAFT_TOKENS, DraftHeads, EagleDrafter, EagleDraftStep, MedusaDrafter,
+                                             find_heads, load_heads)
 from inference_core.spec.pays import SpeculationPolicy
 from inference_core.structured import Grammars
 
@@ -131,6 +132,7 @@ class Engine:
         self.draft_model = draft_model
         self.draft_runner: ModelRunner | None = None  # the draft model's, built by its first request
         self.draft_heads: dict[str, DraftHeads] = {}  # trained heads by kind ("medusa", "eagle"), loaded when asked
+        self._draft_step: EagleDraftStep | None = None  # a compiled engine's EAGLE draft step (`_eagle_step`)
         if draft_model is not None:
             check_draft_model(loaded, draft_model)
             if draft_model.config.max_position_embeddings < self.max_seq_len:
@@ -628,13 +630,41 @@ class Engine:
         if spec.method == "medusa":
             return MedusaDrafter(self.load_draft_heads("medusa"), self.loaded.model)
         if spec.method == "eagle":
-            return EagleDrafter(self.load_draft_heads("eagle"), self.loaded.model, self.max_seq_len + 2 * MAX_K)
+            heads = self.load_draft_heads("eagle")
+            return EagleDrafter(heads, self.loaded.model, self.max_seq_len + 2 * MAX_K, self._eagle_step(heads))
         if self.draft_runner is None:
             draft_config = replace(self.config, max_seq_len=self.max_seq_len)
             self.draft_runner = ModelRunner(self.draft_model.model,
                                              make_kv_cache(self.draft_model, draft_config, self.max_seq_len),
                                              self.draft_model.device)
         return DraftModelDrafter(self.draft_runner, self.loaded.config.vocab_size)
+
+    def _eagle_step(self, heads: DraftHeads):
+        """A compiled engine's EAGLE draft step for `heads`, as `compiled(tokens, inputs)` through its packages
+        (`EagleDraftStep`), or None where drafts run eager: an eager engine, CUDA's backend, quantized heads, or
+        without our attention op (the drafter also checks that the op takes its cache)."""
+        decoder = self.decoder
+        if decoder is None or decoder.backend != "aoti" or heads.quant is not None \
+                or "attention_kernel" not in decoder.options:
+            return None
+        if self._draft_step is None or self._draft_step.layer is not heads.network:
+            self._draft_step = EagleDraftStep(heads, self.loaded.model)
+        step = self._draft_step
+        return lambda tokens, inputs: decoder.run_draft(step, tokens, inputs)
+
+    def _warm_up_drafts(self, spec: SpecConfig) -> None:
+        """Build (or load) the EAGLE draft step's packages that requests with `spec` run: one token, and the
+        catch-ups after a verification (up to k + 1 positions)."""
+        drafter = self._drafter(spec)
+        try:
+            if getattr(drafter, "compiled", None) is None:
+                return
+            for tokens in DRAFT_TOKENS:
+                drafter.compiled(tokens, self._draft_step.example(tokens, drafter.cache))
+                if tokens > spec.max_k:
+                    return
+        finally:
+            drafter.close()
 
     # --- single-request use ---------------------------------------------------------------------------------------
 
@@ -706,6 +736,8 @@ class Engine:
             self.decoder.warm_up(size)
             for queries in self.compiled_queries(spec, size):
                 self.decoder.warm_up_queries(size, queries)
+        if spec is not None and spec.enabled and spec.method == "eagle":
+            self._warm_up_drafts(self.resolve_spec(spec))
         return time.perf_counter() - started
 
     def compiled_queries(self, spec: SpecConfig | None, group: int = 1) -> tuple[int, ...]:
@@ -713,8 +745,8 @@ class Engine:
         longest verification, the last token and `max_k` drafts (fewer in a group: `drafts_that_fit`), or a tree's,
         the last token and k nodes a level for each of its `tree_width` candidates. Shorter ones run in the same
         package, and so do trained heads' plain steps (one token, its hidden state read) and their short prompts.
-        Drafting passes run eager, and so does everything but one-token decode steps on CUDA's torch.compile backend
-        so far."""
+        EAGLE's draft layer runs through packages of its own (`_eagle_step`); early exit's and a draft model's passes
+        run eager, and so does everything but one-token decode steps on CUDA's torch.compile backend so far."""
         if spec is None or not spec.enabled or self.decoder is None or self.decoder.backend != "aoti":
             return ()
         spec = self.resolve_spec(spec)

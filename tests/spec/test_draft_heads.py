@@ -152,7 +152,35 @@ def test_greedy_with_trained_heads_compiled_is_lossless_and_never_eager(tiny, ti
         stats = engine.compile_stats()
         assert accepted > 0 and stats["fallbacks"] == {}, kind
         assert stats["steps_by_bucket"][f"1x{1 + 3 * tree_width} query"] > 0
+        assert (stats["draft_steps"].get("1-token", 0) > 0) == (kind == "eagle")  # its draft layer's package
         assert_nothing_held(engine)
+
+
+@pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
+def test_a_compiled_engines_eagle_drafts_step_through_its_packages_as_eager_ones_do(tiny, tiny_heads, tiny_answers):
+    """A compiled engine's EAGLE drafter steps its layer through the draft step's packages (`EagleDraftStep`, one a
+    token bucket, built by the warm-up): a catch-up of 1, 2 or 3 positions (padded to 4) and each draft after it give
+    the eager drafter's distributions and drafts; a catch-up past the largest bucket (after a prompt) runs eager."""
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4, compile=True))
+    engine.load_draft_heads("eagle", tiny_heads["eagle"][0])
+    spec = engine.resolve_spec(SpecConfig("eagle", k=3))
+    engine.warm_up_compiled((1,), spec)
+    compiled, eager = engine._drafter(spec), engine._drafter(spec)
+    assert compiled.compiled is not None
+    eager.compiled = None
+    ids = tiny_answers[0][:24]
+    features = model_targets(tiny, [ids], progress=False)[0][0]
+    observed = 0
+    for last in (12, 13, 15, 18):  # catch up over 12 positions (eager), then 1, 2 and 3; each time draft three
+        proposals = []
+        for drafter in (compiled, eager):
+            drafter.observe(observed, features[observed:last])
+            proposals.append(drafter.propose(Sequence(ids[:last + 1]), 3, SamplingParams(temperature=1.0),
+                                             torch.Generator().manual_seed(last)))
+        observed = last
+        assert proposals[0][0] == proposals[1][0], last
+        torch.testing.assert_close(proposals[0][1], proposals[1][1], atol=1e-5, rtol=0, msg=str(last))
+    assert engine.compile_stats()["draft_steps"] == {"1-token": 9, "2-token": 1, "4-token": 1}
 
 
 @pytest.mark.skipif(not packed_bf16_available(), reason="bf16 heads run packed only on a CPU with native bf16 math")

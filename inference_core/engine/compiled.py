@@ -259,27 +259,32 @@ class CompileStats:
 
     def since(self, before: dict) -> dict:
         """What the forwards since `before` (an earlier `as_dict()` of these stats) did: {"by_package": counts by
-        package ("Bx1", "BxT query", "flat"), "eager": counts of the forwards that ran eager, by reason}."""
+        package ("Bx1", "BxT query", "flat"), "eager": counts of the forwards that ran eager, by reason, "drafts":
+        EAGLE's compiled draft steps by token bucket}."""
         def grown(now: dict[str, int], then: dict[str, int]) -> dict[str, int]:
             return {key: count - then.get(key, 0) for key, count in now.items() if count > then.get(key, 0)}
 
         return {"by_package": grown(self.steps_by_bucket, before["steps_by_bucket"]),
-                "eager": grown(self.fallbacks, before["fallbacks"])}
+                "eager": grown(self.fallbacks, before["fallbacks"]),
+                "drafts": grown(self.draft_steps, before["draft_steps"])}
 
 
 def forwards_words(forwards: dict) -> str:
     """Compiled forwards (`CompileStats.since`) in a few words, by kind of step: 'all 27 compiled (1 flat, 16
-    decode, 10 query)', or how many ran eager and why (the Stack tab's column, `profile`'s report)."""
+    decode, 10 query)', with EAGLE's compiled draft steps beside them where there were any, or how many ran eager
+    and why (the Stack tab's column, `profile`'s report)."""
     kinds: dict[str, int] = {}
     for package, count in forwards["by_package"].items():
         kind = "flat" if package == "flat" else "query" if package.endswith("query") else "decode"
         kinds[kind] = kinds.get(kind, 0) + count
     compiled, eager = sum(kinds.values()), sum(forwards["eager"].values())
     parts = f" ({', '.join(f'{count} {kind}' for kind, count in kinds.items())})" if kinds else ""
+    drafts = sum(forwards["drafts"].values())
+    drafted = f"; {drafts} EAGLE draft steps compiled" if drafts else ""
     if not eager:
-        return f"all {compiled} compiled{parts}"
+        return f"all {compiled} compiled{parts}{drafted}"
     why = "; ".join(f"{count}: {reason}" for reason, count in forwards["eager"].items())
-    return f"{compiled} of {compiled + eager} compiled{parts}, eager: {why}"
+    return f"{compiled} of {compiled + eager} compiled{parts}{drafted}, eager: {why}"
 
 
 class CompiledDecoder:

@@ -491,6 +491,10 @@ def test_a_compiled_rungs_forwards_in_words():
     stats.fallbacks["more than 8 sequences"] = 2
     assert forwards_words(stats.since(before)) == ("27 of 29 compiled (1 flat, 16 decode, 10 query), eager: 2: more "
                                                    "than 8 sequences")
+    del stats.fallbacks["more than 8 sequences"]
+    stats.draft_steps.update({"1-token": 7, "2-token": 5})  # EAGLE's draft layer through its packages
+    assert forwards_words(stats.since(before)) == ("all 27 compiled (1 flat, 16 decode, 10 query); 12 EAGLE draft "
+                                                   "steps compiled")
 
 
 def test_the_stacks_int4_rung_takes_a_calibrated_method_only_where_its_file_exists(pool, monkeypatch):

@@ -61,10 +61,10 @@ RACE_SETUPS = {
         "chat-med-3",
         "Both lanes decode compiled; lane A also drafts a token each step with the trained EAGLE layer and verifies it "
         "beside the step's last token through a compiled step of its own, which also returns the hidden states the "
-        "layer reads for its next draft. One draft a step is the length that measured best for these heads on a "
-        "2-core CPU, and there it still ran at about 0.9x compiled plain decoding on chat prompts: the layer's first "
-        "draft is accepted about 4 times in 10, and the draft itself runs eagerly (docs/benchmarks.md). The first "
-        "time, lane A builds its step before the race starts. The texts match, except where the top two tokens were "
+        "layer reads for its next draft; the draft layer runs through compiled packages of its own. One draft a step "
+        "is the length that measured best for these heads on a 2-core CPU, and there it ran at about 1.3x compiled "
+        "plain decoding on chat prompts and 1.2x on code: the layer's first draft is accepted about 4 to 5 times in "
+        "10 (docs/benchmarks.md). The first time, lane A builds its steps before the race starts. The texts match, except where the top two tokens were "
         "near-tied (a two-row verification sums in another order than a one-row step)."),
     "speculation: early exit vs prompt lookup, grounded prompt": RaceSetup(
         {"A": LaneSettings(kv_mode="paged", spec_method="early-exit", spec_k=4),

@@ -775,12 +775,13 @@ class CompiledDecoder:
 
     def run_draft(self, graph: nn.Module, tokens: int, args: tuple):
         """EAGLE's draft layer step of `tokens` tokens (a bucket of `spec.draft_heads.DRAFT_TOKENS`) through its
-        package (`graph`: an `EagleDraftStep`), loaded or built on first use (AOTInductor only)."""
-        return self._call_package(("draft", tokens), args, graph)
+        package (`graph`: an `EagleDraftStep`, whose heads' identity keys it: an engine may load other heads),
+        loaded or built on first use (AOTInductor only)."""
+        return self._call_package(("draft", tokens, graph.identity), args, graph)
 
     def _call_package(self, bucket, args: tuple, graph: nn.Module | None = None):
         """Call the package of `bucket` (a batch bucket of the decode step, ("queries", batch bucket, query bucket)
-        of `graph`, the query step, ("flat",) of the flat step or ("draft", tokens) of EAGLE's draft step), loading
+        of `graph`, the query step, ("flat",) of the flat step or ("draft", tokens, heads) of EAGLE's draft step), loading
         or building it on first use."""
         # An exported program takes its inputs with the strides it was traced with (dense): the width views of the
         # bucket's buffers are not.

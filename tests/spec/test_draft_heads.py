@@ -181,6 +181,11 @@ def test_a_compiled_engines_eagle_drafts_step_through_its_packages_as_eager_ones
         assert proposals[0][0] == proposals[1][0], last
         torch.testing.assert_close(proposals[0][1], proposals[1][1], atol=1e-5, rtol=0, msg=str(last))
     assert engine.compile_stats()["draft_steps"] == {"1-token": 9, "2-token": 1, "4-token": 1}
+    # The packages are keyed by the heads' weights (an engine may load other heads): the same file, the same key.
+    first, second = (load_heads(tiny_heads["eagle"][0], tiny.config) for _ in range(2))
+    assert first.identity() == second.identity()
+    second.network.fc.bias.data.add_(1.0)
+    assert first.identity() != second.identity()
 
 
 @pytest.mark.skipif(not packed_bf16_available(), reason="bf16 heads run packed only on a CPU with native bf16 math")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference_core.config import ConfigError
+from inference_core.model.row_kernel import argmax_rows
 
 MIN_TEMPERATURE = 1e-3
 MAX_LOGPROBS = 20  # alternatives a token may report (OpenAI's top_logprobs limit)
@@ -163,7 +164,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     """logits: [batch, vocab] fp32, one row per request. Greedy rows take one argmax over the whole block; sampled
     rows are grouped by identical settings, so each group's distribution is one batched `probabilities` call, and
     each row is drawn with its own request's seeded generator (the same draw as `sample` on that row alone)."""
-    chosen = logits.argmax(dim=-1).tolist()  # one host sync for the whole batch
+    chosen = argmax_rows(logits).tolist()  # one host sync for the whole batch
     groups: dict[tuple, list[int]] = {}
     for row, row_params in enumerate(params):
         if not row_params.greedy:

@@ -822,6 +822,22 @@ def unavailable() -> str | None:
         return _build()
 
 
+def loaded() -> bool:
+    """Whether the extension is built and registered in this process already (asking builds nothing)."""
+    return _build.cache_info().currsize > 0 and _build() is None
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of fp32 rows [R, V], the same ids (the first index of the maximum, a NaN above all):
+    through our op (`step_kernel`'s, a vector pass a row, the rows shared among the threads) where the extension is
+    loaded here and the rows lie on the CPU, torch's elsewhere. Torch's reads a row of the bundled model's 49,152
+    logits in about 22 us on one thread (0.18 ms for an 8-row decode step's, 2-vCPU Zen 4 host)."""
+    if (logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.shape[1]
+            and logits.stride(1) == 1 and loaded()):
+        return torch.ops.inference_core.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def full_source() -> str:
     """The C++ of all of our ops, the one extension's source (`load_inline` puts torch's header before it)."""
     return (SOURCE + attention_kernel.SOURCE + step_kernel.SOURCE + kv_kernel.SOURCE + w4a8_kernel.SOURCE

@@ -134,12 +134,30 @@ void greedy_advance(const at::Tensor& logits, const at::Tensor& new_k, const at:
   }
 }
 
+// torch.argmax(logits, -1) of fp32 rows [R, V], the rows shared among the threads.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "argmax_rows: fp32 rows [R, V], each row contiguous");
+  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* ids = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) ids[r] = first_max(x + r * stride, V);
+  });
+  return out;
+}
+
 }  // namespace step
 
 TORCH_LIBRARY_FRAGMENT(inference_core, m) {
   m.def("greedy_advance(Tensor logits, Tensor new_k, Tensor new_v, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor read_index, Tensor(c!) input_ids, Tensor(d!) positions, Tensor(e!) key_mask, Tensor(f!) tokens, "
         "int step, int count, int block_size, int window, int sinks, bool paged) -> ()");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(inference_core, CPU, m) { m.impl("greedy_advance", step::greedy_advance); }
+TORCH_LIBRARY_IMPL(inference_core, CPU, m) {
+  m.impl("greedy_advance", step::greedy_advance);
+  m.impl("argmax_rows", step::argmax_rows);
+}
 """

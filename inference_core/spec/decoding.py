@@ -36,6 +36,7 @@ import torch
 
 from inference_core.config import ConfigError
 from inference_core.logits import shape_logits, token_logprobs
+from inference_core.model.row_kernel import argmax_rows
 from inference_core.sampling import SamplingParams, probabilities, sample_with_probabilities
 from inference_core.sequence import Sequence
 
@@ -357,7 +358,7 @@ def finish_chain(runner, seq: Sequence, drafter, chain: ChainDraft, logits: torc
     drafts, rows = chain.drafts, chain.rows
     shaped = shape_logits(logits, rows) if rows is not None else logits
     if params.greedy:
-        target_ids = shaped.argmax(dim=-1).tolist()
+        target_ids = argmax_rows(shaped).tolist()
         accepted = accept_greedy(drafts, target_ids)
         final_token = target_ids[accepted]
     else:
@@ -462,7 +463,7 @@ def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int
     try:
         logits, hidden = runner.run_tree(seq, tree.depths, tree.mask())
         shaped = shape_logits(logits, rows) if rows is not None else logits
-        target_ids = shaped.argmax(dim=-1).tolist()
+        target_ids = argmax_rows(shaped).tolist()
         path = tree.accept_greedy(target_ids)
         if path and path[-1] > len(tree.chain):  # a leaf ended the path: its KV goes to its depth's chain slot
             runner.kv_cache.copy_token(seq, root + path[-1], root + len(path))

@@ -128,3 +128,25 @@ def test_the_tokens_are_torch_argmax(greedy_advance, vocab):
                    torch.zeros(rows, dtype=torch.long), torch.zeros(rows, BLOCK_SIZE, dtype=torch.bool), tokens, 0,
                    rows, BLOCK_SIZE, 0, 0, True)
     assert tokens[0].tolist() == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [5, 50, 49152])
+def test_argmax_rows_is_torch_argmax(our_ops, vocab):
+    """The sampler's greedy argmax through our op (`row_kernel.argmax_rows`) where the extension is loaded: ties,
+    NaNs, -inf and the maximum in a vector's unfilled tail give torch.argmax's ids, for every row and for rows read
+    with a stride (a slice of wider rows, as a verification's rows of the compiled step's logits are)."""
+    from inference_core.model.row_kernel import argmax_rows, loaded
+
+    assert loaded()
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab + 3, generator=generator)
+    logits[1, [vocab // 2, vocab - 1]] = 9.0  # a tie
+    logits[2, vocab - 1] = float("nan")  # a NaN in the tail
+    logits[3, [1, vocab - 2]] = float("nan")  # two NaNs
+    logits[4] = float("-inf")  # nothing but -inf
+    logits[5, vocab - 1] = 9.0  # the maximum in the tail
+    logits[6, 0] = 9.0  # at the first index
+    logits[7] = 1.0  # all equal
+    for rows in (logits[:, :vocab], logits[:, :vocab].contiguous(), logits[:1, :vocab], logits[:0, :vocab]):
+        assert argmax_rows(rows).tolist() == rows.argmax(dim=-1).tolist()
+    assert argmax_rows(logits[:, :vocab].double()).tolist() == logits[:, :vocab].argmax(dim=-1).tolist()  # torch's

@@ -64,8 +64,9 @@ RACE_SETUPS = {
         "layer reads for its next draft; the draft layer runs through compiled packages of its own. One draft a step "
         "is the length that measured best for these heads on a 2-core CPU, and there it ran at about 1.3x compiled "
         "plain decoding on chat prompts and 1.2x on code: the layer's first draft is accepted about 4 to 5 times in "
-        "10 (docs/benchmarks.md). The first time, lane A builds its steps before the race starts. The texts match, except where the top two tokens were "
-        "near-tied (a two-row verification sums in another order than a one-row step)."),
+        "10 (docs/benchmarks.md). The first time, lane A builds its steps before the race starts. The texts match, "
+        "except where the top two tokens were near-tied (a two-row verification sums in another order than a "
+        "one-row step)."),
     "speculation: early exit vs prompt lookup, grounded prompt": RaceSetup(
         {"A": LaneSettings(kv_mode="paged", spec_method="early-exit", spec_k=4),
          "B": LaneSettings(kv_mode="paged", spec_method="ngram", spec_k=5)},

@@ -781,8 +781,8 @@ class CompiledDecoder:
 
     def _call_package(self, bucket, args: tuple, graph: nn.Module | None = None):
         """Call the package of `bucket` (a batch bucket of the decode step, ("queries", batch bucket, query bucket)
-        of `graph`, the query step, ("flat",) of the flat step or ("draft", tokens, heads) of EAGLE's draft step), loading
-        or building it on first use."""
+        of `graph`, the query step, ("flat",) of the flat step or ("draft", tokens, heads) of EAGLE's draft step),
+        loading or building it on first use."""
         # An exported program takes its inputs with the strides it was traced with (dense): the width views of the
         # bucket's buffers are not.
         args = tuple(arg.contiguous() for arg in args)

@@ -106,12 +106,11 @@ def test_the_op_refuses_what_it_cannot_take(greedy_advance):
         call(read_index=torch.full((3, 3), BLOCKS, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("vocab", [5, 50, 49152])
-def test_the_tokens_are_torch_argmax(greedy_advance, vocab):
-    """Ties, NaNs, -inf and the maximum in the last lanes a vector does not fill, at a short and the bundled model's
-    vocabulary: the op's token is torch.argmax's."""
-    generator = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(8, vocab, generator=generator)
+def hard_rows(vocab: int) -> torch.Tensor:
+    """8 rows of `vocab` fp32 logits whose argmax is easy to get wrong: ties (the first index wins), NaNs (the first
+    one is the maximum), nothing but -inf, the maximum in the last lanes a vector does not fill or at index 0, all
+    equal."""
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(vocab))
     logits[1, [vocab // 2, vocab - 1]] = 9.0  # a tie
     logits[2, vocab - 1] = float("nan")  # a NaN in the tail
     logits[3, [1, vocab - 2]] = float("nan")  # two NaNs
@@ -119,6 +118,14 @@ def test_the_tokens_are_torch_argmax(greedy_advance, vocab):
     logits[5, vocab - 1] = 9.0  # the maximum in the tail
     logits[6, 0] = 9.0  # at the first index
     logits[7] = 1.0  # all equal
+    return logits
+
+
+@pytest.mark.parametrize("vocab", [5, 50, 49152])
+def test_the_tokens_are_torch_argmax(greedy_advance, vocab):
+    """Ties, NaNs, -inf and the maximum in the last lanes a vector does not fill, at a short and the bundled model's
+    vocabulary: the op's token is torch.argmax's."""
+    logits = hard_rows(vocab)
     rows = logits.shape[0]
     pool = torch.zeros(1, rows, BLOCK_SIZE, 1, HEAD_DIM)
     new = torch.zeros(1, rows, 1, HEAD_DIM)
@@ -138,15 +145,8 @@ def test_argmax_rows_is_torch_argmax(our_ops, vocab):
     from inference_core.model.row_kernel import argmax_rows, loaded
 
     assert loaded()
-    generator = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(9, vocab + 3, generator=generator)
-    logits[1, [vocab // 2, vocab - 1]] = 9.0  # a tie
-    logits[2, vocab - 1] = float("nan")  # a NaN in the tail
-    logits[3, [1, vocab - 2]] = float("nan")  # two NaNs
-    logits[4] = float("-inf")  # nothing but -inf
-    logits[5, vocab - 1] = 9.0  # the maximum in the tail
-    logits[6, 0] = 9.0  # at the first index
-    logits[7] = 1.0  # all equal
+    logits = torch.cat([hard_rows(vocab), torch.randn(1, vocab)])
+    logits = torch.cat([logits, torch.randn(len(logits), 3)], 1)  # rows read with a stride: the first vocab of each
     for rows in (logits[:, :vocab], logits[:, :vocab].contiguous(), logits[:1, :vocab], logits[:0, :vocab]):
         assert argmax_rows(rows).tolist() == rows.argmax(dim=-1).tolist()
     assert argmax_rows(logits[:, :vocab].double()).tolist() == logits[:, :vocab].argmax(dim=-1).tolist()  # torch's

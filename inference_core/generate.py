@@ -106,7 +106,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--draft-heads is used only with --spec medusa or --spec eagle.")
     if args.draft_layers is not None and args.spec_method != "early-exit":
         raise ConfigError("--draft-layers is used only with --spec early-exit.")
-    if args.spec_tree_width != 1 and args.spec_method == "none":
+    if args.spec_tree_width not in (None, 1) and args.spec_method == "none":
         raise ConfigError("--spec-tree-width is used only with --spec medusa or --spec eagle.")
     if not 1 <= args.n <= 16:
         raise ConfigError(f"--n must be from 1 to 16, got {args.n}.")

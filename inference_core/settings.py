@@ -26,7 +26,7 @@ from inference_core.structured import Constraint
 
 BLOCK_SIZES = (4, 8, 16, 32)
 DEFAULT_LAYERS = "default"  # draft_layers' value for "the engine's default depth" (a widget needs a value for it)
-AUTO_K = "auto"  # spec_k's value for "the draft length measured best for the source on this setup" (spec.defaults)
+AUTO = "auto"  # spec_k's and spec_tree_width's value for "the best measured for the source on this setup"
 KV_MODE_LABELS = {"paged": "paged KV cache", "contiguous": "contiguous KV cache", "none": "no KV cache (recompute)"}
 SPEC_METHOD_LABELS = {"none": "none", "ngram": "prompt lookup", "early-exit": "early exit", "draft": "draft model",
                       "medusa": "Medusa heads (trained)", "eagle": "EAGLE layer (trained)"}
@@ -146,9 +146,9 @@ class LaneSettings:
         help="speculative decoding draft source: ngram = prompt lookup, early-exit = the model's first "
              "--draft-layers layers, draft = --draft-model, medusa / eagle = trained draft heads (shipped for the "
              "bundled model; others: train-draft, or --draft-heads)")
-    spec_k: int | str = _setting(  # where it starts when adaptive; AUTO_K: the best measured for the source
-        AUTO_K, label="draft length k", widget="dropdown", choices=(AUTO_K, *range(1, MAX_K + 1)),
-        labels={AUTO_K: "best measured"}, kinds=(int, str), flag="spec-k", flag_default=None,
+    spec_k: int | str = _setting(  # where it starts when adaptive; AUTO: the best measured for the source
+        AUTO, label="draft length k", widget="dropdown", choices=(AUTO, *range(1, MAX_K + 1)),
+        labels={AUTO: "best measured"}, kinds=(int, str), flag="spec-k", flag_default=None,
         info="best measured: the k that decoded fastest for this draft source on this host and setup "
              "(`spec-bench --keep`), else the project's measurement",
         help="draft length k (where adaptive k starts; default: the k measured fastest for the source on this host "
@@ -158,13 +158,17 @@ class LaneSettings:
         False, label="adaptive k", widget="checkbox", flag="spec-adaptive",
         help="adapt k: longer after a fully accepted draft, shorter after an early rejection", applies=SPECULATING,
         hidden=True)
-    spec_tree_width: int = _setting(  # a tree needs ranked candidates: for other sources it goes back to a chain
-        1, label="tree width", widget="slider", bounds=(1, MAX_TREE_WIDTH, 1),
-        info="greedy: each position's next-best tokens as leaves beside the chain, verified in the same forward "
-             "(1: a chain)", flag="spec-tree-width",
+    spec_tree_width: int | str = _setting(  # a tree needs ranked candidates: for other sources it goes back to a chain
+        AUTO, label="tree width", widget="dropdown", choices=(AUTO, *range(1, MAX_TREE_WIDTH + 1)),
+        labels={AUTO: "best measured"}, kinds=(int, str), flag="spec-tree-width", flag_default=None,
+        info="greedy: each position's next-best tokens as leaves beside the chain, verified in the same forward (1: "
+             "a chain; best measured: the width that decoded fastest for this source on this host and setup, "
+             "`spec-bench --keep`, else the project's measurement; sampling verifies a chain)",
         help="medusa, eagle, greedy: verify a tree with this many candidates per draft position (the best ones "
-             "chained, the others as leaves beside them; 1: a chain)",
-        applies=("spec_method", _one_of(*HIDDEN_READERS)), hidden=True, off_value=1)
+             "chained, the others as leaves beside them; 1: a chain; default: the width measured fastest for the "
+             "source on this host and setup, kept by `spec-bench --keep`, else the project's measurement, and a "
+             "chain when sampling)",
+        applies=("spec_method", _one_of(*HIDDEN_READERS)), hidden=True, off_value=AUTO)
     draft_layers: int | str | None = _setting(  # DEFAULT_LAYERS (or None): the engine's default depth
         DEFAULT_LAYERS, label="early-exit draft layers", widget="dropdown", kinds=(int, str), flag="draft-layers",
         flag_default=None, help="early-exit: layers the draft runs (default: half)",
@@ -297,10 +301,13 @@ class LaneSettings:
         layers = self.draft_layers if self.spec_method == "early-exit" else None
         layers = None if layers in ("", DEFAULT_LAYERS) else layers
         method = self.spec_method or "none"
-        k = None if self.spec_k in (None, "", AUTO_K) else _whole(self.spec_k)
-        return SpecConfig(method=method, k=k, adaptive=bool(self.spec_adaptive),
-                          draft_layers=_whole(layers),
-                          tree_width=_whole(self.spec_tree_width) if method != "none" else 1)
+        k = None if self.spec_k in (None, "", AUTO) else _whole(self.spec_k)
+        if method in HIDDEN_READERS:  # the sources that rank candidates: a width left open is the engine's to choose
+            width = None if self.spec_tree_width in (None, "", AUTO) else _whole(self.spec_tree_width)
+        else:  # a chain; a width named for one of them is refused by SpecConfig
+            width = 1 if self.spec_tree_width in (None, "", AUTO) or method == "none" else _whole(self.spec_tree_width)
+        return SpecConfig(method=method, k=k, adaptive=bool(self.spec_adaptive), draft_layers=_whole(layers),
+                          tree_width=width)
 
     def check(self) -> None:
         """Refuse a bad value or a combination the engine cannot run (ConfigError), without building an engine."""
@@ -333,10 +340,15 @@ class LaneSettings:
             draft = SPEC_METHOD_LABELS.get(self.spec_method, self.spec_method)
             if self.spec_method == "early-exit" and self.draft_layers not in (None, "", DEFAULT_LAYERS):
                 draft += f" ({_whole(self.draft_layers)} layers)"
-            width = _whole(self.spec_tree_width)
-            k = "k best measured" if self.spec_k in (None, "", AUTO_K) else f"k={_whole(self.spec_k)}"
-            parts.append(f"{draft} {k}" + (" adaptive" if self.spec_adaptive else "")
-                         + (f" tree {width} wide" if width != 1 else ""))
+            k = "k best measured" if self.spec_k in (None, "", AUTO) else f"k={_whole(self.spec_k)}"
+            if self.spec_method not in HIDDEN_READERS:
+                tree = ""
+            elif self.spec_tree_width in (None, "", AUTO):  # sampled or adaptive: a chain (`Engine.default_tree_width`)
+                tree = " tree width best measured" if self.greedy and not self.spec_adaptive else ""
+            else:
+                width = _whole(self.spec_tree_width)
+                tree = f" tree {width} wide" if width != 1 else ""
+            parts.append(f"{draft} {k}" + (" adaptive" if self.spec_adaptive else "") + tree)
         if float(self.min_p or 0) and not self.greedy:
             parts.append(f"min-p {float(self.min_p):g}")
         for name, label, off in (("repetition_penalty", "repetition penalty", 1.0),
@@ -434,7 +446,7 @@ def command_flags(settings: LaneSettings, always: tuple[str, ...] = ()) -> list[
     words = []
     for name, setting in SETTINGS.items():
         value = getattr(settings, name)
-        if not setting.flag or value in (None, "", DEFAULT_LAYERS, AUTO_K):
+        if not setting.flag or value in (None, "", DEFAULT_LAYERS, AUTO):
             continue
         default = cli_default(name)
         changed = value != getattr(DEFAULTS, name) and value != default

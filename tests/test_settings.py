@@ -61,7 +61,7 @@ def test_generate_flags_default_to_the_engine_defaults_and_name_each_setting():
     assert parsed.seed is None  # the command line draws a fresh seed; the page shows 0
     assert _parse(["--kv", "none", "--no-prefix-cache", "--quant", "int4", "--spec", "ngram"]) == LaneSettings(
         kv_mode="none", prefix_cache=False, weights="int4", spec_method="ngram", seed=None, draft_layers=None,
-        sliding_window=None, spec_k=None)
+        sliding_window=None, spec_k=None, spec_tree_width=None)
     assert command_flags(LaneSettings(spec_method="ngram", spec_k=5, weights="int4"), always=("kv_mode",)) == [
         "--kv", "paged", "--spec", "ngram", "--spec-k", "5", "--quant", "int4", "--quant-group", "32"]
 

@@ -56,7 +56,7 @@ RACE_SETUPS = {
         "falling back to the eager forward. The first time, lane A builds that step before the race starts (a few "
         "minutes on a 2-core CPU); on this prompt it then emits about four tokens a verification."),
     "compiled vs compiled + EAGLE (k=1), chat prompt": RaceSetup(
-        {"A": LaneSettings(kv_mode="paged", compile=True, spec_method="eagle", spec_k=1),
+        {"A": LaneSettings(kv_mode="paged", compile=True, spec_method="eagle", spec_k=1, spec_tree_width=1),
          "B": LaneSettings(kv_mode="paged", compile=True)},
         "chat-med-3",
         "Both lanes decode compiled; lane A also drafts a token each step with the trained EAGLE layer and verifies it "

@@ -29,7 +29,7 @@ from inference_core.bench.quality import eval_token_ids, perplexity
 from inference_core.config import EngineConfig
 from inference_core.engine.compiled import compile_unavailable, forwards_words
 from inference_core.quant.linear import weight_bytes
-from inference_core.settings import AUTO_K, LaneSettings, command_flags
+from inference_core.settings import AUTO, LaneSettings, command_flags
 from serving.admission import Job, Run
 from serving.cost import duration
 from serving.pool import EnginePool
@@ -71,7 +71,7 @@ def ladder(pool: EnginePool, with_compiled: bool = True, int4: str = "int4") -> 
     """The rungs this device can run (and why any were left out); `int4`: the int4 rung's method (int4, awq, gptq),
     which "everything together" uses too."""
     paged = LaneSettings(kv_mode="paged")
-    spec = dict(spec_method="ngram", spec_k=AUTO_K)  # the draft length measured best for each rung's setup
+    spec = dict(spec_method="ngram", spec_k=AUTO)  # the draft length measured best for each rung's setup
     can_compile = with_compiled and compile_unavailable(pool.loaded.device) is None
     schemes = pool.weight_schemes()
     rungs = [Rung("no KV cache", "every step recomputes the whole text", LaneSettings(kv_mode="none")),

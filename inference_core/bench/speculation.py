@@ -10,7 +10,8 @@ draft position (for a tree: a position counts as accepted when any of its candid
 
 `--keep` keeps each source's best k (the highest geometric mean of its ratios over the kinds) as this host's default
 for the setup (`spec.defaults`): a request that leaves k open (`--spec` without `--spec-k`, the page's "best
-measured", an API request without `spec_k`) gets it.
+measured", an API request without `spec_k`) gets it. Where a ranking source ran at two tree widths or more, its
+fastest pair of k and width is kept too, and a greedy request that leaves the width open gets that width.
 
 Speculative runs draft at every step (`EngineConfig(speculate_when_it_pays=False)`): the bench measures what
 speculation itself costs and gains, which is what the engine's own choice (`spec.pays`) weighs at run time.
@@ -115,7 +116,8 @@ def add_spec_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", help="write the results here")
     parser.add_argument("--keep", action="store_true",
                         help="keep each source's best k (the highest geometric mean of its ratios over the kinds) as "
-                             "this host's default for the setup: a request that leaves k open gets it")
+                             "this host's default for the setup: a request that leaves k open gets it; with two "
+                             "--tree-width values or more, Medusa's and EAGLE's best tree width likewise")
 
 
 def run_spec_bench(args) -> int:
@@ -207,7 +209,10 @@ def run_spec_bench(args) -> int:
         for name in settings:
             drafted, accepted, steps = counts[(kind, name)]
             speed = statistics.median(speeds[(kind, name)])
-            table.append({"kind": kind, "setting": name, "setting_key": keys[name], "k": settings[name].k,
+            spec = settings[name]
+            ranks = {"source_key": setting_key(spec.method, 1, spec.draft_layers), "tree_width": spec.tree_width} \
+                if spec.method in HIDDEN_READERS else {}  # a width to choose among (`best_k`'s "w=auto" entry)
+            table.append({"kind": kind, "setting": name, "setting_key": keys[name], "k": spec.k, **ranks,
                           "plain_tokens_per_s": round(plain_speed, 2),
                           "spec_tokens_per_s": round(speed, 2), "ratio": round(speed / plain_speed, 3),
                           "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
@@ -231,12 +236,17 @@ def run_spec_bench(args) -> int:
               "differently from a one-row decode")
     chosen = best_k(table)
     for setting, entry in chosen.items():
+        if "tree_width" in entry:  # a source's best pair of k and tree width
+            others = ", ".join(f"{pair} {mean:.2f}x" for pair, mean in entry["others"].items())
+            print(f"best k and tree width for {setting.removesuffix(' w=auto')}: k={entry['k']} "
+                  f"w={entry['tree_width']} (geometric mean over {', '.join(entry['ratios'])}: {others})")
+            continue
         others = ", ".join(f"k={k} {mean:.2f}x" for k, mean in entry["others"].items())
         print(f"best k for {setting}: {entry['k']} (geometric mean over {', '.join(entry['ratios'])}: {others})")
     if getattr(args, "keep", False):
         setup = setup_key(loaded, args.kv, engine.decoder is not None)
         path = keep(setup, chosen, "python -m inference_core spec-bench " + " ".join(map(shlex.quote, sys.argv[2:])))
-        print(f"kept as the default k of {setup} in {path}")
+        print(f"kept as the default k (and tree width) of {setup} in {path}")
     if args.json_path:
         report = {"model": loaded.name, "best_k": chosen, "sources": sources, "machine": machine_info(loaded.device),
                   "draft_model": draft.name if draft else None, "device": str(loaded.device),

@@ -42,8 +42,9 @@ from inference_core.model.loader import LoadedModel, check_draft_model
 from inference_core.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from inference_core.roofline import run_points, weights_read_per_step
 from inference_core.sampling import SamplingParams, sample_batch
-from inference_core.spec.decoding import (MAX_K, ChainDraft, DraftModelDrafter, EarlyExitDrafter, NgramDrafter,
-                                          SpecConfig, draft_chain, finish_chain, next_k, tree_speculative_step)
+from inference_core.spec.decoding import (HIDDEN_READERS, MAX_K, ChainDraft, DraftModelDrafter, EarlyExitDrafter,
+                                          NgramDrafter, SpecConfig, draft_chain, finish_chain, next_k,
+                                          tree_speculative_step)
 from inference_core.spec import defaults as spec_defaults
 from inference_core.spec.draft_heads import (DRAFT_TOKENS, DraftHeads, EagleDrafter, EagleDraftStep, MedusaDrafter,
                                              find_heads, load_heads)
@@ -155,7 +156,7 @@ class Engine:
         """Validate and tokenize a request without queueing it (`submit` queues it). Raises ConfigError, saying what
         to change, for a request that could never run on this engine."""
         params, spec = params or SamplingParams(), spec or SpecConfig()
-        spec = self.resolve_spec(spec)
+        spec = self.resolve_spec(spec, greedy=params.greedy)
         if spec.tree_width > 1 and not params.greedy:
             raise ConfigError("tree verification ({spec_tree_width} > 1) keeps greedy decoding's tokens only; set the "
                               "temperature to 0 or the tree width to 1 (a chain, which keeps the sampled "
@@ -279,12 +280,15 @@ class Engine:
         self.draft_heads[kind] = heads
         return heads
 
-    def resolve_spec(self, spec: SpecConfig) -> SpecConfig:
-        """Settle what the speculative settings leave to the engine (early exit's default depth, a draft length
-        measured for this setup: `spec.defaults`), or refuse them."""
+    def resolve_spec(self, spec: SpecConfig, greedy: bool = True) -> SpecConfig:
+        """Settle what the speculative settings leave to the engine (early exit's default depth, a tree width and a
+        draft length measured for this setup: `spec.defaults`), or refuse them. `greedy`: the request's sampling
+        (a sampled one verifies a chain)."""
         num_layers = self.loaded.config.num_layers
         if spec.enabled and spec.method == "early-exit" and spec.draft_layers is None and num_layers >= 2:
             spec = replace(spec, draft_layers=num_layers // 2)
+        if spec.tree_width is None:
+            spec = replace(spec, tree_width=self.default_tree_width(spec, greedy)[0])
         if spec.enabled and spec.k is None:
             spec = replace(spec, k=self.default_k(spec)[0])
         if spec.method in ("medusa", "eagle"):
@@ -303,11 +307,23 @@ class Engine:
                                   f"{num_layers - 1}), got {spec.draft_layers}.")
         return spec
 
+    def default_tree_width(self, spec: SpecConfig, greedy: bool = True) -> tuple[int, str]:
+        """The tree width `spec` gets on this engine when the request leaves it open, and why: a chain for a source
+        that does not rank its candidates, a sampled request or an adaptive k; for a greedy request of Medusa or
+        EAGLE the width measured fastest for the setup (at `spec.k` where the request names it)."""
+        if spec.method not in HIDDEN_READERS:
+            return 1, "a chain: this draft source does not rank its candidates"
+        if not greedy or spec.adaptive:
+            return 1, "a chain: " + ("a sampled request keeps its distribution through one draft a position"
+                                     if not greedy else "an adaptive k drafts a chain")
+        setup = spec_defaults.setup_key(self.loaded, self.config.kv_mode, self.decoder is not None)
+        return spec_defaults.default_tree_width(setup, spec.method, spec.k, self.decoder is not None)
+
     def default_k(self, spec: SpecConfig) -> tuple[int, str]:
         """The draft length `spec`'s source gets on this engine when the request leaves it open, and where it came
         from (this host's measurement of the setup, kept by `spec-bench --keep`, or the project's)."""
         setup = spec_defaults.setup_key(self.loaded, self.config.kv_mode, self.decoder is not None)
-        k, where = spec_defaults.default_k(setup, spec.method, spec.tree_width, spec.draft_layers)
+        k, where = spec_defaults.default_k(setup, spec.method, spec.tree_width or 1, spec.draft_layers)
         if spec.method in ("medusa", "eagle") and (heads := self.load_draft_heads(spec.method)).num_heads:
             k = min(k, heads.num_heads)
         return k, where

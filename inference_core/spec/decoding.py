@@ -53,7 +53,9 @@ class SpecConfig:
     'eagle' (trained draft heads). With
     `adaptive`, k is where the draft length starts: it grows by one after a fully accepted step (up to 2k, at most
     MAX_K) and shrinks by one after a rejection in the first half of the drafts (down to 1). k None leaves the draft
-    length to the engine (`Engine.resolve_spec`: the best measured for the source, `spec.defaults`)."""
+    length to the engine (`Engine.resolve_spec`: the best measured for the source, `spec.defaults`); tree_width None
+    leaves the width to it likewise (a greedy request of a ranking source gets the best measured, any other a chain;
+    the lane settings leave both open by default)."""
 
     method: str = "none"
     k: int | None = None  # draft length (the starting one when adaptive); None: the engine's measured default
@@ -66,7 +68,7 @@ class SpecConfig:
     ngram_min: int = 3
     # Tree verification (trained heads, greedy): each draft position offers its `tree_width` best tokens. The best
     # ones form the chain; the others are leaves beside it, verified in the same forward (`tree_speculative_step`).
-    tree_width: int = 1
+    tree_width: int | None = 1  # None: the engine's measured default
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -77,15 +79,17 @@ class SpecConfig:
         if self.draft_layers is not None and (isinstance(self.draft_layers, bool)
                                               or not isinstance(self.draft_layers, int) or self.draft_layers < 1):
             raise ConfigError(f"draft layers must be a positive integer ({{draft_layers}}), got {self.draft_layers!r}.")
-        if isinstance(self.tree_width, bool) or not isinstance(self.tree_width, int) \
-                or not 1 <= self.tree_width <= MAX_TREE_WIDTH:
-            raise ConfigError(f"tree width must be an integer from 1 to {MAX_TREE_WIDTH} ({{spec_tree_width}}), "
-                              f"got {self.tree_width!r}.")
-        if self.tree_width > 1 and self.method not in HIDDEN_READERS:
-            raise ConfigError(f"tree verification ({{spec_tree_width}} > 1) needs a draft source that ranks its "
-                              f"candidates: {' or '.join(HIDDEN_READERS)}, not {self.method!r}.")
-        if self.tree_width > 1 and self.adaptive:
-            raise ConfigError("tree verification ({spec_tree_width} > 1) drafts a fixed depth; turn adaptive k off.")
+        if self.tree_width is not None:  # None: left to the engine
+            if isinstance(self.tree_width, bool) or not isinstance(self.tree_width, int) \
+                    or not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+                raise ConfigError(f"tree width must be an integer from 1 to {MAX_TREE_WIDTH} ({{spec_tree_width}}), "
+                                  f"got {self.tree_width!r}.")
+            if self.tree_width > 1 and self.method not in HIDDEN_READERS:
+                raise ConfigError(f"tree verification ({{spec_tree_width}} > 1) needs a draft source that ranks its "
+                                  f"candidates: {' or '.join(HIDDEN_READERS)}, not {self.method!r}.")
+            if self.tree_width > 1 and self.adaptive:
+                raise ConfigError("tree verification ({spec_tree_width} > 1) drafts a fixed depth; turn adaptive k "
+                                  "off.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"prompt lookup needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                               f"{self.ngram_max}.")

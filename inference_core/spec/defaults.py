@@ -12,6 +12,11 @@ at k=3-4 (2.1-2.4x) and barely pays at k=1 (docs/benchmarks.md, "Compiled, each 
 model, its dtype and weights, the KV mode, compiled or not, the CPU or GPU), the k whose tokens/s over plain decoding
 has the highest geometric mean over the prompt kinds (`best_k`); `kept_k` reads it back, and `BUILT_IN_K` is used
 where nothing was kept. Greedy output is the same at every k (speculation is lossless), so only the speed differs.
+
+The tree width of the sources that rank their candidates (Medusa, EAGLE) is chosen the same way when a greedy request
+leaves it open: a run that measured two widths or more keeps the fastest (k, width) pair of the source, and the best
+width at each k measured (`best_k`'s "w=auto" entries, read by `default_tree_width`); `BUILT_IN_TREE_WIDTH` where
+nothing was kept. A sampled request, or an adaptive k, verifies a chain.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 import torch
 
 from inference_core.model.paths import cache_root
+from inference_core.spec.decoding import MAX_TREE_WIDTH
 from inference_core.spec.draft_heads import fingerprint
 
 # Where no measurement of this setup was kept: the best k measured on the project's 2-core CPU hosts, compiled, bf16,
@@ -32,6 +38,14 @@ from inference_core.spec.draft_heads import fingerprint
 # hair on the AMD one, where k=4 led on grounded prompts). A draft model's best k depends on the pair of models; 4
 # (the default before k was measured) stands until `spec-bench --source draft --keep` measures the pair.
 BUILT_IN_K = {"ngram": 4, "early-exit": 1, "draft": 4, "medusa": 1, "eagle": 1}
+# The tree width a greedy request of a ranking source gets where nothing was kept, eager and compiled: the best
+# measured on the project's 2-core hosts, bf16, paged KV, at k=1 (docs/benchmarks.md, "Trained draft heads" and
+# "EAGLE's draft step compiled"). Eager, a tree is clearly ahead (EAGLE 3 wide 1.34-1.51x plain against the chain's
+# 1.17-1.26x over four runs; Medusa 5 wide 1.22-1.40x against 1.13x); compiled, where the verification costs more
+# against the step, EAGLE's chain and trees 2-3 wide read within a few percent of each other, the chain ahead in two
+# runs of four, so the chain stands. Compiled Medusa was not measured: the chain.
+BUILT_IN_TREE_WIDTH = {"medusa": {"eager": 5, "compiled": 1}, "eagle": {"eager": 3, "compiled": 1}}
+AUTO_WIDTH = "auto"  # setting_key's tree width for "the best measured": its entry names both k and the width
 FILE_NAME = "spec-defaults.json"
 
 
@@ -48,9 +62,10 @@ def setup_key(loaded, kv_mode: str, compiled: bool) -> str:
             f"{'compiled' if compiled else 'eager'}, {where}")
 
 
-def setting_key(method: str, tree_width: int = 1, draft_layers: int | None = None) -> str:
-    """One speculative setting but for its k: the source, its tree width, early exit's depth."""
-    return method + (f" L={draft_layers}" if draft_layers else "") + (f" w={tree_width}" if tree_width > 1 else "")
+def setting_key(method: str, tree_width: int | str = 1, draft_layers: int | None = None) -> str:
+    """One speculative setting but for its k: the source, its tree width (`AUTO_WIDTH`: the source's best measured
+    pair of k and width), early exit's depth."""
+    return method + (f" L={draft_layers}" if draft_layers else "") + (f" w={tree_width}" if tree_width != 1 else "")
 
 
 def _path() -> Path:
@@ -81,24 +96,66 @@ def default_k(setup: str, method: str, tree_width: int = 1, draft_layers: int | 
     return BUILT_IN_K[method], "the project's measurement (nothing measured on this host for this setup)"
 
 
+def _geomeans(by_choice: dict) -> tuple[dict, dict]:
+    """{choice: {kind: ratio}} -> the choices measured on every kind and each one's geometric mean of the ratios."""
+    kinds = set().union(*(ratios.keys() for ratios in by_choice.values()))
+    complete = {choice: ratios for choice, ratios in by_choice.items()
+                if set(ratios) == kinds and min(ratios.values()) > 0}
+    means = {choice: math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
+             for choice, ratios in complete.items()}
+    return complete, means
+
+
 def best_k(rows: list[dict]) -> dict[str, dict]:
-    """From spec-bench's table rows ({"kind", "setting_key", "k", "ratio"}), each setting's k with the highest
-    geometric mean of its ratios over the kinds measured (a kind where it was not measured counts against it: only
-    the ks measured on every kind compete)."""
+    """From spec-bench's table rows ({"kind", "setting_key", "k", "ratio", and for a ranking source "source_key" and
+    "tree_width"}), each setting's k with the highest geometric mean of its ratios over the kinds measured (a kind
+    where it was not measured counts against it: only the ks measured on every kind compete). A source measured at
+    two tree widths or more also gets a `setting_key(source, AUTO_WIDTH)` entry: its fastest (k, width) pair and,
+    at each k, the fastest width ("width_by_k")."""
     by_setting: dict[str, dict[int, dict[str, float]]] = {}
+    by_pair: dict[str, dict[tuple[int, int], dict[str, float]]] = {}
     for row in rows:
         by_setting.setdefault(row["setting_key"], {}).setdefault(row["k"], {})[row["kind"]] = row["ratio"]
+        if "source_key" in row:
+            pair = (row["k"], row.get("tree_width", 1))
+            by_pair.setdefault(row["source_key"], {}).setdefault(pair, {})[row["kind"]] = row["ratio"]
     best = {}
     for setting, by_k in by_setting.items():
-        kinds = set().union(*(ratios.keys() for ratios in by_k.values()))
-        complete = {k: ratios for k, ratios in by_k.items() if set(ratios) == kinds and min(ratios.values()) > 0}
+        complete, means = _geomeans(by_k)
         if not complete:
             continue
-        means = {k: math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios)) for k, ratios in complete.items()}
         k = max(means, key=lambda candidate: (means[candidate], -candidate))  # a tie goes to the shorter draft
         best[setting] = {"k": k, "geomean_ratio": round(means[k], 3), "ratios": dict(sorted(complete[k].items())),
                          "others": {str(other): round(mean, 3) for other, mean in sorted(means.items())}}
+    for source, by_k_width in by_pair.items():
+        complete, means = _geomeans(by_k_width)
+        if len({width for _, width in complete}) < 2:
+            continue
+        # a tie goes to the shorter draft, then to the narrower tree: fewer rows to verify for the same speed
+        rank = {pair: (means[pair], -pair[0], -pair[1]) for pair in means}
+        k, width = max(rank, key=rank.get)
+        width_by_k = {str(at): max((pair for pair in rank if pair[0] == at), key=rank.get)[1]
+                      for at in sorted({pair[0] for pair in rank})}
+        best[setting_key(source, AUTO_WIDTH)] = {
+            "k": k, "tree_width": width, "geomean_ratio": round(means[(k, width)], 3),
+            "ratios": dict(sorted(complete[(k, width)].items())), "width_by_k": width_by_k,
+            "others": {f"k={at} w={w}": round(mean, 3) for (at, w), mean in sorted(means.items())}}
     return best
+
+
+def default_tree_width(setup: str, method: str, k: int | None, compiled: bool) -> tuple[int, str]:
+    """The tree width a greedy request of a ranking source (Medusa, EAGLE) gets when it leaves the width open, at
+    draft length `k` (None: open too, to be settled at the width returned), and where it came from: the fastest
+    width measured at that k on this host (the source's fastest pair where k is open or was not measured), else the
+    project's measurement."""
+    entry = _read().get(setup, {}).get(setting_key(method, AUTO_WIDTH))
+    if isinstance(entry, dict) and isinstance(entry.get("tree_width"), int) and \
+            isinstance(entry.get("width_by_k", {}), dict):
+        width = entry.get("width_by_k", {}).get(str(k), entry["tree_width"])
+        if isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= MAX_TREE_WIDTH:
+            return width, f"measured on this host {entry.get('measured', '')}".strip()
+    return BUILT_IN_TREE_WIDTH[method]["compiled" if compiled else "eager"], \
+        "the project's measurement (nothing measured on this host for this setup)"
 
 
 def keep(setup: str, chosen: dict[str, dict], command: str) -> Path:

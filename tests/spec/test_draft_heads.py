@@ -300,6 +300,36 @@ def test_tree_verification_is_refused_where_it_cannot_keep_its_promise(tiny, tin
         SpecConfig("eagle", k=2, tree_width=0)
 
 
+def test_a_width_left_open_is_the_measured_tree_for_greedy_and_a_chain_otherwise(tiny, tiny_heads, tmp_path,
+                                                                               monkeypatch):
+    """A request that leaves the tree width open (the lanes' default) verifies the width kept for the setup when it
+    is greedy, the project's where nothing was kept, and a chain when it samples or adapts k: never the refusal an
+    explicit tree with a temperature gets."""
+    from inference_core.spec import defaults
+    monkeypatch.setattr(defaults, "_path", lambda: tmp_path / defaults.FILE_NAME)
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4))
+    engine.load_draft_heads("eagle", tiny_heads["eagle"][0])
+    open_width = SpecConfig("eagle", tree_width=None)
+    assert engine.make_request([1, 2, 3], SamplingParams(max_new_tokens=6), spec=open_width).spec.tree_width == \
+        defaults.BUILT_IN_TREE_WIDTH["eagle"]["eager"]
+    assert engine.make_request([1, 2, 3], SamplingParams(max_new_tokens=6, temperature=0.7),
+                               spec=open_width).spec.tree_width == 1
+    assert engine.resolve_spec(SpecConfig("eagle", adaptive=True, tree_width=None)).tree_width == 1
+    assert engine.resolve_spec(SpecConfig("ngram", tree_width=None)).tree_width == 1
+    setup = defaults.setup_key(tiny, "paged", compiled=False)
+    defaults.keep(setup, {"eagle w=auto": {"k": 2, "tree_width": 4, "width_by_k": {"1": 2, "2": 4}},
+                          "eagle w=4": {"k": 2}}, "spec-bench ...")
+    request = engine.make_request([1, 2, 3], SamplingParams(max_new_tokens=6), spec=open_width)
+    assert (request.spec.k, request.spec.tree_width) == (2, 4)  # the fastest pair measured
+    assert engine.resolve_spec(SpecConfig("eagle", k=1, tree_width=None)).tree_width == 2  # the fastest at k=1
+    assert engine.resolve_spec(SpecConfig("eagle", k=3, tree_width=None)).tree_width == 4  # k=3 not measured
+    assert engine.default_tree_width(open_width)[1].startswith("measured on this host")
+    plain = engine.complete([1, 2, 3], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    tree = engine.complete([1, 2, 3], SamplingParams(max_new_tokens=12, ignore_eos=True), spec=open_width)
+    assert tree.token_ids == plain.token_ids and tree.stats.spec["tree_width"] == 4
+    assert_nothing_held(engine)
+
+
 def test_the_eagle_drafter_computes_what_training_computed(tiny, tiny_heads, tiny_answers):
     """Drafting catches up through the layer's own KV cache, token by token after a prefix, and drafts from its own
     estimates; training runs whole sequences at once (`EagleLayer.unrolled` for the drafts after the first). Both

@@ -63,8 +63,8 @@ RACE_SETUPS = {
         "beside the step's last token through a compiled step of its own, which also returns the hidden states the "
         "layer reads for its next draft; the draft layer runs through compiled packages of its own. One draft a step "
         "is the length that measured best for these heads on a 2-core CPU, and there it ran at about 1.3x compiled "
-        "plain decoding on chat prompts and 1.2x on code: the layer's first draft is accepted about 4 to 5 times in "
-        "10 (docs/benchmarks.md). The first time, lane A builds its steps before the race starts. The texts match, "
+        "plain decoding on chat and code prompts: the layer's first draft is accepted about 4 to 5 times in 10 "
+        "(docs/benchmarks.md). The first time, lane A builds its steps before the race starts. The texts match, "
         "except where the top two tokens were near-tied (a two-row verification sums in another order than a "
         "one-row step)."),
     "speculation: early exit vs prompt lookup, grounded prompt": RaceSetup(

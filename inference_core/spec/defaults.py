@@ -39,12 +39,12 @@ from inference_core.spec.draft_heads import fingerprint
 # (the default before k was measured) stands until `spec-bench --source draft --keep` measures the pair.
 BUILT_IN_K = {"ngram": 4, "early-exit": 1, "draft": 4, "medusa": 1, "eagle": 1}
 # The tree width a greedy request of a ranking source gets where nothing was kept, eager and compiled: the best
-# measured on the project's 2-core hosts, bf16, paged KV, at k=1 (docs/benchmarks.md, "Trained draft heads" and
-# "EAGLE's draft step compiled"). Eager, a tree is clearly ahead (EAGLE 3 wide 1.34-1.51x plain against the chain's
-# 1.17-1.26x over four runs; Medusa 5 wide 1.22-1.40x against 1.13x); compiled, where the verification costs more
-# against the step, EAGLE's chain and trees 2-3 wide read within a few percent of each other, the chain ahead in two
-# runs of four, so the chain stands. Compiled Medusa was not measured: the chain.
-BUILT_IN_TREE_WIDTH = {"medusa": {"eager": 5, "compiled": 1}, "eagle": {"eager": 3, "compiled": 1}}
+# measured on the project's 2-core hosts, bf16, paged KV, at k=1 (docs/benchmarks.md, "Trained draft heads" and "A
+# tree width measured and kept"). Eager, a tree is clearly ahead (EAGLE 3 wide 1.34-1.51x plain against the chain's
+# 1.17-1.26x over four runs; Medusa 5 wide 1.22-1.40x against 1.13x). Compiled, where a verification's extra rows
+# cost more against the step, EAGLE 2 wide led the chain by 1.5-4% in four runs of five and tied it in the fifth,
+# and Medusa 3 wide led its chain by 3% in the one run that measured it.
+BUILT_IN_TREE_WIDTH = {"medusa": {"eager": 5, "compiled": 3}, "eagle": {"eager": 3, "compiled": 2}}
 AUTO_WIDTH = "auto"  # setting_key's tree width for "the best measured": its entry names both k and the width
 FILE_NAME = "spec-defaults.json"
 

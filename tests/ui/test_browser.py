@@ -536,6 +536,7 @@ def test_speculative_race_highlights_every_kind_of_token(served, browser, tmp_pa
     expect(page.locator("#lane-b-spec-tree")).to_be_hidden()
     page.locator("#lane-b-spec").get_by_text("EAGLE layer (trained)").click()
     expect(page.locator("#lane-b-spec-tree")).to_be_visible()
+    expect(page.locator("#lane-b-spec-tree input")).to_have_value("best measured")  # left to the measurement
     expect(page.locator("#lane-b-spec-layers")).to_be_hidden()
     page.locator("#lane-a-spec").get_by_text("none").click()
     expect(page.locator("#lane-a-spec-k")).to_be_hidden()

@@ -246,7 +246,8 @@ def run_spec_bench(args) -> int:
     if getattr(args, "keep", False):
         setup = setup_key(loaded, args.kv, engine.decoder is not None)
         path = keep(setup, chosen, "python -m inference_core spec-bench " + " ".join(map(shlex.quote, sys.argv[2:])))
-        print(f"kept as the default k (and tree width) of {setup} in {path}")
+        widths = " and tree width" if any("tree_width" in entry for entry in chosen.values()) else ""
+        print(f"kept as the default k{widths} of {setup} in {path}")
     if args.json_path:
         report = {"model": loaded.name, "best_k": chosen, "sources": sources, "machine": machine_info(loaded.device),
                   "draft_model": draft.name if draft else None, "device": str(loaded.device),

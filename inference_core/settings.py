@@ -81,6 +81,11 @@ def _sampling(temperature) -> bool:
         return False
 
 
+def _left_open(value) -> bool:
+    """Whether a setting with a "best measured" choice (`AUTO`) leaves its value to the engine."""
+    return value in (None, "", AUTO)
+
+
 def _whole(value):
     """A widget's whole number as an int (sliders give 5.0); anything else unchanged, for the engine to refuse."""
     if isinstance(value, float) and value.is_integer():
@@ -301,11 +306,11 @@ class LaneSettings:
         layers = self.draft_layers if self.spec_method == "early-exit" else None
         layers = None if layers in ("", DEFAULT_LAYERS) else layers
         method = self.spec_method or "none"
-        k = None if self.spec_k in (None, "", AUTO) else _whole(self.spec_k)
+        k = None if _left_open(self.spec_k) else _whole(self.spec_k)
         if method in HIDDEN_READERS:  # the sources that rank candidates: a width left open is the engine's to choose
-            width = None if self.spec_tree_width in (None, "", AUTO) else _whole(self.spec_tree_width)
+            width = None if _left_open(self.spec_tree_width) else _whole(self.spec_tree_width)
         else:  # a chain; a width named for one of them is refused by SpecConfig
-            width = 1 if self.spec_tree_width in (None, "", AUTO) or method == "none" else _whole(self.spec_tree_width)
+            width = 1 if _left_open(self.spec_tree_width) or method == "none" else _whole(self.spec_tree_width)
         return SpecConfig(method=method, k=k, adaptive=bool(self.spec_adaptive), draft_layers=_whole(layers),
                           tree_width=width)
 
@@ -340,10 +345,10 @@ class LaneSettings:
             draft = SPEC_METHOD_LABELS.get(self.spec_method, self.spec_method)
             if self.spec_method == "early-exit" and self.draft_layers not in (None, "", DEFAULT_LAYERS):
                 draft += f" ({_whole(self.draft_layers)} layers)"
-            k = "k best measured" if self.spec_k in (None, "", AUTO) else f"k={_whole(self.spec_k)}"
+            k = "k best measured" if _left_open(self.spec_k) else f"k={_whole(self.spec_k)}"
             if self.spec_method not in HIDDEN_READERS:
                 tree = ""
-            elif self.spec_tree_width in (None, "", AUTO):  # sampled or adaptive: a chain (`Engine.default_tree_width`)
+            elif _left_open(self.spec_tree_width):  # sampled or adaptive: a chain (`Engine.default_tree_width`)
                 tree = " tree width best measured" if self.greedy and not self.spec_adaptive else ""
             else:
                 width = _whole(self.spec_tree_width)

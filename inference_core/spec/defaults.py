@@ -88,12 +88,19 @@ def kept_k(setup: str, setting: str) -> dict | None:
     return entry
 
 
+BUILT_IN_WHERE = "the project's measurement (nothing measured on this host for this setup)"
+
+
+def _measured(entry: dict) -> str:
+    return f"measured on this host {entry.get('measured', '')}".strip()
+
+
 def default_k(setup: str, method: str, tree_width: int = 1, draft_layers: int | None = None) -> tuple[int, str]:
     """The k a request of `method` gets when it leaves k to the engine, and where it came from."""
     entry = kept_k(setup, setting_key(method, tree_width, draft_layers))
     if entry is not None:
-        return entry["k"], f"measured on this host {entry.get('measured', '')}".strip()
-    return BUILT_IN_K[method], "the project's measurement (nothing measured on this host for this setup)"
+        return entry["k"], _measured(entry)
+    return BUILT_IN_K[method], BUILT_IN_WHERE
 
 
 def _geomeans(by_choice: dict) -> tuple[dict, dict]:
@@ -148,14 +155,12 @@ def default_tree_width(setup: str, method: str, k: int | None, compiled: bool) -
     draft length `k` (None: open too, to be settled at the width returned), and where it came from: the fastest
     width measured at that k on this host (the source's fastest pair where k is open or was not measured), else the
     project's measurement."""
-    entry = _read().get(setup, {}).get(setting_key(method, AUTO_WIDTH))
-    if isinstance(entry, dict) and isinstance(entry.get("tree_width"), int) and \
-            isinstance(entry.get("width_by_k", {}), dict):
-        width = entry.get("width_by_k", {}).get(str(k), entry["tree_width"])
-        if isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= MAX_TREE_WIDTH:
-            return width, f"measured on this host {entry.get('measured', '')}".strip()
-    return BUILT_IN_TREE_WIDTH[method]["compiled" if compiled else "eager"], \
-        "the project's measurement (nothing measured on this host for this setup)"
+    entry = kept_k(setup, setting_key(method, AUTO_WIDTH)) or {}
+    by_k = entry.get("width_by_k")
+    width = by_k[str(k)] if isinstance(by_k, dict) and str(k) in by_k else entry.get("tree_width")
+    if isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= MAX_TREE_WIDTH:
+        return width, _measured(entry)
+    return BUILT_IN_TREE_WIDTH[method]["compiled" if compiled else "eager"], BUILT_IN_WHERE
 
 
 def keep(setup: str, chosen: dict[str, dict], command: str) -> Path:

@@ -2,8 +2,8 @@
 head learns what this model says), generated with our engine in batches.
 
 `chat_prompts(count, seed)` builds prompts offline from task templates crossed with topics, coding tasks (write a
-function; read, test, fix or speed up a given one), and passages of the shipped public-domain calibration text (Pride
-and Prejudice, chapters 1-5; the quality evaluation's text stays out). A prompt that shares any four consecutive words
+function; read, test, fix or speed up a given one), passages of the shipped public-domain calibration text (Pride
+and Prejudice, chapters 1-5; the quality evaluation's text stays out), and the varied requests of `varied_prompts`. A prompt that shares any four consecutive words
 with a benchmark prompt is dropped, so the benchmark set stays held out. `generate(loaded, prompts, ...)` answers them,
 greedy or sampled, many requests per engine step, and returns each sample's token ids (prompt through the chat template,
 then the answer) with the prompt's length; `save`/`load` keep them as JSON lines.
@@ -23,6 +23,7 @@ from inference_core.engine.request import FinishEvent
 from inference_core.model.loader import LoadedModel
 from inference_core.model.paths import DATA_DIR
 from inference_core.sampling import SamplingParams
+from inference_core.training.varied_prompts import varied_prompts
 
 DATA = DATA_DIR
 TASKS = (
@@ -130,6 +131,8 @@ CODE_SNIPPET_TASKS = (
     "Make this code more Pythonic and explain the changes:\n\n{code}",
     "How could this code run faster on large inputs?\n\n{code}",
 )
+PROMPT_SETS = ("all", "templates", "varied")
+VARIED_POOL = 8000  # prompts drawn from the varied grammar (seed 0) before the benchmark's are held out
 PASSAGE_TASKS = ("Summarize this passage:\n\n{passage}", "What happens in this passage?\n\n{passage}",
                  "Who are the people in this passage, and what do they want?\n\n{passage}")
 
@@ -158,13 +161,20 @@ def _passages(words_per_passage: int = 120) -> list[str]:
     return [" ".join(p.split()[:words_per_passage]) for p in paragraphs]
 
 
-def chat_prompts(count: int, seed: int = 0) -> list[str]:
-    """Up to `count` distinct prompts (fewer if the templates run out), in a seeded order, none sharing four
-    consecutive words with a benchmark prompt."""
-    candidates = [task.format(topic=topic) for task in TASKS for topic in TOPICS]
-    candidates += [task.format(task=topic) for task in CODE_TASKS for topic in CODE_TOPICS]
-    candidates += [task.format(code=code) for task in CODE_SNIPPET_TASKS for code in CODE_SNIPPETS]
-    candidates += [task.format(passage=passage) for task in PASSAGE_TASKS for passage in _passages()]
+def chat_prompts(count: int, seed: int = 0, prompt_set: str = "all") -> list[str]:
+    """Up to `count` distinct prompts (fewer if the set runs out), in a seeded order, none sharing four consecutive
+    words with a benchmark prompt. `prompt_set`: "templates" (task templates crossed with topics, code tasks and
+    passages: about 3,000), "varied" (`varied_prompts`' grammar: VARIED_POOL) or "all" (both)."""
+    if prompt_set not in PROMPT_SETS:
+        raise ValueError(f"prompt_set must be one of {', '.join(PROMPT_SETS)}, got {prompt_set!r}")
+    candidates = []
+    if prompt_set in ("templates", "all"):
+        candidates += [task.format(topic=topic) for task in TASKS for topic in TOPICS]
+        candidates += [task.format(task=topic) for task in CODE_TASKS for topic in CODE_TOPICS]
+        candidates += [task.format(code=code) for task in CODE_SNIPPET_TASKS for code in CODE_SNIPPETS]
+        candidates += [task.format(passage=passage) for task in PASSAGE_TASKS for passage in _passages()]
+    if prompt_set in ("varied", "all"):
+        candidates += varied_prompts(VARIED_POOL)
     held_out = bench_four_grams()
     kept = sorted({prompt for prompt in candidates if not (_four_grams(prompt) & held_out)})
     random.Random(seed).shuffle(kept)

@@ -54,6 +54,9 @@ from inference_core.training import draft_data
 MEDUSA_DECAY = 0.8
 
 
+GROUPS_PER_FILE = 10 ** 7  # the answers of file n are grouped by prompt as n * GROUPS_PER_FILE + the prompt's index
+
+
 def text_sequences(tokenizer, tokens_per_sequence: int = 256) -> list[list[int]]:
     """The shipped calibration text (public domain) as plain-text token windows."""
     ids = tokenizer.encode((draft_data.DATA / "calibration_text.txt").read_text())
@@ -397,9 +400,13 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     """`python -m inference_core train-draft`'s flags."""
     parser.add_argument("--kind", choices=("medusa", "eagle"), required=True)
     add_model_arguments(parser, dtype="float32")
-    parser.add_argument("--data", help="answers as JSON lines (draft_data.save); generated and saved there if missing "
-                                       "(default: the user cache)")
+    parser.add_argument("--data", help="answers as JSON lines (draft_data.save), comma-separated to train on several "
+                                       "files; the last one is generated and saved there if missing (default: the "
+                                       "user cache)")
     parser.add_argument("--prompts", type=int, default=800, help="prompts to answer when generating the data")
+    parser.add_argument("--prompt-set", choices=draft_data.PROMPT_SETS, default="all",
+                        help="which prompts to answer when generating the data: the task templates, the varied "
+                             "requests (inference_core/training/varied_prompts.py) or both")
     parser.add_argument("--max-new-tokens", type=int, default=160, help="answer length when generating the data")
     parser.add_argument("--temperatures", default="0,0.7",
                         help="when generating the data: one answer per prompt at each of these temperatures, "
@@ -451,13 +458,20 @@ def run_train_draft(args) -> int:
     data_dtype = choose_dtype(loaded.device, loaded.config)[0] if args.data_dtype == "auto" else \
         parse_dtype(args.data_dtype)
     worker = loaded if data_dtype == loaded.dtype else load_model(args.model, args.device, data_dtype)
-    data_path = Path(args.data) if args.data else cache_root() / "draft_data" / f"{Path(loaded.name).name}.jsonl"
+    data_paths = [Path(name) for name in args.data.split(",") if name.strip()] if args.data else \
+        [cache_root() / "draft_data" / f"{Path(loaded.name).name}.jsonl"]
+    missing = [path for path in data_paths[:-1] if not path.is_file()]
+    if missing:
+        raise ConfigError(f"--data: {', '.join(map(str, missing))} not found (only the last file named is written "
+                          f"when missing).")
     generate_s = 0.0
-    if data_path.is_file():
-        samples = draft_data.load(data_path)
-        print(f"train-draft: {len(samples)} answers from {data_path}", flush=True)
-    else:
-        prompts = draft_data.chat_prompts(args.prompts, seed=args.seed)
+    files = []  # (path, its answers)
+    for path in data_paths:
+        if path.is_file():
+            files.append((path, draft_data.load(path)))
+            print(f"train-draft: {len(files[-1][1])} answers from {path}", flush=True)
+            continue
+        prompts = draft_data.chat_prompts(args.prompts, seed=args.seed, prompt_set=args.prompt_set)
         generate_started = time.perf_counter()
         samples = []
         for temperature in temperatures:
@@ -467,19 +481,28 @@ def run_train_draft(args) -> int:
                                            progress=lambda done, total: bar.update(done - bar.n))
             bar.close()
         generate_s = time.perf_counter() - generate_started
-        data_path.parent.mkdir(parents=True, exist_ok=True)
-        draft_data.save(data_path, samples)
-        print(f"train-draft: wrote {len(samples)} answers to {data_path} in {generate_s:.0f} s", flush=True)
-    kept = [sample for sample in samples if len(sample["ids"]) > sample["prompt_tokens"] + args.heads + 1]
-    sequences = [sample["ids"] for sample in kept]
-    groups = [sample["prompt"] for sample in kept]  # a prompt's answers are all trained on or all held out
-    starts = [sample["prompt_tokens"] - 1 for sample in kept]  # the position that predicts the answer's first token
-    if args.text:
-        text = text_sequences(loaded.tokenizer)
-        sequences, starts = sequences + text, starts + [0] * len(text)
-        groups += [-1 - i for i in range(len(text))]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        draft_data.save(path, samples)
+        files.append((path, samples))
+        print(f"train-draft: wrote {len(samples)} answers to {path} in {generate_s:.0f} s", flush=True)
+    # Per file: its answers' sequences (the first file's with the plain text after them), each file's model targets
+    # cached beside it, and groups that keep a prompt's answers together and the files' prompts apart.
+    sequences, starts, groups, targets, samples = [], [], [], [], []
     targets_started = time.perf_counter()
-    targets = _cached_targets(worker, sequences, data_path)
+    for number, (path, answers) in enumerate(files):
+        kept = [sample for sample in answers if len(sample["ids"]) > sample["prompt_tokens"] + args.heads + 1]
+        file_sequences = [sample["ids"] for sample in kept]
+        file_starts = [sample["prompt_tokens"] - 1 for sample in kept]  # the position predicting the first token
+        file_groups = [number * GROUPS_PER_FILE + sample["prompt"] for sample in kept]
+        if args.text and number == 0:
+            text = text_sequences(loaded.tokenizer)
+            file_sequences, file_starts = file_sequences + text, file_starts + [0] * len(text)
+            file_groups += [-1 - i for i in range(len(text))]
+        sequences += file_sequences
+        starts += file_starts
+        groups += file_groups
+        targets += _cached_targets(worker, file_sequences, path)
+        samples += answers
     targets_s = time.perf_counter() - targets_started
     heads, curve = train_heads(loaded, args.kind, sequences, starts, targets, steps=args.steps, num_heads=args.heads,
                                draft_vocab=args.draft_vocab, lr=args.lr, batch_size=args.batch_size,
@@ -487,7 +510,8 @@ def run_train_draft(args) -> int:
                                unroll=args.unroll, validation=args.validation, groups=groups,
                                log_every=args.log_every, seed=args.seed)
     report = heads.meta
-    report["data"].update(answers=len(samples), data_file=data_path.name, calibration_text=bool(args.text),
+    report["data"].update(answers=len(samples), data_files=[path.name for path, _ in files],
+                          calibration_text=bool(args.text),
                           model_dtype=worker.dtype_name,
                           temperatures=sorted({sample.get("temperature", 0.0) for sample in samples}))
     report["seconds"].update(generate=round(generate_s), targets=round(targets_s),

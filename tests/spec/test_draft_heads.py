@@ -426,15 +426,20 @@ def test_validation_holds_out_whole_prompts():
 def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers, tmp_path, capsys):
     from inference_core.cli import main
 
-    data = tmp_path / "answers.jsonl"
-    data.write_text("".join(json.dumps({"prompt": i, "prompt_tokens": 4, "ids": ids}) + "\n"
-                            for i, ids in enumerate(tiny_answers)))
+    # Two answer files, trained on together (each file's targets cached beside it).
+    half = len(tiny_answers) // 2
+    data, more = tmp_path / "answers.jsonl", tmp_path / "more.jsonl"
+    for path, answers in ((data, tiny_answers[:half]), (more, tiny_answers[half:])):
+        path.write_text("".join(json.dumps({"prompt": i, "prompt_tokens": 4, "ids": ids}) + "\n"
+                                for i, ids in enumerate(answers)))
     out = tmp_path / "heads" / "tiny-medusa.safetensors"
-    assert main(["train-draft", "--kind", "medusa", "--model", tiny.name, "--device", "cpu", "--data", str(data),
-                 "--no-text", "--heads", "2", "--draft-vocab", "16", "--steps", "30", "--batch-size", "64",
+    assert main(["train-draft", "--kind", "medusa", "--model", tiny.name, "--device", "cpu",
+                 "--data", f"{data},{more}", "--no-text", "--heads", "2", "--draft-vocab", "16", "--steps", "30", "--batch-size", "64",
                  "--log-every", "5", "--data-dtype", "bfloat16", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["kind"] == "medusa" and report["steps"] == 30 and report["data"]["answers"] == len(tiny_answers)
+    assert report["data"]["data_files"] == ["answers.jsonl", "more.jsonl"]
+    assert len(list(tmp_path.glob("answers.*.targets.pt"))) == len(list(tmp_path.glob("more.*.targets.pt"))) == 1
     assert report["data"]["model_dtype"] == "bfloat16" and report["arguments"]["dtype"] == "float32"
     assert report["data"]["temperatures"] == [0.0]  # answers without a temperature are greedy ones
     assert len(report["validation_top1_agreement"]) == 2 and report["seconds"]["total"] >= 0
@@ -450,6 +455,8 @@ def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers,
     assert "--draft-heads is used only with --spec medusa or --spec eagle" in capsys.readouterr().err
     assert main(["train-draft", "--kind", "eagle", "--model", tiny.name, "--temperatures", "0,hot"]) == 2
     assert "--temperatures takes comma-separated temperatures >= 0" in capsys.readouterr().err
+    assert main(["train-draft", "--kind", "eagle", "--model", tiny.name, "--data", f"{tmp_path / 'none'},{more}"]) == 2
+    assert "only the last file named is written when missing" in capsys.readouterr().err
     assert main(["train-draft", "--kind", "eagle", "--model", tiny.name, "--unroll", "0"]) == 2
     assert "--unroll >= 1" in capsys.readouterr().err
 

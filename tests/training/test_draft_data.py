@@ -3,6 +3,9 @@ in batches equal to its answers one at a time."""
 
 from __future__ import annotations
 
+from collections import Counter
+
+import pytest
 from conftest import make_engine
 from inference_core import SamplingParams
 from inference_core.training import draft_data
@@ -10,14 +13,23 @@ from inference_core.training.draft_data import _four_grams, bench_four_grams, ch
 
 
 def test_prompts_are_many_distinct_seeded_and_held_out_from_the_benchmark():
-    prompts = chat_prompts(5000)
-    assert len(prompts) >= 1500 and len(set(prompts)) == len(prompts)
+    templates, varied, both = (chat_prompts(20000, prompt_set=name) for name in ("templates", "varied", "all"))
+    assert len(templates) >= 1500 and len(varied) >= 6000 and set(both) == set(templates) | set(varied)
+    assert len(set(both)) == len(both) and not set(templates) & set(varied)
     assert chat_prompts(50, seed=1) == chat_prompts(50, seed=1) != chat_prompts(50, seed=2)
     held_out = bench_four_grams()
-    assert held_out and not any(_four_grams(prompt) & held_out for prompt in prompts)
-    assert any(prompt.startswith("Summarize this passage") for prompt in prompts)  # shipped public-domain text
-    assert sum("Python" in prompt for prompt in prompts) >= 100
-    assert any(prompt.startswith("What does this Python code do?\n\ndef ") for prompt in prompts)  # code to read
+    assert held_out and not any(_four_grams(prompt) & held_out for prompt in both)
+    assert any(prompt.startswith("Summarize this passage") for prompt in templates)  # shipped public-domain text
+    assert sum("Python" in prompt for prompt in templates) >= 100
+    assert any(prompt.startswith("What does this Python code do?\n\ndef ") for prompt in templates)  # code to read
+    # The varied set: each family of requests is there, and no opening is a large share of it.
+    for opening in ("Explain ", "Why ", "How do I get started", "Compare ", "Write a short email", "Show me Rust",
+                    "What is a closure in programming?", "A train travels"):
+        assert any(prompt.startswith(opening) for prompt in varied), opening
+    openings = Counter(" ".join(prompt.split()[:3]) for prompt in varied)
+    assert openings.most_common(1)[0][1] < 0.06 * len(varied), openings.most_common(3)
+    with pytest.raises(ValueError, match="prompt_set must be one of"):
+        chat_prompts(5, prompt_set="some")
 
 
 def test_batched_answers_equal_solo_answers(bundled, tmp_path, monkeypatch):

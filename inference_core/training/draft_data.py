@@ -185,11 +185,12 @@ def generate(loaded: LoadedModel, prompts: list[str], *, max_new_tokens: int = 1
              seed: int = 0, batch_size: int = 16, max_seq_len: int = 1024,
              progress: Callable[[int, int], None] | None = None) -> list[dict]:
     """The model's answers to `prompts` (greedy at temperature 0, else sampled with seed + index), `batch_size`
-    requests per engine step: a list of {"prompt": i, "temperature": t, "prompt_tokens": n, "ids": prompt ids +
-    answer ids}."""
+    requests per engine step, each within `max_seq_len` tokens (or the model's context, where shorter): a list of
+    {"prompt": i, "temperature": t, "prompt_tokens": n, "ids": prompt ids + answer ids}."""
     prompt_ids = [loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}]) for prompt in prompts]
     # The KV pool holds `batch_size` of the longest requests at once, so that `batch_size` answers are written side
     # by side (the engine's default pool holds one max_seq_len sequence: a handful of answers at a time).
+    max_seq_len = min(max_seq_len, loaded.config.max_position_embeddings)
     longest = max(len(ids) for ids in prompt_ids) + max_new_tokens
     engine = Engine(loaded, EngineConfig(kv_mode="paged", max_seq_len=max_seq_len, max_num_seqs=batch_size,
                                          prefix_cache=False, kv_cache_tokens=batch_size * min(longest, max_seq_len)))

@@ -396,6 +396,59 @@ def _cached_targets(loaded, sequences: list[list[int]], data_path: Path):
     return targets
 
 
+def _answer_files(args, worker, model_name: str, temperatures: list[float]) -> tuple[list, float]:
+    """The answer files of --data as [(path, answers)], the last one written first where it is missing (the model's
+    answers to --prompts prompts of --prompt-set at each temperature); and the seconds that writing took."""
+    paths = [Path(name) for name in args.data.split(",") if name.strip()] if args.data else \
+        [cache_root() / "draft_data" / f"{Path(model_name).name}.jsonl"]
+    missing = [path for path in paths[:-1] if not path.is_file()]
+    if missing:
+        raise ConfigError(f"--data: {', '.join(map(str, missing))} not found (only the last file named is written "
+                          f"when missing).")
+    files, generate_s = [], 0.0
+    for path in paths:
+        if path.is_file():
+            files.append((path, draft_data.load(path)))
+            print(f"train-draft: {len(files[-1][1])} answers from {path}", flush=True)
+            continue
+        prompts = draft_data.chat_prompts(args.prompts, seed=args.seed, prompt_set=args.prompt_set)
+        generate_started = time.perf_counter()
+        answers = []
+        for temperature in temperatures:
+            bar = tqdm(total=len(prompts), desc=f"answers at temperature {temperature:g}", unit="prompt")
+            answers += draft_data.generate(worker, prompts, max_new_tokens=args.max_new_tokens,
+                                           temperature=temperature, seed=args.seed, batch_size=args.data_batch,
+                                           progress=lambda done, total: bar.update(done - bar.n))
+            bar.close()
+        generate_s = time.perf_counter() - generate_started
+        path.parent.mkdir(parents=True, exist_ok=True)
+        draft_data.save(path, answers)
+        files.append((path, answers))
+        print(f"train-draft: wrote {len(answers)} answers to {path} in {generate_s:.0f} s", flush=True)
+    return files, generate_s
+
+
+def _training_sequences(files, worker, heads: int, text: bool) -> tuple[list, list, list, list]:
+    """From the answer files: the sequences to learn from (the first file's followed by the shipped text where `text`),
+    the position each starts learning at, their groups (a prompt's answers held out together, the files' prompts
+    apart) and the model's targets, cached beside each file."""
+    sequences, starts, groups, targets = [], [], [], []
+    for number, (path, answers) in enumerate(files):
+        kept = [sample for sample in answers if len(sample["ids"]) > sample["prompt_tokens"] + heads + 1]
+        file_sequences = [sample["ids"] for sample in kept]
+        file_starts = [sample["prompt_tokens"] - 1 for sample in kept]  # the position predicting the first token
+        file_groups = [number * GROUPS_PER_FILE + sample["prompt"] for sample in kept]
+        if text and number == 0:
+            plain = text_sequences(worker.tokenizer)
+            file_sequences, file_starts = file_sequences + plain, file_starts + [0] * len(plain)
+            file_groups += [-1 - i for i in range(len(plain))]
+        sequences += file_sequences
+        starts += file_starts
+        groups += file_groups
+        targets += _cached_targets(worker, file_sequences, path)
+    return sequences, starts, groups, targets
+
+
 def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     """`python -m inference_core train-draft`'s flags."""
     parser.add_argument("--kind", choices=("medusa", "eagle"), required=True)
@@ -458,52 +511,11 @@ def run_train_draft(args) -> int:
     data_dtype = choose_dtype(loaded.device, loaded.config)[0] if args.data_dtype == "auto" else \
         parse_dtype(args.data_dtype)
     worker = loaded if data_dtype == loaded.dtype else load_model(args.model, args.device, data_dtype)
-    data_paths = [Path(name) for name in args.data.split(",") if name.strip()] if args.data else \
-        [cache_root() / "draft_data" / f"{Path(loaded.name).name}.jsonl"]
-    missing = [path for path in data_paths[:-1] if not path.is_file()]
-    if missing:
-        raise ConfigError(f"--data: {', '.join(map(str, missing))} not found (only the last file named is written "
-                          f"when missing).")
-    generate_s = 0.0
-    files = []  # (path, its answers)
-    for path in data_paths:
-        if path.is_file():
-            files.append((path, draft_data.load(path)))
-            print(f"train-draft: {len(files[-1][1])} answers from {path}", flush=True)
-            continue
-        prompts = draft_data.chat_prompts(args.prompts, seed=args.seed, prompt_set=args.prompt_set)
-        generate_started = time.perf_counter()
-        samples = []
-        for temperature in temperatures:
-            bar = tqdm(total=len(prompts), desc=f"answers at temperature {temperature:g}", unit="prompt")
-            samples += draft_data.generate(worker, prompts, max_new_tokens=args.max_new_tokens,
-                                           temperature=temperature, seed=args.seed, batch_size=args.data_batch,
-                                           progress=lambda done, total: bar.update(done - bar.n))
-            bar.close()
-        generate_s = time.perf_counter() - generate_started
-        path.parent.mkdir(parents=True, exist_ok=True)
-        draft_data.save(path, samples)
-        files.append((path, samples))
-        print(f"train-draft: wrote {len(samples)} answers to {path} in {generate_s:.0f} s", flush=True)
-    # Per file: its answers' sequences (the first file's with the plain text after them), each file's model targets
-    # cached beside it, and groups that keep a prompt's answers together and the files' prompts apart.
-    sequences, starts, groups, targets, samples = [], [], [], [], []
+    files, generate_s = _answer_files(args, worker, loaded.name, temperatures)
     targets_started = time.perf_counter()
-    for number, (path, answers) in enumerate(files):
-        kept = [sample for sample in answers if len(sample["ids"]) > sample["prompt_tokens"] + args.heads + 1]
-        file_sequences = [sample["ids"] for sample in kept]
-        file_starts = [sample["prompt_tokens"] - 1 for sample in kept]  # the position predicting the first token
-        file_groups = [number * GROUPS_PER_FILE + sample["prompt"] for sample in kept]
-        if args.text and number == 0:
-            text = text_sequences(loaded.tokenizer)
-            file_sequences, file_starts = file_sequences + text, file_starts + [0] * len(text)
-            file_groups += [-1 - i for i in range(len(text))]
-        sequences += file_sequences
-        starts += file_starts
-        groups += file_groups
-        targets += _cached_targets(worker, file_sequences, path)
-        samples += answers
+    sequences, starts, groups, targets = _training_sequences(files, worker, args.heads, args.text)
     targets_s = time.perf_counter() - targets_started
+    samples = [sample for _, answers in files for sample in answers]
     heads, curve = train_heads(loaded, args.kind, sequences, starts, targets, steps=args.steps, num_heads=args.heads,
                                draft_vocab=args.draft_vocab, lr=args.lr, batch_size=args.batch_size,
                                batch_tokens=args.batch_tokens, noise=args.noise, cls_weight=args.cls_weight,
@@ -511,8 +523,7 @@ def run_train_draft(args) -> int:
                                log_every=args.log_every, seed=args.seed)
     report = heads.meta
     report["data"].update(answers=len(samples), data_files=[path.name for path, _ in files],
-                          calibration_text=bool(args.text),
-                          model_dtype=worker.dtype_name,
+                          calibration_text=bool(args.text), model_dtype=worker.dtype_name,
                           temperatures=sorted({sample.get("temperature", 0.0) for sample in samples}))
     report["seconds"].update(generate=round(generate_s), targets=round(targets_s),
                              total=round(time.perf_counter() - started))

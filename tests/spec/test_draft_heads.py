@@ -423,7 +423,7 @@ def test_validation_holds_out_whole_prompts():
     assert len(validation_split(range(5), 0.05, seed=0)[1]) == 1  # at least one
 
 
-def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers, tmp_path, capsys):
+def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers, tmp_path, capsys, monkeypatch):
     from inference_core.cli import main
 
     # Two answer files, trained on together (each file's targets cached beside it).
@@ -455,6 +455,19 @@ def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers,
     assert "--draft-heads is used only with --spec medusa or --spec eagle" in capsys.readouterr().err
     assert main(["train-draft", "--kind", "eagle", "--model", tiny.name, "--temperatures", "0,hot"]) == 2
     assert "--temperatures takes comma-separated temperatures >= 0" in capsys.readouterr().err
+    # A missing last file is written first: the model's answers to prompts of the chosen set (the tiny model has no
+    # chat template, so each prompt stands as four token ids of its own).
+    from inference_core.model.tokenizer import Tokenizer
+    monkeypatch.setattr(Tokenizer, "encode_chat",
+                        lambda self, messages: [1, 5, 9, 3 + sum(map(ord, messages[-1]["content"])) % 12])
+    written = tmp_path / "varied.jsonl"
+    assert main(["train-draft", "--kind", "eagle", "--model", tiny.name, "--device", "cpu", "--data",
+                 f"{data},{written}", "--prompt-set", "varied", "--prompts", "3", "--temperatures", "0",
+                 "--max-new-tokens", "8", "--no-text", "--draft-vocab", "16", "--steps", "2",
+                 "--out", str(tmp_path / "tiny-eagle.safetensors")]) == 0
+    answers = [json.loads(line) for line in written.read_text().splitlines()]
+    assert len(answers) == 3 and all(len(answer["ids"]) > answer["prompt_tokens"] for answer in answers)
+    assert json.loads((tmp_path / "tiny-eagle.json").read_text())["data"]["answers"] == half + 3
     assert main(["train-draft", "--kind", "eagle", "--model", tiny.name, "--data", f"{tmp_path / 'none'},{more}"]) == 2
     assert "only the last file named is written when missing" in capsys.readouterr().err
     assert main(["train-draft", "--kind", "eagle", "--model", tiny.name, "--unroll", "0"]) == 2

@@ -3,10 +3,11 @@ head learns what this model says), generated with our engine in batches.
 
 `chat_prompts(count, seed)` builds prompts offline from task templates crossed with topics, coding tasks (write a
 function; read, test, fix or speed up a given one), passages of the shipped public-domain calibration text (Pride
-and Prejudice, chapters 1-5; the quality evaluation's text stays out), and the varied requests of `varied_prompts`. A prompt that shares any four consecutive words
-with a benchmark prompt is dropped, so the benchmark set stays held out. `generate(loaded, prompts, ...)` answers them,
-greedy or sampled, many requests per engine step, and returns each sample's token ids (prompt through the chat template,
-then the answer) with the prompt's length; `save`/`load` keep them as JSON lines.
+and Prejudice, chapters 1-5; the quality evaluation's text stays out), and the varied requests of `varied_prompts`.
+A prompt that shares any four consecutive words with a benchmark prompt is dropped, so the benchmark set stays held
+out. `generate(loaded, prompts, ...)` answers them, greedy or sampled, many requests per engine step, and returns each
+sample's token ids (prompt through the chat template, then the answer) with the prompt's length; `save`/`load` keep
+them as JSON lines.
 """
 
 from __future__ import annotations
@@ -131,10 +132,10 @@ CODE_SNIPPET_TASKS = (
     "Make this code more Pythonic and explain the changes:\n\n{code}",
     "How could this code run faster on large inputs?\n\n{code}",
 )
-PROMPT_SETS = ("all", "templates", "varied")
-VARIED_POOL = 8000  # prompts drawn from the varied grammar (seed 0) before the benchmark's are held out
 PASSAGE_TASKS = ("Summarize this passage:\n\n{passage}", "What happens in this passage?\n\n{passage}",
                  "Who are the people in this passage, and what do they want?\n\n{passage}")
+PROMPT_SETS = ("all", "templates", "varied")
+VARIED_POOL = 8000  # prompts drawn from the varied grammar (seed 0) before the benchmark's are held out
 
 
 def _words(text: str) -> list[str]:

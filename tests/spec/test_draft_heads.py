@@ -434,8 +434,8 @@ def test_train_draft_command_writes_weights_curve_and_report(tiny, tiny_answers,
                                 for i, ids in enumerate(answers)))
     out = tmp_path / "heads" / "tiny-medusa.safetensors"
     assert main(["train-draft", "--kind", "medusa", "--model", tiny.name, "--device", "cpu",
-                 "--data", f"{data},{more}", "--no-text", "--heads", "2", "--draft-vocab", "16", "--steps", "30", "--batch-size", "64",
-                 "--log-every", "5", "--data-dtype", "bfloat16", "--out", str(out)]) == 0
+                 "--data", f"{data},{more}", "--no-text", "--heads", "2", "--draft-vocab", "16", "--steps", "30",
+                 "--batch-size", "64", "--log-every", "5", "--data-dtype", "bfloat16", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["kind"] == "medusa" and report["steps"] == 30 and report["data"]["answers"] == len(tiny_answers)
     assert report["data"]["data_files"] == ["answers.jsonl", "more.jsonl"]

@@ -208,7 +208,7 @@ def _print_stats(s: GenerationStats, spec_method: str) -> None:
         how = f"{s.compile['from_disk']} of them loaded from the disk cache, " if s.compile.get("from_disk") else ""
         print(f"[compiled decode, {s.compile['mode']}: {s.compile['graphs']} graphs ({how}compiled or loaded in "
               f"{s.compile['warmup_s']:.1f} s ({s.compile['compile_s']:.1f} s of it during this request, left out of "
-              f"decode tok/s), {s.compile['recompiles']} recompiles]", file=sys.stderr)
+              f"TTFT and decode tok/s), {s.compile['recompiles']} recompiles]", file=sys.stderr)
     if s.spec:
         tree = f", a tree {s.spec['tree_width']} wide" if s.spec["tree_width"] > 1 else ""
         print(f"[speculative {spec_method}, k={s.spec['k']}{tree}: {s.spec['accepted']} of "

@@ -65,9 +65,9 @@ class GenerationStats:
     cached_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
     generated_tokens: int
     finish_reason: str  # "eos" | "stop" | "length" | "stopped" (StopGeneration)
-    ttft_ms: float  # tokenization + prefill + first sampling, on the request's own clock
+    ttft_ms: float  # tokenization + prefill + first sampling, on the request's own clock (compiling left out)
     prefill_tokens_per_s: float  # computed (not cached) prompt tokens / the prefill steps' time
-    decode_tokens_per_s: float  # tokens after the first / busy time from the first token to the last
+    decode_tokens_per_s: float  # tokens after the first / busy time from the first token to the last (the same)
     total_ms: float
     kv_bytes_in_use: int  # KV of this request's tokens at its end
     kv_bytes_reserved: int  # KV memory set aside for this request (contiguous: its whole slot; paged: its blocks)
@@ -76,7 +76,9 @@ class GenerationStats:
     queue_ms: float = 0.0  # wall time from submission to its first scheduled step
     batch_size_mean: float = 1.0  # mean number of sequences in the steps that served this request
     # Compiled decode (None when eager): the engine's `compiled.CompileStats` at the end of this request, and
-    # `compile_s`, the seconds this request waited for a graph to compile (left out of decode_tokens_per_s).
+    # `compile_s`, the seconds this request waited for a graph to compile or a package to load (left out of ttft_ms
+    # and decode_tokens_per_s: a compiled engine's first prefill loads the flat step's package, its first
+    # verification the query step's).
     compile: dict | None = None
     grammar_ms: float = 0.0  # a constrained request: time its grammar's masks took (part of total_ms)
 
@@ -139,6 +141,7 @@ class Request:
         self.finished_at: float | None = None  # wall clock of the final event
         self.busy_s = tokenize_s
         self.first_token_busy_s: float | None = None
+        self.first_token_compile_s = 0.0  # compile_s when the first token came
         self.prefill_s = 0.0  # steps that computed prompt tokens (the first token's step included)
         self.compile_s = 0.0  # time its steps spent compiling decode graphs (compiled engines only)
         self.cached_prompt_tokens: int | None = None  # set at first admission
@@ -281,6 +284,7 @@ class Request:
         first = seq.num_generated_tokens == 1
         if first:
             self.first_token_busy_s = self.busy_s
+            self.first_token_compile_s = self.compile_s
             self.first_token_at = time.perf_counter()
         return TokenEvent(token, delta, seq.num_generated_tokens - 1, self.busy_s, step_s * 1e3, draft, rejected_ids,
                           self.cached_prompt_tokens if first else None, batch_size,
@@ -291,13 +295,14 @@ class Request:
     def stats(self, kv_mode: str, kv_usage: tuple[int, int], compile_stats: dict | None = None) -> GenerationStats:
         generated = self.seq.num_generated_tokens
         first_busy = self.first_token_busy_s if self.first_token_busy_s is not None else self.busy_s
-        decode_s = self.busy_s - first_busy - self.compile_s  # graphs compile in decode steps only
+        first_compile = self.first_token_compile_s if self.first_token_busy_s is not None else self.compile_s
+        decode_s = self.busy_s - first_busy - (self.compile_s - first_compile)
         decode_tokens = max(generated - 1, 0)
         queue_s = (self.first_scheduled_at or time.perf_counter()) - self.submitted_at
         return GenerationStats(
             kv_mode=kv_mode, prompt_tokens=self.seq.num_prompt_tokens,
             cached_prompt_tokens=self.cached_prompt_tokens or 0, generated_tokens=generated,
-            finish_reason=self.finish_reason or "stopped", ttft_ms=first_busy * 1e3,
+            finish_reason=self.finish_reason or "stopped", ttft_ms=(first_busy - first_compile) * 1e3,
             prefill_tokens_per_s=self.num_computed_prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0,
             decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
             total_ms=self.busy_s * 1e3, kv_bytes_in_use=kv_usage[0], kv_bytes_reserved=kv_usage[1],

@@ -325,3 +325,24 @@ def test_chat_answer_ends_with_eos(bundled):
     assert finish.text == "The capital of France is Paris."  # no "<|im_end|>" at the end
     assert "".join(t.text for t in tokens) == finish.text
     assert_nothing_held(engine)
+
+
+def test_compiling_is_left_out_of_ttft_and_decode_rate():
+    """A compiled engine's first prefill loads the flat step's package and its first verification the query step's:
+    that time counts in neither the TTFT nor the decode rate, whichever step it fell in (it once made the decode
+    time negative, reported as 0 tok/s)."""
+    from inference_core.engine.request import Request
+
+    class Letters:
+        def add(self, token: int) -> str:
+            return "a"
+
+    request = Request([1, 2, 3], SamplingParams(max_new_tokens=8), SpecConfig(), detokenizer=Letters(),
+                      eos_ids=frozenset(), device="cpu")
+    for step_s, compile_s in ((0.5, 0.4), (0.1, 0.05), (0.1, 0.0)):  # prefill and first token, then two decodes
+        request.account_step(step_s, 1, 3 if step_s == 0.5 else 0, compile_s)
+        request.record(7, step_s, 1)
+    stats = request.stats("paged", (0, 0), {"graphs": 3})
+    assert stats.ttft_ms == pytest.approx(100.0)
+    assert stats.decode_tokens_per_s == pytest.approx(2 / 0.15)
+    assert stats.compile["compile_s"] == pytest.approx(0.45)

@@ -374,6 +374,8 @@ class CompiledDecoder:
             for pool in (kv_cache.k, kv_cache.v):
                 torch._dynamo.mark_static_address(pool, guard=False)
         self._programs: dict = {}  # aoti: bucket (or ("queries", bucket, query bucket)) -> loaded package
+        self._query_buckets: dict = {}  # `_query_bucket`'s answers
+        self._new_masks: dict = {}  # `_new_mask`'s masks by shape
         self._ready_buckets: set[int] = set()  # buckets whose graph has run in this engine
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
         self._key_positions = torch.arange(self.max_width * self.block_size, device=device)  # for the key masks
@@ -569,23 +571,20 @@ class CompiledDecoder:
         it."""
         self.kv_cache.settle()
         count, bucket = len(seqs), self.bucket_for(len(seqs))
-        # Queries a sequence: the fewest of a package already loaded that hold the step's, else the step's own.
-        queries = min((key[2] for key in self._programs if isinstance(key, tuple) and key[0] == "queries"
-                       and key[1] == bucket
-                       and key[2] >= max(num_new_tokens)), default=max(num_new_tokens))
+        queries = self._query_bucket(bucket, max(num_new_tokens))
         firsts = [seq.num_computed_tokens for seq in seqs]
-        news = torch.tensor(num_new_tokens + [1] * (bucket - count))
-        starts = torch.tensor(firsts + [0] * (bucket - count))
-        offsets = torch.arange(queries)
-        steps = torch.minimum(offsets[None, :], news[:, None] - 1)  # [B, T]: padding repeats the last
-        if tree is not None:  # the nodes' depths below node 0 instead of their order
-            steps = torch.tensor(tree[0])[steps]
-        positions = starts[:, None] + steps
-        input_ids = torch.zeros(bucket, queries, dtype=torch.long)
-        for row, (seq, first, new) in enumerate(zip(seqs, firsts, num_new_tokens)):
-            tokens = seq.token_ids[first:first + new]
-            input_ids[row, :new] = torch.tensor(tokens)
-            input_ids[row, new:] = tokens[-1]
+        news, starts = num_new_tokens + [1] * (bucket - count), firsts + [0] * (bucket - count)
+        # Each row's new tokens and their positions, its last one repeated up to `queries` (padding rows: token 0 at
+        # position 0), built as lists: a verification's inputs were a dozen small tensor ops, a tenth of a
+        # millisecond of a step, more with the caches cold after the forward before.
+        depths = tree[0] if tree is not None else range(queries)  # a tree's nodes sit at their depths below node 0
+        position_rows, id_rows = [], []
+        for row, (first, new) in enumerate(zip(starts, news)):
+            steps = [min(offset, new - 1) for offset in range(queries)]
+            position_rows.append([first + depths[step] for step in steps])
+            tokens = seqs[row].token_ids[first:first + new] if row < count else [0]
+            id_rows.append([tokens[step] for step in steps])
+        positions, input_ids = torch.tensor(position_rows), torch.tensor(id_rows)
         width = self._width_needed(max(firsts) - 1)  # the cached keys: positions before each first new token
         if self.paged:  # the mask hides the padding blocks and those a sliding window gave back
             read_index = self._block_rows(seqs, bucket, width)
@@ -597,25 +596,22 @@ class CompiledDecoder:
         key_positions = torch.arange(width * self.block_size)
         # [B, T, width], whole (a package exported with one shape reads the strides of that shape: a mask broadcast
         # over T here gave every query after the first another query's row).
-        key_mask = (key_positions[None, None, :] < starts[:, None, None]).expand(bucket, queries, -1)
-        new_mask = (offsets[:, None] >= offsets[None, :]) & (offsets[None, None, :] < news[:, None, None])
-        if tree is not None:
-            nodes = num_new_tokens[0]
-            new_mask[0, :nodes, :nodes] = tree[1]
-        new_mask |= torch.eye(queries, dtype=torch.bool)  # [B, T, T]: every query (padding too) sees its own key
+        key_mask = key_positions.expand(bucket, queries, -1) < torch.tensor(starts)[:, None, None]
+        new_mask = self._new_mask(queries, news, tree)
         window, sinks = self.kv_cache.sliding_window, self.kv_cache.attention_sinks
         if window is not None:  # a query at position p sees keys at positions p - window + 1 .. p, and the sinks
             key_mask = key_mask & window_mask(key_positions[None, None, :], positions[:, :, None], window, sinks)
-            new_mask &= window_mask(positions[:, None, :], positions[:, :, None], window, sinks)
+            new_mask = new_mask & window_mask(positions[:, None, :], positions[:, :, None], window, sinks)
         args = (input_ids, positions, read_index, key_mask, new_mask, *pool)
         logits, hidden, new_k, new_v = self._call_package(("queries", bucket, queries), args, self.query_step)
         # The real queries' rows of the flat [B * T] outputs, in the sequences' order.
         rows = [row * queries + offset for row, new in enumerate(num_new_tokens) for offset in range(new)]
         token_seqs = [seq for seq, new in zip(seqs, num_new_tokens) for _ in range(new)]
         token_positions = [first + offset for first, new in zip(firsts, num_new_tokens) for offset in range(new)]
-        index = torch.tensor(rows)
-        self._store(new_k.index_select(1, index), new_v.index_select(1, index), token_seqs, token_positions,
-                    torch.tensor(token_positions), slot_rows)
+        if len(rows) < new_k.shape[1]:  # padding queries or rows: the real ones' KV only
+            index = torch.tensor(rows)
+            new_k, new_v = new_k.index_select(1, index), new_v.index_select(1, index)
+        self._store(new_k, new_v, token_seqs, token_positions, torch.tensor(token_positions), slot_rows)
         logit_rows = [row * queries + offset for row, new in enumerate(num_new_tokens)
                       for offset in range(new - min(num_logits, new), new)]
         # Consecutive rows (one sequence's verification) as a view: indexing copied 0.8 MB of fresh memory, 0.17 ms.
@@ -623,6 +619,35 @@ class CompiledDecoder:
         consecutive = logit_rows[-1] - logit_rows[0] + 1 == len(logit_rows)
         return (logits[logit_rows[0]:logit_rows[-1] + 1] if consecutive else logits[logit_rows],
                 [hidden[row * queries:row * queries + new] for row, new in enumerate(num_new_tokens)])
+
+    def _query_bucket(self, bucket: int, longest: int) -> int:
+        """Queries a sequence for a step of `longest` new tokens at most: the fewest of a package already loaded that
+        holds them, else the step's own."""
+        key = (bucket, longest, len(self._programs))
+        queries = self._query_buckets.get(key)
+        if queries is None:
+            queries = self._query_buckets[key] = min(
+                (program[2] for program in self._programs if isinstance(program, tuple) and program[0] == "queries"
+                 and program[1] == bucket and program[2] >= longest), default=longest)
+        return queries
+
+    def _new_mask(self, queries: int, news: list[int], tree) -> torch.Tensor:
+        """[B, T, T] bool: which of its row's new keys each query sees (causal within the row's `news[b]` new tokens,
+        or `tree`'s mask; every query, padding too, sees its own key). Kept by shape: a step of the same shape reads
+        the same tensor (the packages never write their inputs)."""
+        key = (queries, tuple(news), None if tree is None else (tuple(tree[0]), tree[1].numpy().tobytes()))
+        mask = self._new_masks.get(key)
+        if mask is None:
+            offsets = torch.arange(queries)
+            mask = (offsets[:, None] >= offsets[None, :]) & (offsets[None, None, :] < torch.tensor(news)[:, None, None])
+            if tree is not None:
+                nodes = news[0]
+                mask[0, :nodes, :nodes] = tree[1]
+            mask |= torch.eye(queries, dtype=torch.bool)
+            if len(self._new_masks) >= 256:  # batches of every mix of lengths: keep the most recent shapes
+                self._new_masks.pop(next(iter(self._new_masks)))
+            self._new_masks[key] = mask
+        return mask
 
     @torch.inference_mode()
     def run(self, seqs) -> torch.Tensor:

@@ -29,6 +29,7 @@ Draft sources, each with `propose` (up to k tokens and, when sampling from a mod
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -415,13 +416,9 @@ class DraftTree:
                    parents=[-1, *range(len(chain)), *(depth - 1 for depth, _ in others)])
 
     def mask(self) -> torch.Tensor:
-        """[nodes, nodes] bool: node i sees its ancestors and itself."""
-        rows = torch.zeros(len(self.parents), len(self.parents), dtype=torch.bool)
-        for node, parent in enumerate(self.parents):
-            if parent >= 0:
-                rows[node] = rows[parent]
-            rows[node, node] = True
-        return rows
+        """[nodes, nodes] bool: node i sees its ancestors and itself. One tensor per tree shape (every step of a
+        request drafts the same shape, or a shorter chain): read it, never write it."""
+        return _tree_mask(tuple(self.parents))
 
     def accept_greedy(self, target_ids: list[int]) -> list[int]:
         """The accepted path (node indices below node 0): follow the chain while it matches the target's argmax at
@@ -490,6 +487,16 @@ def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int
     nodes, emitted = [0, *path], [token for token, _, _ in tokens]
     logprobs = token_logprobs(logits[nodes], shaped[nodes], [rows[node] for node in nodes], emitted)
     return [(*token, lp, ()) for token, lp in zip(tokens, logprobs)]
+
+
+@functools.lru_cache(maxsize=64)
+def _tree_mask(parents: tuple[int, ...]) -> torch.Tensor:
+    rows = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            rows[node] = rows[parent]
+        rows[node, node] = True
+    return rows
 
 
 def through_first_eos(drafts: list[int], eos_ids) -> list[int]:

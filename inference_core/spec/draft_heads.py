@@ -537,7 +537,9 @@ class EagleDrafter(_HeadScorer):
         if bucket > tokens:  # padding rows after the real ones, which attend only to what is before them
             features = F.pad(features, (0, 0, 0, bucket - tokens))
             embeddings = F.pad(embeddings, (0, 0, 0, bucket - tokens))
-        positions = (start + torch.arange(bucket)).clamp_(max=len(self.rope[0]) - 1)
+        positions = torch.arange(start, start + bucket)
+        if start + bucket > len(self.rope[0]):  # padding rows past the rotary table read its last angles
+            positions.clamp_(max=len(self.rope[0]) - 1)
         out, keys, values, scores = self.compiled(bucket, (
             features, embeddings, positions, torch.tensor([0, bucket, start], dtype=torch.int32),
             torch.tensor([tokens - 1]), *self.cache))

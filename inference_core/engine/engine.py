@@ -676,7 +676,8 @@ class Engine:
             if getattr(drafter, "compiled", None) is None:
                 return
             for tokens in DRAFT_TOKENS:
-                drafter.compiled(tokens, self._draft_step.example(tokens, drafter.cache))
+                drafter.compiled(tokens, self._draft_step.example(tokens, drafter.cache,
+                                                                  self.loaded.model.embed_tokens.weight))
                 if tokens > spec.max_k:
                     return
         finally:

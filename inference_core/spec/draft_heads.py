@@ -231,21 +231,27 @@ class EagleDraftStep(nn.Module):
     def width_dims(self) -> dict[int, int]:
         return {}  # no dynamic sizes: a package per token bucket, the cache passed whole
 
-    def forward(self, features, embeddings, positions, bounds, row, cache_k, cache_v):
-        """features, embeddings [T, hidden] (f_j and the embedding of token j+1 at positions `positions` [T]); bounds
-        int32 [0, T, first position]: the cache's keys before the first position are read; row [1]: the output row
-        to score. Returns (outputs [T, hidden], new keys and values [T, kv_heads, head_dim], fp32 scores of the row
-        [1, draft vocab])."""
+    def forward(self, features, token_ids, bounds, cache_k, cache_v, embedding):
+        """features [T, hidden]: f_j at positions first.. first + T - 1; token_ids [T]: token j+1 at each, whose
+        embedding is looked up in `embedding` (the target's table [vocab, hidden], an input rather than a copy in the
+        package); bounds int32 [0, T, first, row]: the cache's keys before `first` are read, and output row `row`
+        is scored. Returns (outputs [T, hidden], new keys and values [T, kv_heads, head_dim], fp32 scores of the row
+        [1, draft vocab]). The inputs are two small tensors the drafter builds and the tensors it holds: the host's
+        part of a draft was a dozen small ops, each slow right after the target's forward has cycled the caches."""
+        tokens = features.shape[0]
+        positions = (bounds[2] + torch.arange(tokens, device=features.device)).clamp(max=len(self.cos) - 1)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        embeddings = F.embedding(token_ids, embedding).to(features.dtype)
         x, q, k, v = self.layer._project(features[None], embeddings[None], cos, sin)
-        out = self.layer.finish_over_cache(x, q, k, v, (cache_k, cache_v), self.table, bounds[:2], bounds[2:])[0]
-        return out, k[0], v[0], self.scorer(out.index_select(0, row))[:, :self.vocab].float()
+        out = self.layer.finish_over_cache(x, q, k, v, (cache_k, cache_v), self.table, bounds[:2], bounds[2:3])[0]
+        row = out.index_select(0, bounds[3:].long())
+        return out, k[0], v[0], self.scorer(row)[:, :self.vocab].float()
 
-    def example(self, tokens: int, cache: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    def example(self, tokens: int, cache: tuple[torch.Tensor, torch.Tensor], embedding: torch.Tensor) -> tuple:
         """Inputs of a `tokens`-token step over `cache` (a drafter's), for building its package before a request."""
         hidden = self.cos.new_zeros(tokens, len(self.layer.norm.weight))
-        return (hidden, hidden.clone(), torch.arange(tokens), torch.tensor([0, tokens, 0], dtype=torch.int32),
-                torch.zeros(1, dtype=torch.long), *cache)
+        return (hidden, torch.zeros(tokens, dtype=torch.long), torch.tensor([0, tokens, 0, 0], dtype=torch.int32),
+                *cache, embedding)
 
 
 def rope_tables(model: CausalLM, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -525,24 +531,21 @@ class EagleDrafter(_HeadScorer):
     def _step(self, features: torch.Tensor, token_ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft layer over positions start.. (features there, the next tokens' embeddings), its keys and values
         stored in the cache; returns its last output [hidden] and that output's fp32 scores [draft vocab]."""
-        ids = torch.tensor(token_ids, device=features.device)
-        embeddings = self.model.embed_tokens.weight[ids].to(self.heads.dtype)
         tokens = len(token_ids)
         bucket = next((size for size in DRAFT_TOKENS if size >= tokens), None) if self.compiled else None
         if bucket is None:
+            ids = torch.tensor(token_ids, device=features.device)
+            embeddings = self.model.embed_tokens.weight[ids].to(self.heads.dtype)
             cos, sin = (table[start:start + tokens].unsqueeze(1) for table in self.rope)
             out = self.heads.network(features[None], embeddings[None], cos, sin, self.cache, start,
                                      self.our_attention)[0][-1]
             return out, self.scores(out[None])[0]
         if bucket > tokens:  # padding rows after the real ones, which attend only to what is before them
             features = F.pad(features, (0, 0, 0, bucket - tokens))
-            embeddings = F.pad(embeddings, (0, 0, 0, bucket - tokens))
-        positions = torch.arange(start, start + bucket)
-        if start + bucket > len(self.rope[0]):  # padding rows past the rotary table read its last angles
-            positions.clamp_(max=len(self.rope[0]) - 1)
+            token_ids = token_ids + token_ids[-1:] * (bucket - tokens)
         out, keys, values, scores = self.compiled(bucket, (
-            features, embeddings, positions, torch.tensor([0, bucket, start], dtype=torch.int32),
-            torch.tensor([tokens - 1]), *self.cache))
+            features, torch.tensor(token_ids), torch.tensor([0, bucket, start, tokens - 1], dtype=torch.int32),
+            *self.cache, self.model.embed_tokens.weight))
         self.cache[0][start:start + tokens] = keys[:tokens]
         self.cache[1][start:start + tokens] = values[:tokens]
         return out[tokens - 1], scores[0]

@@ -374,7 +374,6 @@ class CompiledDecoder:
             for pool in (kv_cache.k, kv_cache.v):
                 torch._dynamo.mark_static_address(pool, guard=False)
         self._programs: dict = {}  # aoti: bucket (or ("queries", bucket, query bucket)) -> loaded package
-        self._query_buckets: dict = {}  # `_query_bucket`'s answers
         self._new_masks: dict = {}  # `_new_mask`'s masks by shape
         self._ready_buckets: set[int] = set()  # buckets whose graph has run in this engine
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
@@ -571,7 +570,9 @@ class CompiledDecoder:
         it."""
         self.kv_cache.settle()
         count, bucket = len(seqs), self.bucket_for(len(seqs))
-        queries = self._query_bucket(bucket, max(num_new_tokens))
+        # Queries a sequence: the fewest of a package already loaded that hold the step's, else the step's own.
+        queries = min((key[2] for key in self._programs if isinstance(key, tuple) and key[0] == "queries"
+                       and key[1] == bucket and key[2] >= max(num_new_tokens)), default=max(num_new_tokens))
         firsts = [seq.num_computed_tokens for seq in seqs]
         news, starts = num_new_tokens + [1] * (bucket - count), firsts + [0] * (bucket - count)
         # Each row's new tokens and their positions, its last one repeated up to `queries` (padding rows: token 0 at
@@ -593,7 +594,7 @@ class CompiledDecoder:
         slot_rows = None if self.paged else read_index[[row for row, new in enumerate(num_new_tokens)
                                                         for _ in range(new)]]
         pool = self._pool_inputs(read_index)
-        key_positions = torch.arange(width * self.block_size)
+        key_positions = self._key_positions[:width * self.block_size]
         # [B, T, width], whole (a package exported with one shape reads the strides of that shape: a mask broadcast
         # over T here gave every query after the first another query's row).
         key_mask = key_positions.expand(bucket, queries, -1) < torch.tensor(starts)[:, None, None]
@@ -619,17 +620,6 @@ class CompiledDecoder:
         consecutive = logit_rows[-1] - logit_rows[0] + 1 == len(logit_rows)
         return (logits[logit_rows[0]:logit_rows[-1] + 1] if consecutive else logits[logit_rows],
                 [hidden[row * queries:row * queries + new] for row, new in enumerate(num_new_tokens)])
-
-    def _query_bucket(self, bucket: int, longest: int) -> int:
-        """Queries a sequence for a step of `longest` new tokens at most: the fewest of a package already loaded that
-        holds them, else the step's own."""
-        key = (bucket, longest, len(self._programs))
-        queries = self._query_buckets.get(key)
-        if queries is None:
-            queries = self._query_buckets[key] = min(
-                (program[2] for program in self._programs if isinstance(program, tuple) and program[0] == "queries"
-                 and program[1] == bucket and program[2] >= longest), default=longest)
-        return queries
 
     def _new_mask(self, queries: int, news: list[int], tree) -> torch.Tensor:
         """[B, T, T] bool: which of its row's new keys each query sees (causal within the row's `news[b]` new tokens,

@@ -93,3 +93,67 @@ def combine(part_acc, part_stats, out_ptr, out_batch, out_head, out_group, GROUP
     out = tl.sum(weights[:, :, None] * acc, axis=0) / tl.sum(weights * total, axis=0)[:, None]
     tl.store(out_ptr + seq * out_batch + head * out_head + groups[:, None] * out_group + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(groups < GROUP)[:, None])
+
+
+@triton.jit
+def attend_flat(q_ptr, k_ptr, v_ptr, k_pool, v_pool, table_ptr, starts_ptr, cached_ptr, seq_ptr, window_ptr, out_ptr,
+                scale, q_token, q_head, k_token, k_head, v_token, v_head, block_stride, position_stride, head_stride,
+                table_stride, out_token, out_head, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                CHUNK: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One program per (new token, KV head) of a flat step: the group's query heads of token t, the u-th new token of
+    sequence s = seq_ptr[t] (at position p = cached[s] + u), against its own key, then the sequence's cached keys
+    [0, cached[s]) in the pool through its block table, then its earlier new keys (rows [starts[s], t)), CHUNK at a
+    time with an online softmax in fp32. A key at position j is seen where no sliding window cuts it: window[0] == 0,
+    or j > p - window[0], or j < window[1] (the attention sinks). The output is fp32, [N, heads, d] as `out_token`,
+    `out_head` stride it."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    groups = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    lanes = tl.arange(0, CHUNK)
+    in_group = groups < GROUP
+    seq = tl.load(seq_ptr + token).to(tl.int64)
+    start = tl.load(starts_ptr + seq).to(tl.int64)
+    cached = tl.load(cached_ptr + seq).to(tl.int64)
+    new = token - start  # the new tokens before this one
+    position = cached + new
+    size = tl.load(window_ptr).to(tl.int64)
+    sinks = tl.load(window_ptr + 1).to(tl.int64)
+    cut_from = tl.where(size > 0, position - size, -1)  # keys at or before it are out of the window
+    q = tl.load(q_ptr + token * q_token + (head * GROUP + groups)[:, None] * q_head + dims[None, :],
+                mask=in_group[:, None], other=0.0).to(tl.float32)  # [G, D]
+    own_k = tl.load(k_ptr + token * k_token + head * k_head + dims).to(tl.float32)
+    own_v = tl.load(v_ptr + token * v_token + head * v_head + dims).to(tl.float32)
+    # The own key is always seen: the softmax starts from it (its score the running max, its weight 1).
+    best = tl.sum(q * own_k[None, :], axis=1) * scale  # [G]
+    total = tl.full([GROUP_PAD], 1.0, tl.float32)
+    acc = own_v[None, :] + tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    # Keys before the window (and past the sinks) are skipped a chunk at a time.
+    lowest = tl.where(size > 0, tl.maximum(position - size + 1, 0), 0)
+    skip = tl.where(sinks > 0, 0, lowest // CHUNK * CHUNK)
+    for first in range(skip, position, CHUNK):
+        positions = first + lanes
+        is_cached = positions < cached
+        is_new = (positions >= cached) & (positions < position)
+        seen = (is_cached | is_new) & ((positions > cut_from) | (positions < sinks))
+        block = tl.load(table_ptr + seq * table_stride + positions // BLOCK, mask=seen & is_cached, other=0)
+        pool_rows = block.to(tl.int64) * block_stride + (positions % BLOCK) * position_stride
+        pool_at = pool_rows[:, None] + head * head_stride + dims[None, :]  # [C, D]
+        rows = start + positions - cached  # a new key's row in the step
+        pooled = (seen & is_cached)[:, None]
+        fresh = (seen & is_new)[:, None]
+        chunk_k = tl.load(k_pool + pool_at, mask=pooled, other=0.0).to(tl.float32) + tl.load(
+            k_ptr + rows[:, None] * k_token + head * k_head + dims[None, :], mask=fresh, other=0.0).to(tl.float32)
+        chunk_v = tl.load(v_pool + pool_at, mask=pooled, other=0.0).to(tl.float32) + tl.load(
+            v_ptr + rows[:, None] * v_token + head * v_head + dims[None, :], mask=fresh, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * chunk_k[None, :, :], axis=2) * scale  # [G, C]
+        scores = tl.where(seen[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))  # finite: the own key's score is in `best`
+        weights = tl.exp(scores - new_best[:, None])
+        rescale = tl.exp(best - new_best)
+        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * chunk_v[None, :, :], axis=1)
+        total = total * rescale + tl.sum(weights, axis=1)
+        best = new_best
+    out = acc / total[:, None]
+    tl.store(out_ptr + token * out_token + (head * GROUP + groups)[:, None] * out_head + dims[None, :], out,
+             mask=in_group[:, None])

@@ -26,11 +26,14 @@ the KV cache, and is written so that a compiler can turn it into a few fused ker
   CUDA graph.
 
 Nothing inside the step syncs with the host or loops over sequences. Two more steps run beside it by the same
-machinery (`query_graph`, AOTInductor only): the query step, several tokens a sequence padded to one count
+machinery (`query_graph`): the query step (AOTInductor only), several tokens a sequence padded to one count
 (speculative verification, trained draft heads' steps, which read hidden states), and the flat step, every other
 step over a paged pool (prompts, prefill chunks, mixed steps of chunks and decodes, a static batch's prompts): any
-number of new tokens a sequence, one after another, in one package whose token count and key width are dynamic. What
-none of them takes runs eager (`refusal` and `flat_refusal` say why, and the stats count it).
+number of new tokens a sequence, one after another, in one package whose token count and key width are dynamic. On
+CUDA the flat step is compiled by torch.compile with its token count dynamic, padded to token buckets (`flat_tokens`)
+that each record a CUDA graph, its attention our Triton kernel (`triton_attention.flat_attention`); it takes the
+verifications and hidden-state steps there too. What none of them takes runs eager (`refusal` and `flat_refusal` say
+why, and the stats count it).
 
 Two ways to compile it (`CompiledDecoder(backend=...)`):
 
@@ -135,6 +138,17 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
         buckets.append(size)
         size *= 2
     return buckets + [max_num_seqs]
+
+
+FLAT_LEAST_TOKENS = 16  # the least token bucket of the flat step on CUDA
+
+
+def flat_tokens(count: int) -> int:
+    """The token bucket of a flat step of `count` tokens on CUDA (a CUDA graph each): at least FLAT_LEAST_TOKENS, then
+    four a doubling (20, 24, 28, 32, 40, ...), so that padding adds at most a quarter."""
+    count = max(count, FLAT_LEAST_TOKENS)
+    step = 1 << max(0, (count - 1).bit_length() - 3)
+    return -(-count // step) * step
 
 
 class DecodeGraph(nn.Module):
@@ -344,9 +358,11 @@ class CompiledDecoder:
                                 our_attention="attention_kernel" in self.options).eval()
         self.query_step = QueryGraph(model, self.paged, self.block_size,  # several tokens a sequence
                                      our_attention="attention_kernel" in self.options).eval()
-        self.flat_step = FlatGraph(model).eval()  # any mix of sequences and new tokens (prefill chunks, mixed steps)
+        # Any mix of sequences and new tokens (prefill chunks, mixed steps); on CUDA its attention our Triton kernel.
+        self.flat_step = FlatGraph(model, triton=self.backend == "torch.compile").eval()
         self.flat_off = self._flat_unavailable()
-        self._window = torch.tensor([kv_cache.sliding_window or 0, kv_cache.attention_sinks], dtype=torch.int32)
+        self._window = torch.tensor([kv_cache.sliding_window or 0, kv_cache.attention_sinks], dtype=torch.int32,
+                                    device=device)
         # Inductor options are applied as a config patch around each call, not through torch.compile(options=...):
         # freezing (weights as constants, prepacked for oneDNN) is decided outside what `options` patches, and
         # measured no faster than no freezing when passed that way.
@@ -365,6 +381,10 @@ class CompiledDecoder:
                 options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
                 self.stats.mode += ", module guards skipped"
             self.graph = torch.compile(own_step_function(self.step), fullgraph=True, dynamic=False, options=options)
+            # The flat step: one compile whose token count is dynamic, a CUDA graph recorded for each token bucket
+            # (`flat_tokens`) on its first use.
+            self.flat_graph = torch.compile(own_step_function(self.flat_step), fullgraph=True, dynamic=False,
+                                            options=options)
         # The KV pool keeps its address: a CUDA graph reads it in place. An input not marked so is copied into the
         # graph's own buffer before every replay (both pools, whole: 9.4 GB a step for 256 requests at Qwen3-0.6B's
         # shape) and held twice. Unguarded: another engine's pool (a race's other lane) is a recording of its own
@@ -469,10 +489,13 @@ class CompiledDecoder:
 
     def _flat_unavailable(self) -> str | None:
         """Why this engine has no flat step (None: it has one)."""
-        if self.backend != "aoti":
-            return "prefill chunks and mixed steps compile with the aoti backend only"
         if not self.paged:
             return "prefill chunks and mixed steps compile over a paged KV cache only"
+        if self.backend != "aoti":  # torch.compile: our Triton kernel is the flat step's attention
+            reason = triton_attention.flat_unavailable(self.device, self.model.layers[0].self_attn.attention_dtype,
+                                                       self._layer_pool())
+            return None if reason is None else ("prefill chunks and mixed steps compile under torch.compile with our "
+                                                f"Triton attention only ({reason})")
         if self.max_width < 3:
             return "prefill chunks and mixed steps compile for a KV pool of 3 blocks a sequence or more"
         reason = row_kernel.unavailable()
@@ -491,7 +514,9 @@ class CompiledDecoder:
         can). The reasons are what the stats' `fallbacks` count."""
         if self.flat_off is not None:
             return self.flat_off
-        if len(seqs) > self.buckets[-1] or (sum(num_new_tokens) < 2 and len(seqs) == self.buckets[-1]):
+        # aoti: a step of a single token needs a padding sequence (`run_flat`); torch.compile has a row for one.
+        if len(seqs) > self.buckets[-1] or (sum(num_new_tokens) < 2 and len(seqs) == self.buckets[-1]
+                                            and self.backend == "aoti"):
             return f"more than {self.buckets[-1]} sequences"
         if any(-(-seq.num_computed_tokens // self.block_size) >= self.max_width for seq in seqs):
             return "the end of the compiled key width"
@@ -513,9 +538,15 @@ class CompiledDecoder:
         (`query_graph.FlatGraph`), where `flat_refusal` found none. Returns what `run_queries` does: the fp32 logits
         of each sequence's last `num_logits` new tokens, [rows, vocab], and per sequence the final-normed hidden
         states of its new tokens (None without `hidden_states`: the last layer then finishes only the rows whose
-        logits are read). Writes the new KV (the caller has made room, and commits)."""
+        logits are read). Writes the new KV (the caller has made room, and commits).
+
+        AOTInductor: a package whose token count is dynamic (at least 2), over the block tables as wide as the step
+        needs. torch.compile (CUDA): the tokens padded to a bucket (`flat_tokens`) by a padding sequence in a row of
+        its own, the block tables whole and every row finished by the last layer, so that each bucket is one CUDA
+        graph."""
         self.kv_cache.settle()
-        rows = self.buckets[-1]
+        graphed = self.backend != "aoti"
+        rows = self.buckets[-1] + graphed  # the padding sequence's row (aoti: a free row, `flat_refusal`)
         firsts = [seq.num_computed_tokens for seq in seqs]
         input_ids, positions, starts = [], [], [0]
         for seq, first, new in zip(seqs, firsts, num_new_tokens):
@@ -523,41 +554,52 @@ class CompiledDecoder:
             positions += range(first, first + new)
             starts.append(len(input_ids))
         real = len(input_ids)
-        if real < 2:  # the package's token count is at least 2: a padding sequence of one token at position 0
-            input_ids.append(0)
-            positions.append(0)
-            starts.append(real + 1)
-        starts += [len(input_ids)] * (rows + 1 - len(starts))
-        width = self._width(max(-(-first // self.block_size) for first in firsts))
+        tokens = flat_tokens(real) if graphed else max(real, 2)  # the package's token count is at least 2
+        if tokens > real:  # a padding sequence, at positions from 0 with nothing cached
+            input_ids += [0] * (tokens - real)
+            positions += range(tokens - real)
+            starts.append(tokens)
+        starts += [tokens] * (rows + 1 - len(starts))
+        width = self.max_width if graphed else self._width(max(-(-first // self.block_size) for first in firsts))
         table = self._block_rows(seqs, rows, width)
         pool = self._pool_inputs(table)
         logit_rows = [row for start, new in zip(starts, num_new_tokens)
                       for row in range(start + new - min(num_logits, new), start + new)]
-        # The rows the last layer finishes: every token's where hidden states are read, else the logits' (at least 2,
-        # the package's least: the last one again).
-        keep = list(range(len(input_ids))) if hidden_states else logit_rows + logit_rows[-1:] * (2 - len(logit_rows))
+        # The rows the last layer finishes: every token's where hidden states are read (or a bucket's graph is), else
+        # the logits' (at least 2, the package's least: the last one again).
+        keep = list(range(tokens)) if hidden_states or graphed else logit_rows + logit_rows[-1:] * (2 - len(logit_rows))
         args = (torch.tensor(input_ids), torch.tensor(positions), table, torch.tensor(starts, dtype=torch.int32),
-                torch.tensor(firsts + [0] * (rows - len(seqs)), dtype=torch.int32), self._window, torch.tensor(keep),
-                *pool)
-        hidden, new_k, new_v = self._call_package(("flat",), args, self.flat_step)
+                torch.tensor(firsts + [0] * (rows - len(seqs)), dtype=torch.int32), self._window, torch.tensor(keep))
+        if graphed:
+            args = tuple(arg if arg is self._window else self._to_device(arg) for arg in args)
+            hidden, new_k, new_v = self._call_flat_compiled(tokens, (*args, *pool))
+        else:
+            hidden, new_k, new_v = self._call_package(("flat",), (*args, *pool), self.flat_step)
         token_seqs = [seq for seq, new in zip(seqs, num_new_tokens) for _ in range(new)]
         self._store(new_k[:, :real], new_v[:, :real], token_seqs, positions[:real], None, None)
         if not hidden_states:
-            return self.model.lm_head.forward(hidden[:len(logit_rows)]).float(), None
+            return self.model.lm_head.forward(hidden[logit_rows if graphed else slice(len(logit_rows))]).float(), None
         logits = self.model.lm_head.forward(hidden[logit_rows]).float()
+        if graphed:  # a CUDA graph's output, which its next replay overwrites
+            hidden = hidden[:real].clone()
         return logits, [hidden[start:start + new] for start, new in zip(starts, num_new_tokens)]
 
     @torch.inference_mode()
     def warm_up_flat(self) -> None:
-        """Compile (or load) the flat step with a step of one padding sequence of 2 tokens (the cache is read, not
-        written)."""
-        rows = self.buckets[-1]
-        table = torch.zeros(rows, 2, dtype=torch.int32)
+        """Compile (or load) the flat step with a step of one padding sequence of 2 tokens (torch.compile: of its
+        least bucket's tokens, which records that bucket's graph); the cache is read, not written."""
+        graphed = self.backend != "aoti"
+        rows, tokens = self.buckets[-1] + graphed, flat_tokens(1) if graphed else 2
+        table = torch.zeros(rows, self.max_width if graphed else 2, dtype=torch.int32)
         pool = self._pool_inputs(table)
-        args = (torch.zeros(2, dtype=torch.long), torch.arange(2), table,
-                torch.tensor([0] + [2] * rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32), self._window,
-                torch.arange(2), *pool)
-        self._call_package(("flat",), args, self.flat_step)
+        args = (torch.zeros(tokens, dtype=torch.long), torch.arange(tokens), table,
+                torch.tensor([0] + [tokens] * rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
+                self._window, torch.arange(tokens))
+        if graphed:
+            args = tuple(arg if arg is self._window else self._to_device(arg) for arg in args)
+            self._call_flat_compiled(tokens, (*args, *pool))
+        else:
+            self._call_package(("flat",), (*args, *pool), self.flat_step)
 
     @torch.inference_mode()
     def run_queries(self, seqs, num_new_tokens: list[int], num_logits: int = 1, tree=None):
@@ -830,10 +872,22 @@ class CompiledDecoder:
         if bucket > 1:  # one compile for every bucket above 1; each records its own graph
             for tensor in (input_ids, positions, read_index, key_mask):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        return self._run_traced(self.graph, bucket, f"{bucket}x1", args)
+
+    def _call_flat_compiled(self, tokens: int, args: tuple):
+        """The flat step through torch.compile: one graph whose token count (inputs 0, 1 and `keep`) is dynamic, a
+        CUDA graph recorded for each bucket of `tokens` on its first call (counted as warm-up)."""
+        for index in (0, 1, FlatGraph.KEEP):
+            torch._dynamo.maybe_mark_dynamic(args[index], 0)
+        return self._run_traced(self.flat_graph, ("flat", tokens), "flat", args)
+
+    def _run_traced(self, graph, bucket, name: str, args: tuple):
+        """Call `graph` (compiled by torch.compile) for `bucket`, counting what it cost: a graph dynamo traced (a
+        recompile where the bucket had run), warm-up for a bucket's first call, else a compiled step of `name`."""
         graphs_before = self._graph_counter["unique_graphs"]
         started = time.perf_counter()
         with torch._inductor.config.patch(self._inductor_config):
-            outputs = self.graph(*args)
+            outputs = graph(*args)
         if self._graph_counter["unique_graphs"] != graphs_before:
             if bucket in self._ready_buckets:
                 self.stats.recompiles += 1
@@ -841,7 +895,8 @@ class CompiledDecoder:
             self.stats.warmup_s += time.perf_counter() - started
         elif bucket in self._ready_buckets:
             self.stats.compiled_steps += 1
-        else:  # another engine with the same shapes compiled this graph already: only its first call's set-up
+            self.stats.steps_by_bucket[name] = self.stats.steps_by_bucket.get(name, 0) + 1
+        else:  # another engine with the same shapes compiled this graph already (or a new CUDA graph's recording)
             self.stats.warmup_s += time.perf_counter() - started
         self._ready_buckets.add(bucket)
         return outputs
@@ -1011,25 +1066,28 @@ def _fixed_inputs(graph: nn.Module) -> int:
 
 
 _STEP_NUMBERS = itertools.count()
-# model -> {(paged, block size, opaque attention): the step function of its decoders}
+# model -> {(step class, paged, block size, opaque attention): the step function of its decoders}
 _STEP_FUNCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _STEP_FUNCTIONS_LOCK = threading.Lock()
 
 
-def own_step_function(step: DecodeGraph):
-    """`step.forward` as a method whose code object belongs to `step`'s model (and step layout) alone. Dynamo keeps
+def own_step_function(step: nn.Module):
+    """`step.forward` (a `DecodeGraph`'s or a `FlatGraph`'s) as a method whose code object belongs to `step`'s model
+    (and step layout) alone. Dynamo keeps
     compiled graphs by code object: were every decoder of a process to compile `DecodeGraph.forward` itself, all of
     their graphs would share one cache, and only dynamo's guards on the modules would tell one model from another (a
     quantized copy, say, whose step takes inputs of the same shapes). Those guards cost about 110 us a call on an
     H100's host and 100-170 us on a 2-core CPU (docs/benchmarks.md, "GPU"). With a code object per model, its cache
     holds that model's graphs alone, so the guards on its modules can be skipped (`module_guards_kept`), and the
     engines of one model (a race's two lanes) still share their graphs."""
-    key = (step.paged, step.block_size, step.opaque_attention)
+    kind = type(step)
+    key = (kind, getattr(step, "paged", True), getattr(step, "block_size", None),
+           getattr(step, "opaque_attention", None))
     with _STEP_FUNCTIONS_LOCK:
         functions = _STEP_FUNCTIONS.setdefault(step.model, {})
         if key not in functions:
-            forward = DecodeGraph.forward
-            name = f"decode_step_{next(_STEP_NUMBERS)}"
+            forward = kind.forward
+            name = f"{'decode' if kind is DecodeGraph else 'flat'}_step_{next(_STEP_NUMBERS)}"
             code = forward.__code__.replace(co_name=name, **({"co_qualname": name} if sys.version_info >= (3, 11)
                                                              else {}))
             functions[key] = types.FunctionType(code, forward.__globals__, name, forward.__defaults__,

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_core.config import int4_value_group
+from inference_core.engine import triton_attention
 from inference_core.model import attention_kernel, kv_kernel, mlp_kernel
 from inference_core.model.llama import MLP, CausalLM
 
@@ -91,10 +92,12 @@ class FlatGraph(nn.Module):
 
     KEEP = 6  # the input `keep`, its length dynamic in a package
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, triton: bool = False):
         super().__init__()
         self.model = model
         self.group = int4_value_group(model.config.head_dim)  # an int4 pool's (`layer_pool`)
+        # The attention as our Triton kernel (`flat_attention`: CUDA's, under torch.compile) instead of our CPU op.
+        self.triton = triton
 
     def width_dims(self) -> dict[int, int]:
         """The block table's width (dynamic in a package)."""
@@ -113,10 +116,26 @@ class FlatGraph(nn.Module):
 
         def attend(index, attn, q, k, v):
             k_layer, v_layer = layer_pool(pool, index, self.group)
-            return attention_kernel.attend_flat(q, k, v, k_layer, v_layer, table, starts, cached, window, attn.scale)
+            attend_flat = flat_attention if self.triton else attention_kernel.attend_flat
+            return attend_flat(q, k, v, k_layer, v_layer, table, starts, cached, window, attn.scale)
 
         x, new_k, new_v = forward_layers(self.model, input_ids, positions, attend, keep, silu_mul)
         return self.model.norm.forward(x), new_k, new_v
+
+
+@torch.library.custom_op("inference_core::flat_attention", mutates_args=())
+def flat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   table: torch.Tensor, starts: torch.Tensor, cached: torch.Tensor, window: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """The flat step's attention on CUDA (`triton_attention.flat_attention`, the arguments and result of
+    `model.attention_kernel.attend_flat`) as one op the compiler does not look into: the token count, which changes
+    from step to step, then reaches no kernel inductor generates."""
+    return triton_attention.flat_attention(q, k, v, k_pool, v_pool, table, starts, cached, window, scale)
+
+
+@flat_attention.register_fake
+def _flat_attention_shape(q, k, v, k_pool, v_pool, table, starts, cached, window, scale):
+    return q.new_empty(q.shape, dtype=torch.float32)
 
 
 def forward_layers(model: CausalLM, input_ids, positions, attend, keep=None, activation=None):

@@ -14,8 +14,14 @@ batch's programs alone fill the device) the program writes the output; with more
 rescales the splits' partial sums to their common max and adds them up. The ids are expected to match the ATen ops'
 (the sums run in another order: fp32 rounding apart). What the splits buy is for the next GPU run to measure.
 
+`flat_attention` is the flat step's (`query_graph.FlatGraph` on CUDA): the new tokens of several sequences one after
+another, any number each (a decode's 1, a verification's k + 1, a prompt chunk), each against its sequence's cached
+keys in the paged pool and its new keys up to itself, within a sliding window and beside attention sinks; one
+program a (token, KV head).
+
 Triton is imported on first use (it comes with torch's CUDA builds); where it is missing, or the layout is one the
-kernel does not take (`unsupported`), the ATen ops run. `INFERENCE_CORE_TRITON_ATTENTION=0` keeps the ATen ops, and
+kernel does not take (`unsupported`), the ATen ops run. `INFERENCE_CORE_TRITON_ATTENTION=0` keeps the ATen ops (and
+the flat step eager; `INFERENCE_CORE_TRITON_FLAT=0` the flat step alone), and
 `INFERENCE_CORE_ATTENTION_SPLITS=N` fixes the splits (1: one program a sequence and KV head), for an A/B on one
 machine. On the CPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how
 `tests/engine/test_triton_attention.py` checks it against the ATen ops without a GPU.
@@ -139,7 +145,7 @@ def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, sca
         part_stats = torch.empty(batch, kv_heads, splits, 2, group_pad, dtype=torch.float32, device=q.device)
     else:  # not read
         part_acc = part_stats = out
-    attend, combine = _kernels()
+    attend, combine, _ = _kernels()
     attend[(batch, kv_heads, splits)](
         q, k, v, k_pool, v_pool, read_index, key_mask, lengths, out, part_acc, part_stats, keys, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -153,10 +159,51 @@ def decode_attention(q, k, v, k_pool, v_pool, read_index, key_mask, lengths, sca
     return out
 
 
+def flat_unavailable(device: torch.device, dtype: torch.dtype, k_pool: torch.Tensor) -> str | None:
+    """Why `flat_attention` cannot be the flat step's attention for queries of `dtype` over this layer's paged pool on
+    `device` (None: it can)."""
+    if device.type != "cuda":
+        return f"our Triton attention runs on CUDA, not {device.type}"
+    if os.environ.get("INFERENCE_CORE_TRITON_FLAT", "1") == "0":
+        return "INFERENCE_CORE_TRITON_FLAT=0"
+    if not enabled():
+        return "INFERENCE_CORE_TRITON_ATTENTION=0" if _triton() is not None else "Triton is not installed"
+    reason = unsupported(dtype, k_pool, True)
+    return None if reason is None else f"our Triton attention does not take {reason}"
+
+
+def flat_attention(q, k, v, k_pool, v_pool, table, starts, cached, window, scale: float) -> torch.Tensor:
+    """The flat step's attention (what `model.attention_kernel.attend_flat` computes on the CPU) in one kernel launch:
+    N new tokens of S sequences one after another, q [N, heads, d]; k, v [N, kv_heads, d]; k_pool, v_pool one layer's
+    [blocks, block_size, kv_heads, d]; table [S, blocks] int32; starts [S + 1] (sequence s's tokens are rows
+    [starts[s], starts[s + 1])), cached [S] (its keys in the pool before them); window [2] int32, a sliding window's
+    size (0: none) and the attention sinks. Each token sees its own key, its sequence's cached keys and its earlier new
+    keys, within the window or among the sinks. Every row belongs to a sequence (a padding row to a padding
+    sequence). Returns fp32 [N, heads, d]. A program per (token, KV head): a prompt's queries each walk their own keys,
+    which a decode-heavy mixed step (a token a sequence) wants and a long prompt pays for in reads of its keys once a
+    query; what that costs against a tiled kernel is for a GPU run to measure."""
+    q, k, v = (tensor if tensor.stride(-1) == 1 else tensor.contiguous() for tensor in (q, k, v))
+    tokens, kv_heads, head_dim = k.shape
+    group = q.shape[1] // kv_heads
+    out = torch.empty(tokens, q.shape[1], head_dim, dtype=torch.float32, device=q.device)
+    # Each row's sequence: the number of sequences that end at or before it.
+    seqs = torch.searchsorted(starts[1:], torch.arange(tokens, device=q.device, dtype=starts.dtype), right=True)
+    table = table if table.stride(-1) == 1 else table.contiguous()
+    _, _, flat = _kernels()
+    flat[(tokens, kv_heads)](
+        q, k, v, k_pool, v_pool, table, starts, cached, seqs, window, out, scale, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        table.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(1, 1 << (group - 1).bit_length()), CHUNK=CHUNK, BLOCK=k_pool.shape[1],
+        HEAD_DIM=head_dim, num_warps=4 if max(1, 1 << (group - 1).bit_length()) * CHUNK * head_dim <= WARP_PRODUCTS * 4
+        else 8)
+    return out
+
+
 @functools.cache
 def _kernels():
-    """The two kernels, imported on first use (so that importing this module needs no Triton, and a test can set
+    """The kernels, imported on first use (so that importing this module needs no Triton, and a test can set
     `TRITON_INTERPRET` first)."""
-    from inference_core.engine._triton_attention_kernel import attend, combine
+    from inference_core.engine._triton_attention_kernel import attend, attend_flat, combine
 
-    return attend, combine
+    return attend, combine, attend_flat

@@ -1,10 +1,13 @@
 """The same engine on CUDA (skipped without a GPU): every KV mode runs in bf16, in fp32 greedy ids on the GPU equal
 those on the CPU over a short output, batches equal their requests run alone, and the compiled decode step (CUDA
-graphs, one inductor compile for every batch bucket above 1) equals eager. `python -m inference_core gpu-report` runs
-these with `-m cuda`; the bundled model's tests skip where it is not installed (it does not travel to a GPU machine
-with the repository)."""
+graphs, one inductor compile for every batch bucket above 1) equals eager, and so do its prompts, mixed steps and
+prompt lookup's verifications through the flat step (a CUDA graph a token bucket). `python -m inference_core
+gpu-report` runs these with `-m cuda`; the bundled model's tests skip where it is not installed (it does not travel
+to a GPU machine with the repository)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -24,6 +27,8 @@ def _bundled_installed() -> bool:
         return False
 
 
+# The flat step on CUDA (our Triton attention), unless the GPU run turned it off after its kernel's test failed.
+FLAT = os.environ.get("INFERENCE_CORE_TRITON_FLAT", "1") != "0"
 needs_bundled = pytest.mark.skipif(not _bundled_installed(), reason="the bundled model is not installed")
 
 
@@ -85,8 +90,8 @@ def test_batch_matches_solo_on_cuda(tiny_cuda, kv_mode, batching):
 @pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
 def test_compiled_decode_with_cuda_graphs_equals_eager(tiny_cuda, kv_mode):
     """Six requests of different lengths, 4 at a time, through the compiled step (CUDA graphs): buckets 4, 2 and 1
-    and widths that grow past a power of two; greedy ids equal eager's (or part at a near-tie), and a second round
-    compiles nothing."""
+    and widths that grow past a power of two, and (paged) the prompts and mixed steps through the flat step's token
+    buckets; greedy ids equal eager's (or part at a near-tie), and a second round compiles nothing."""
     from conftest import compiled_matches_eager, mixed_requests
     from tiny_models import BLOCK_SIZE, greedy, run_to_end
 
@@ -94,6 +99,8 @@ def test_compiled_decode_with_cuda_graphs_equals_eager(tiny_cuda, kv_mode):
                                          max_num_batched_tokens=32)
     stats = compiled.compile_stats()
     assert stats["compiled_steps"] > 0 and stats["recompiles"] == 0
+    if kv_mode == "paged" and FLAT:  # prompts and mixed steps in the flat step (our Triton attention), nothing eager
+        assert stats["fallbacks"] == {} and stats["steps_by_bucket"]["flat"] > 0
     # The graphs read the KV pool and the buckets' input buffers in place (not copied in before each replay).
     inputs = [compiled.kv_cache.k, compiled.kv_cache.v] + [
         buffer for buffers in compiled.decoder._buffers.values() for buffer in buffers.values()]
@@ -104,6 +111,33 @@ def test_compiled_decode_with_cuda_graphs_equals_eager(tiny_cuda, kv_mode):
     run_to_end(compiled)
     assert compiled.compile_stats()["graphs"] == graphs
     assert_nothing_held(compiled)
+
+
+def test_compiled_verifications_in_the_flat_step_equal_plain_greedy(tiny_cuda):
+    """Prompt lookup on a compiled paged engine (CUDA graphs): each verification (the last token and its drafts) runs
+    in the flat step, whose token buckets are CUDA graphs, beside the other requests' decodes; ids equal plain
+    greedy decoding's, with drafts accepted and rejected, and nothing falls back to eager."""
+    from conftest import assert_same_or_near_tie
+    from tiny_models import BLOCK_SIZE, greedy, prompt
+
+    from inference_core.spec.decoding import SpecConfig
+
+    settings = dict(kv_mode="paged", block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=64)
+    eager, compiled = Engine(tiny_cuda, EngineConfig(**settings)), Engine(tiny_cuda, EngineConfig(**settings,
+                                                                                                   compile=True))
+    prompts = [prompt(9, seed) * 3 for seed in range(3)]
+    want = [eager.complete(ids, greedy(32)).token_ids for ids in prompts]
+    requests = [compiled.submit(ids, greedy(32), spec=SpecConfig("ngram", k=4, ngram_min=1)) for ids in prompts]
+    while compiled.has_work():
+        compiled.step()
+    for ids, expected, request in zip(prompts, want, requests):
+        assert_same_or_near_tie(tiny_cuda, ids, expected, request.events[-1].token_ids)
+    spec = [request.events[-1].stats.spec for request in requests]
+    assert 0 < sum(s["accepted"] for s in spec) < sum(s["drafted"] for s in spec)
+    stats = compiled.compile_stats()
+    assert stats["recompiles"] == 0
+    if FLAT:
+        assert stats["fallbacks"] == {} and stats["steps_by_bucket"]["flat"] > 0
 
 
 @pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])

@@ -8,6 +8,7 @@ checked everywhere."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -109,6 +110,69 @@ def test_the_timed_cases_inputs_give_the_aten_ops_result():
         torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+def _flat_case(dtype, group: int, seed: int):
+    """Random inputs of one flat step over a paged pool (block size 8, 2 KV heads, head size 32): a decode after 45
+    cached keys, a 40-token prompt (past one chunk of the kernel's), a 10-token chunk after 20 cached keys, a sequence
+    with nothing new, and 3 padding rows of a padding sequence."""
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, head_dim, block_size = 2, 32, 8
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    news, cached = [1, 40, 10, 0, 3], [45, 0, 20, 7, 0]
+    tokens = sum(news)
+    q, k, v = rand(tokens, kv_heads * group, head_dim), rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads,
+                                                                                               head_dim)
+    k_pool, v_pool = rand(40, block_size, kv_heads, head_dim), rand(40, block_size, kv_heads, head_dim)
+    table = (torch.randperm(39, generator=generator)[:5 * 7].view(5, 7) + 1).to(torch.int32)
+    starts = torch.tensor([0, *itertools.accumulate(news)], dtype=torch.int32)
+    return q, k, v, k_pool, v_pool, table, starts, torch.tensor(cached, dtype=torch.int32)
+
+
+def _flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale):
+    """Each token against its sequence's cached keys (through its block table) and its new keys up to itself, within
+    the window or among the sinks, in fp32, one token at a time."""
+    size, sinks = window.tolist()
+    kv_heads, head_dim = k.shape[1:]
+    group = q.shape[1] // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for s in range(len(cached)):
+        first, end, count = int(starts[s]), int(starts[s + 1]), int(cached[s])
+        pooled = torch.arange(count)
+        blocks = table[s].long()[pooled // k_pool.shape[1]]
+        keys = torch.cat([k_pool[blocks, pooled % k_pool.shape[1]], k[first:end]]).float()
+        values = torch.cat([v_pool[blocks, pooled % v_pool.shape[1]], v[first:end]]).float()
+        for t in range(first, end):
+            position = count + t - first
+            seen = torch.arange(position + 1)
+            if size:
+                seen = seen[(seen > position - size) | (seen < sinks)]
+            for head in range(q.shape[1]):
+                scores = (keys[seen, head // group] @ q[t, head].float()) * scale
+                out[t, head] = torch.softmax(scores, 0) @ values[seen, head // group]
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("window", [(0, 0), (12, 0), (12, 3)], ids=["no-window", "window", "window+sinks"])
+def test_flat_kernel_equals_a_token_at_a_time(dtype, group, window):
+    """The flat step's kernel (a program per new token and KV head) against the reference above: decodes, a prompt,
+    a chunk after cached keys, an empty sequence and padding rows; a sliding window that cuts cached and new keys
+    (a prompt's early queries see the whole of theirs), with and without sinks."""
+    q, k, v, k_pool, v_pool, table, starts, cached = _flat_case(dtype, group, seed=group)
+    window = torch.tensor(window, dtype=torch.int32)
+    scale = 32 ** -0.5
+    expected = _flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale)
+    tensors = [tensor.to(DEVICE) for tensor in (q, k, v, k_pool, v_pool, table, starts, cached, window)]
+    out = triton_attention.flat_attention(*tensors, scale)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu(), expected, rtol=tolerance, atol=tolerance)
+
+
 def test_unsupported_layouts_say_why():
     assert "head size 24" in triton_attention.unsupported(torch.float32, torch.zeros(4, 16, 2, 24), paged=True)
     assert "block size 12" in triton_attention.unsupported(torch.float32, torch.zeros(4, 12, 2, 32), paged=True)
@@ -124,6 +188,20 @@ def test_unsupported_layouts_say_why():
         "attention: one Triton kernel a layer, keys in up to 16 splits")
     assert "does not take head size 24" in triton_attention.describe(cuda, torch.float32, torch.zeros(4, 16, 2, 24),
                                                                      True)
+
+
+def test_the_flat_step_says_why_it_has_no_triton_attention(monkeypatch):
+    pool, cuda = torch.zeros(4, 16, 2, 32), torch.device("cuda")
+    assert triton_attention.flat_unavailable(torch.device("cpu"), torch.float32, pool) == (
+        "our Triton attention runs on CUDA, not cpu")
+    monkeypatch.setenv("INFERENCE_CORE_TRITON_FLAT", "0")
+    assert triton_attention.flat_unavailable(cuda, torch.float32, pool) == "INFERENCE_CORE_TRITON_FLAT=0"
+    monkeypatch.delenv("INFERENCE_CORE_TRITON_FLAT")
+    if triton_attention._triton() is None:
+        assert triton_attention.flat_unavailable(cuda, torch.float32, pool) == "Triton is not installed"
+    else:
+        assert triton_attention.flat_unavailable(cuda, torch.float32, pool) is None
+        assert "head size 24" in triton_attention.flat_unavailable(cuda, torch.float32, torch.zeros(4, 16, 2, 24))
 
 
 def test_splits_fill_the_device_and_a_full_batch_takes_none(monkeypatch):
@@ -185,6 +263,54 @@ def test_compiled_step_with_the_kernel_takes_whole_buffers(tmp_path, kv_mode, mo
     assert stats["recompiles"] == 0 and stats["graphs"] <= 2 and stats["compiled_steps"] > 0
 
 
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled step's CUDA tests run the kernel")
+def test_compiled_flat_step_with_the_kernel_takes_prompts_and_mixed_steps(tmp_path, monkeypatch):
+    """CUDA's flat step (torch.compile, our Triton kernel its attention), here on the CPU under Triton's interpreter:
+    prompts in chunks, mixed steps of chunks and decodes, and prompt lookup's verifications run through it with no
+    fallback, padded to token buckets by one compile (the token count dynamic), and the ids equal eager's."""
+    from conftest import assert_same_or_near_tie, compiled_matches_eager
+    from tiny_models import build_tiny_model, prompt
+
+    from inference_core import Engine, EngineConfig, SamplingParams
+    from inference_core.engine import compiled as compiled_module
+    from inference_core.engine import engine as engine_module
+    from inference_core.spec.decoding import SpecConfig
+
+    if compiled_module.compile_unavailable(torch.device("cpu")) is not None:
+        pytest.skip(compiled_module.compile_unavailable(torch.device("cpu")))
+    monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
+    monkeypatch.setattr(engine_module, "default_options", lambda device, model=None: {})  # as CUDA: no freezing
+    monkeypatch.setattr(triton_attention, "used",
+                        lambda device, dtype, pool, paged: triton_attention.unsupported(dtype, pool, paged) is None)
+    monkeypatch.setattr(triton_attention, "flat_unavailable",
+                        lambda device, dtype, pool: triton_attention.unsupported(dtype, pool, True))
+    buckets, call = [], compiled_module.CompiledDecoder._call_flat_compiled
+
+    def recording_buckets(self, tokens, args):
+        assert args[0].shape[0] == tokens == compiled_module.flat_tokens(tokens) and args[2].shape[1] == self.max_width
+        buckets.append(tokens)
+        return call(self, tokens, args)
+
+    monkeypatch.setattr(compiled_module.CompiledDecoder, "_call_flat_compiled", recording_buckets)
+    tiny = build_tiny_model(tmp_path)
+    settings = dict(kv_mode="paged", block_size=4, max_num_seqs=4, max_num_batched_tokens=24, max_seq_len=96)
+    compiled, _ = compiled_matches_eager(tiny, **settings)
+    stats = compiled.compile_stats()
+    assert compiled.decoder.flat_off is None and stats["fallbacks"] == {}
+    assert stats["steps_by_bucket"]["flat"] > 0 and len(set(buckets)) > 1
+    assert stats["recompiles"] == 0 and stats["graphs"] <= 3  # the decode step's two and the flat step's one
+    # Prompt lookup's verifications (a chain of drafts a step) through the same flat step: plain greedy's ids.
+    ids, params = prompt(9, 5) * 3, SamplingParams(max_new_tokens=24, ignore_eos=True)
+    want = Engine(tiny, EngineConfig(**settings)).complete(ids, params).token_ids
+    steps = stats["steps_by_bucket"]["flat"]
+    finish = compiled.complete(ids, params, spec=SpecConfig("ngram", k=4, ngram_min=1))
+    assert_same_or_near_tie(tiny, ids, want, finish.token_ids)
+    assert finish.stats.spec["drafted"] > 0
+    stats = compiled.compile_stats()
+    assert stats["fallbacks"] == {} and stats["recompiles"] == 0 and stats["steps_by_bucket"]["flat"] > steps + 1
+
+
 # Run in a process of its own: this module sets TRITON_INTERPRET, under which Triton builds its own library functions
 # for the interpreter, and compiling then fails for reasons of the mix, not of the kernel.
 COMPILE_FOR_H100 = """
@@ -192,7 +318,7 @@ import inspect, sys
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from inference_core.engine._triton_attention_kernel import attend, combine
+from inference_core.engine._triton_attention_kernel import attend, attend_flat, combine
 from inference_core.engine.triton_attention import CHUNK, MAX_SPLITS
 
 
@@ -204,21 +330,30 @@ def binary(kernel, signature, constants):
     return len(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"])
 
 
-paged = sys.argv[1] == "paged"
+paged = sys.argv[1] != "contiguous"
 pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16",
             "index_ptr": "*i32" if paged else "*i64", "mask_ptr": "*i1", "lengths_ptr": "*i64", "out_ptr": "*bf16",
             "part_acc": "*fp32", "part_stats": "*fp32"}
 strides = ("q_batch", "q_head", "k_batch", "k_head", "v_batch", "v_head", "block_stride", "position_stride",
            "head_stride", "index_stride", "mask_stride", "out_batch", "out_head", "out_group")
 sizes = []
-for splits in (1, MAX_SPLITS):
+for splits in (1, MAX_SPLITS) if sys.argv[1] != "flat" else ():
     constants = {"GROUP": 4, "GROUP_PAD": 4, "CHUNK": CHUNK, "BLOCK": 16 if paged else 1, "HEAD_DIM": 128,
                  "PAGED": paged, "SPLITS": splits}
     sizes.append(binary(attend, {**pointers, "keys": "i32", "scale": "fp32", **dict.fromkeys(strides, "i64")},
                         constants))
-sizes.append(binary(combine, {"part_acc": "*fp32", "part_stats": "*fp32", "out_ptr": "*bf16", "out_batch": "i64",
-                              "out_head": "i64", "out_group": "i64"},
-                    {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "SPLITS": MAX_SPLITS}))
+if sys.argv[1] != "flat":
+    sizes.append(binary(combine, {"part_acc": "*fp32", "part_stats": "*fp32", "out_ptr": "*bf16", "out_batch": "i64",
+                                  "out_head": "i64", "out_group": "i64"},
+                        {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "SPLITS": MAX_SPLITS}))
+else:  # the flat step's (a paged pool)
+    flat_pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16",
+                     "table_ptr": "*i32", "starts_ptr": "*i32", "cached_ptr": "*i32", "seq_ptr": "*i64",
+                     "window_ptr": "*i32", "out_ptr": "*fp32"}
+    flat_strides = ("q_token", "q_head", "k_token", "k_head", "v_token", "v_head", "block_stride", "position_stride",
+                    "head_stride", "table_stride", "out_token", "out_head")
+    sizes.append(binary(attend_flat, {**flat_pointers, "scale": "fp32", **dict.fromkeys(flat_strides, "i64")},
+                        {"GROUP": 4, "GROUP_PAD": 4, "CHUNK": CHUNK, "BLOCK": 16, "HEAD_DIM": 128}))
 print(min(sizes))
 """
 
@@ -230,8 +365,18 @@ def test_kernel_compiles_for_an_h100(paged):
     fails here): the kernels are compiled for an H100 (sm_90) down to their binaries, with no GPU needed, as the
     compiled step calls them for bf16 at head size 128, a group of 4 and block size 16, with one split and with
     the most."""
+    _compile_for_an_h100("paged" if paged else "contiguous")
+
+
+@needs_triton
+def test_flat_kernel_compiles_for_an_h100():
+    """The flat step's kernel likewise (bf16, head size 128, a group of 4, block size 16)."""
+    _compile_for_an_h100("flat")
+
+
+def _compile_for_an_h100(kernels: str) -> None:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100, "paged" if paged else "contiguous"], env=env,
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100, kernels], env=env,
                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) > 0  # bytes of the smallest binary

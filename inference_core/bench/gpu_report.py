@@ -73,24 +73,31 @@ from inference_core.quant.linear import QuantConfig
 from inference_core.quant.quantize import quantize
 from inference_core.roofline import timed_runs
 from inference_core.sampling import SamplingParams
+from inference_core.spec.decoding import SpecConfig
 
 # part -> share of the budget (of the parts asked for, scaled to add up to the whole); a part's deadline is the run's
 # start plus the shares up to and including its own, so time a part leaves unused goes to the parts after it.
 PARTS = {"device": 0.02, "attention": 0.03, "int4": 0.02, "decode": 0.45, "batch": 0.15, "serve": 0.08, "tests": 0.22,
          "decode-1.7b": 0.08}
 DECODE_SHAPES = {"decode": ("llama-3-8b", "qwen3-0.6b"), "decode-1.7b": ("qwen3-1.7b",)}  # the goals' shapes first
-# name -> (engine settings, weight scheme), in the table's order; None: a transformers row.
+# name -> (engine settings, weight scheme), in the table's order; None: a transformers row. `spec`: the row's requests
+# speculate with that source (`SPEC_K` drafts), on a prompt whose text repeats (`SPEC_PROMPT_REPEATS` times).
 ROWS = {"gather": (dict(attention="gather"), "none"), "flex": (dict(attention="flex"), "none"),
         "graphs": (dict(compile=True), "none"), "graphs+steps8": (dict(compile=True, decode_steps=8), "none"),
         "graphs+int8": (dict(compile=True), "int8"),
         "graphs+int4": (dict(compile=True), "int4"),
-        "graphs+steps8+int4": (dict(compile=True, decode_steps=8), "int4"), "hf": None, "hf-static-compiled": None}
-ROW_ORDER = ("graphs", "graphs+steps8", "hf-static-compiled", "graphs+int4", "graphs+steps8+int4", "gather", "flex",
-             "graphs+int8", "hf")  # by priority
+        "graphs+steps8+int4": (dict(compile=True, decode_steps=8), "int4"),
+        "graphs+ngram": (dict(compile=True, spec="ngram"), "none"), "hf": None, "hf-static-compiled": None}
+ROW_ORDER = ("graphs", "graphs+steps8", "hf-static-compiled", "graphs+int4", "graphs+steps8+int4", "graphs+ngram",
+             "gather", "flex", "graphs+int8", "hf")  # by priority
 # The rows a goal is read from, run for every shape of a part before any other row (on an H100 the 8B shape's rows in
 # ROW_ORDER took the whole decode share and left Qwen3-0.6B's out).
-GOAL_ROWS = {"llama-3-8b": ("graphs", "graphs+steps8", "hf-static-compiled", "graphs+int4", "graphs+steps8+int4"),
+GOAL_ROWS = {"llama-3-8b": ("graphs", "graphs+steps8", "hf-static-compiled", "graphs+int4", "graphs+steps8+int4",
+                            "graphs+ngram"),
              "qwen3-0.6b": ("graphs", "graphs+steps8", "hf-static-compiled")}
+# The speculative row: random weights accept no trained drafter's drafts, but their greedy text falls into loops that
+# prompt lookup finds. Its verifications (the last token and up to SPEC_K drafts) run in the flat step's CUDA graphs.
+SPEC_K, SPEC_PROMPT_REPEATS = 4, 3
 # The batch and serve parts compile (CUDA graphs) only where their share of the budget leaves room for it. On an
 # H100 the compiled batch modes (then three processes, each compiling bucket 1 and the dynamic buckets and recording
 # a graph per bucket and width) printed no row in 78 s, nor did the compiled race lane in 32 s. Now the modes share
@@ -358,6 +365,8 @@ def measure_row(loaded, directory: Path, name: str, new_tokens: int, repeats: in
     context (`bytes_per_step`), the prompt's length and, for our compiled rows, what compiling cost (and with `trace`,
     a profile of its steps)."""
     prompt = Engine(loaded, EngineConfig(kv_mode="none")).prompt_ids(prompt_text(), chat=True)
+    if ROWS[name] is not None and "spec" in ROWS[name][0]:
+        prompt = prompt * SPEC_PROMPT_REPEATS
     row: dict = {"prompt_tokens": len(prompt)}
     if ROWS[name] is None:
         if "hf" not in peers:  # one transformers model for both of its rows
@@ -365,7 +374,9 @@ def measure_row(loaded, directory: Path, name: str, new_tokens: int, repeats: in
         row["rate"], row_loaded = hf_decode(peers["hf"], loaded.device, prompt, new_tokens, repeats,
                                             name != "hf"), loaded
     else:
-        row["rate"], row_loaded, engine = ours_decode(loaded, name, prompt, new_tokens, repeats)
+        row["rate"], row_loaded, engine, spec = ours_decode(loaded, name, prompt, new_tokens, repeats)
+        if spec is not None:  # the last run's drafts (what a verification step carried) and how many were accepted
+            row["spec"] = {key: spec[key] for key in ("drafted", "accepted", "steps") if key in spec}
         packed = [buffer for buffer_name, buffer in row_loaded.model.named_buffers() if buffer_name.endswith("qweight")]
         if packed and ROWS[name][1] == "int4":  # which int4 kernel the layers took (kernels.int4_path)
             row["int4_kernel"] = "triton" if any(buffer.dtype == torch.uint8 for buffer in packed) else "tinygemm"
@@ -379,8 +390,10 @@ def measure_row(loaded, directory: Path, name: str, new_tokens: int, repeats: in
 
 def ours_decode(loaded, name: str, prompt: list[int], new_tokens: int, repeats: int):
     """Median decode tokens/s of our engine as row `name` has it, batch 1, after a warm-up (and its compile); the
-    model it ran (quantized where the row is) and the engine."""
+    model it ran (quantized where the row is), the engine, and the last run's speculation stats (None: no `spec`)."""
     settings, scheme = ROWS[name]
+    settings = dict(settings)
+    spec = SpecConfig(settings.pop("spec"), k=SPEC_K) if "spec" in settings else None
     if "attention" not in {field.name for field in dataclasses.fields(EngineConfig)}:  # an engine without the switch
         if settings["attention"] != "gather":
             raise ConfigError(f"this engine has no attention setting: no {settings['attention']} row")
@@ -389,11 +402,12 @@ def ours_decode(loaded, name: str, prompt: list[int], new_tokens: int, repeats: 
     longest = len(prompt) + max(new_tokens, PROFILE_TOKENS) + 32
     config = EngineConfig(kv_mode="paged", max_num_seqs=1, max_seq_len=longest, prefix_cache=False, **settings)
     engine = Engine(model, config)
-    engine.warm_up_compiled()
+    engine.warm_up_compiled((1,), spec)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    engine.complete(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    rates = [engine.complete(prompt, params).stats.decode_tokens_per_s for _ in range(repeats)]
-    return statistics.median(rates), model, engine
+    engine.complete(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), spec=spec)
+    finishes = [engine.complete(prompt, params, spec=spec) for _ in range(repeats)]
+    rate = statistics.median(finish.stats.decode_tokens_per_s for finish in finishes)
+    return rate, model, engine, finishes[-1].stats.spec if spec is not None else None
 
 
 def trace_file(shape: str, name: str) -> str:

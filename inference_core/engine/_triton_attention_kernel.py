@@ -96,64 +96,84 @@ def combine(part_acc, part_stats, out_ptr, out_batch, out_head, out_group, GROUP
 
 
 @triton.jit
-def attend_flat(q_ptr, k_ptr, v_ptr, k_pool, v_pool, table_ptr, starts_ptr, cached_ptr, seq_ptr, window_ptr, out_ptr,
-                scale, q_token, q_head, k_token, k_head, v_token, v_head, block_stride, position_stride, head_stride,
-                table_stride, out_token, out_head, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                CHUNK: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One program per (new token, KV head) of a flat step: the group's query heads of token t, the u-th new token of
-    sequence s = seq_ptr[t] (at position p = cached[s] + u), against its own key, then the sequence's cached keys
-    [0, cached[s]) in the pool through its block table, then its earlier new keys (rows [starts[s], t)), CHUNK at a
-    time with an online softmax in fp32. A key at position j is seen where no sliding window cuts it: window[0] == 0,
-    or j > p - window[0], or j < window[1] (the attention sinks). The output is fp32, [N, heads, d] as `out_token`,
+def attend_flat(q_ptr, k_ptr, v_ptr, k_pool, v_pool, table_ptr, starts_ptr, cached_ptr, item_seq_ptr, item_first_ptr,
+                window_ptr, out_ptr, scale, q_token, q_head, k_token, k_head, v_token, v_head, block_stride,
+                position_stride, head_stride, table_stride, out_token, out_head, GROUP: tl.constexpr,
+                GROUP_PAD: tl.constexpr, QUERIES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+    """One program per (block of up to QUERIES new tokens of one sequence, KV head) of a flat step: the block is
+    sequence s = item_seq_ptr[item]'s rows [item_first_ptr[item], its end) (s < 0: a program with no work), and its
+    rows are the block's tokens by the group's query heads, [QUERIES * GROUP_PAD, d], scored against CHUNK keys at a
+    time with two matrix products and an online softmax in fp32 (FlashAttention's): the sequence's cached keys
+    [0, cached[s]) from the pool through its block table, then its new keys (rows [starts[s], ...)) up to the block's
+    last token. Row r (token t at position p) sees the key at position j <= p where no sliding window cuts it:
+    window[0] == 0, or j > p - window[0], or j < window[1] (the attention sinks); its own key always. The keys before
+    the block's window (where there are no sinks) are skipped a chunk at a time. `IEEE`: the products in fp32 (an fp32
+    model's, and under Triton's interpreter, whose bf16 products are wrong), else in the inputs' dtype, bf16 or fp16,
+    on the tensor cores. The output is fp32, [N, heads, d] as `out_token`,
     `out_head` stride it."""
-    token = tl.program_id(0).to(tl.int64)
+    item = tl.program_id(0)
     head = tl.program_id(1)
-    groups = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM)
-    lanes = tl.arange(0, CHUNK)
-    in_group = groups < GROUP
-    seq = tl.load(seq_ptr + token).to(tl.int64)
+    seq = tl.load(item_seq_ptr + item).to(tl.int64)
+    busy = seq >= 0
+    seq = tl.maximum(seq, 0)
+    first = tl.load(item_first_ptr + item).to(tl.int64)
     start = tl.load(starts_ptr + seq).to(tl.int64)
+    end = tl.where(busy, tl.load(starts_ptr + seq + 1).to(tl.int64), first)
     cached = tl.load(cached_ptr + seq).to(tl.int64)
-    new = token - start  # the new tokens before this one
-    position = cached + new
     size = tl.load(window_ptr).to(tl.int64)
     sinks = tl.load(window_ptr + 1).to(tl.int64)
-    cut_from = tl.where(size > 0, position - size, -1)  # keys at or before it are out of the window
-    q = tl.load(q_ptr + token * q_token + (head * GROUP + groups)[:, None] * q_head + dims[None, :],
-                mask=in_group[:, None], other=0.0).to(tl.float32)  # [G, D]
-    own_k = tl.load(k_ptr + token * k_token + head * k_head + dims).to(tl.float32)
-    own_v = tl.load(v_ptr + token * v_token + head * v_head + dims).to(tl.float32)
-    # The own key is always seen: the softmax starts from it (its score the running max, its weight 1).
-    best = tl.sum(q * own_k[None, :], axis=1) * scale  # [G]
-    total = tl.full([GROUP_PAD], 1.0, tl.float32)
-    acc = own_v[None, :] + tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    # Keys before the window (and past the sinks) are skipped a chunk at a time.
-    lowest = tl.where(size > 0, tl.maximum(position - size + 1, 0), 0)
+    rows = tl.arange(0, QUERIES * GROUP_PAD)
+    tokens = first + rows // GROUP_PAD
+    groups = rows % GROUP_PAD
+    real = (tokens < end) & (groups < GROUP)
+    dims = tl.arange(0, HEAD_DIM)
+    lanes = tl.arange(0, CHUNK)
+    positions = cached + tokens - start  # [R]
+    cut_from = tl.where(size > 0, positions - size, -1)  # keys at or before it are out of the window
+    q = tl.load(q_ptr + tokens[:, None] * q_token + (head * GROUP + groups)[:, None] * q_head + dims[None, :],
+                mask=real[:, None], other=0.0)  # [R, D]
+    if IEEE:
+        q = q.to(tl.float32)
+    best = tl.full([QUERIES * GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([QUERIES * GROUP_PAD], tl.float32)
+    acc = tl.zeros([QUERIES * GROUP_PAD, HEAD_DIM], tl.float32)
+    last = cached + tl.minimum(first + QUERIES, end) - 1 - start  # the block's last position
+    lowest = tl.where(size > 0, tl.maximum(cached + first - start - size + 1, 0), 0)  # its first query's window
     skip = tl.where(sinks > 0, 0, lowest // CHUNK * CHUNK)
-    for first in range(skip, position, CHUNK):
-        positions = first + lanes
-        is_cached = positions < cached
-        is_new = (positions >= cached) & (positions < position)
-        seen = (is_cached | is_new) & ((positions > cut_from) | (positions < sinks))
-        block = tl.load(table_ptr + seq * table_stride + positions // BLOCK, mask=seen & is_cached, other=0)
-        pool_rows = block.to(tl.int64) * block_stride + (positions % BLOCK) * position_stride
-        pool_at = pool_rows[:, None] + head * head_stride + dims[None, :]  # [C, D]
-        rows = start + positions - cached  # a new key's row in the step
-        pooled = (seen & is_cached)[:, None]
-        fresh = (seen & is_new)[:, None]
-        chunk_k = tl.load(k_pool + pool_at, mask=pooled, other=0.0).to(tl.float32) + tl.load(
-            k_ptr + rows[:, None] * k_token + head * k_head + dims[None, :], mask=fresh, other=0.0).to(tl.float32)
-        chunk_v = tl.load(v_pool + pool_at, mask=pooled, other=0.0).to(tl.float32) + tl.load(
-            v_ptr + rows[:, None] * v_token + head * v_head + dims[None, :], mask=fresh, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * chunk_k[None, :, :], axis=2) * scale  # [G, C]
-        scores = tl.where(seen[None, :], scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, axis=1))  # finite: the own key's score is in `best`
-        weights = tl.exp(scores - new_best[:, None])
-        rescale = tl.exp(best - new_best)
-        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * chunk_v[None, :, :], axis=1)
+    for key0 in range(skip, last + 1, CHUNK):
+        keys = key0 + lanes
+        is_cached = keys < cached
+        is_new = (keys >= cached) & (keys <= last)
+        block = tl.load(table_ptr + seq * table_stride + keys // BLOCK, mask=is_cached, other=0)
+        pool_at = (block.to(tl.int64) * block_stride + (keys % BLOCK) * position_stride)[:, None] \
+            + head * head_stride + dims[None, :]  # [C, D]
+        new_rows = start + tl.maximum(keys - cached, 0)  # a cached key's: not read
+        pooled = is_cached[:, None]
+        chunk_k = tl.where(pooled, tl.load(k_pool + pool_at, mask=pooled, other=0.0).to(q.dtype), tl.load(
+            k_ptr + new_rows[:, None] * k_token + head * k_head + dims[None, :], mask=is_new[:, None],
+            other=0.0).to(q.dtype))
+        chunk_v = tl.where(pooled, tl.load(v_pool + pool_at, mask=pooled, other=0.0).to(q.dtype), tl.load(
+            v_ptr + new_rows[:, None] * v_token + head * v_head + dims[None, :], mask=is_new[:, None],
+            other=0.0).to(q.dtype))
+        if IEEE:
+            scores = tl.dot(q, tl.trans(chunk_k), input_precision="ieee") * scale  # [R, C]
+        else:
+            scores = tl.dot(q, tl.trans(chunk_k)) * scale
+        seen = ((is_cached | is_new)[None, :] & (keys[None, :] <= positions[:, None])
+                & ((keys[None, :] > cut_from[:, None]) | (keys[None, :] < sinks)))
+        scores = tl.where(seen, scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        # A row with no key seen yet (a padding row, or keys before its window) subtracts 0: its weights are 0.
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+        weights = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(best - shift)
+        if IEEE:
+            acc = acc * rescale[:, None] + tl.dot(weights, chunk_v, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(weights.to(chunk_v.dtype), chunk_v)
         total = total * rescale + tl.sum(weights, axis=1)
         best = new_best
-    out = acc / total[:, None]
-    tl.store(out_ptr + token * out_token + (head * GROUP + groups)[:, None] * out_head + dims[None, :], out,
-             mask=in_group[:, None])
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + tokens[:, None] * out_token + (head * GROUP + groups)[:, None] * out_head + dims[None, :], out,
+             mask=real[:, None])

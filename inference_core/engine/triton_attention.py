@@ -17,7 +17,7 @@ rescales the splits' partial sums to their common max and adds them up. The ids 
 `flat_attention` is the flat step's (`query_graph.FlatGraph` on CUDA): the new tokens of several sequences one after
 another, any number each (a decode's 1, a verification's k + 1, a prompt chunk), each against its sequence's cached
 keys in the paged pool and its new keys up to itself, within a sliding window and beside attention sinks; one
-program a (token, KV head).
+program a (block of 16 new tokens of a sequence, KV head), which reads each key once for its block.
 
 Triton is imported on first use (it comes with torch's CUDA builds); where it is missing, or the layout is one the
 kernel does not take (`unsupported`), the ATen ops run. `INFERENCE_CORE_TRITON_ATTENTION=0` keeps the ATen ops (and
@@ -37,6 +37,7 @@ import torch
 from inference_core import gpu
 
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLAT_QUERIES = 16  # new tokens of one sequence a program of the flat step's kernel takes
 CHUNK = 32  # cached positions a program reads at a time (two blocks of 16: two loads in flight per step of its loop)
 # Splits of a sequence's keys (flash-decoding): programs enough for about this many a multiprocessor, at most
 # MAX_SPLITS a (sequence, KV head). One program a (sequence, KV head) walks its keys alone, a chunk after the other:
@@ -178,26 +179,42 @@ def flat_attention(q, k, v, k_pool, v_pool, table, starts, cached, window, scale
     [blocks, block_size, kv_heads, d]; table [S, blocks] int32; starts [S + 1] (sequence s's tokens are rows
     [starts[s], starts[s + 1])), cached [S] (its keys in the pool before them); window [2] int32, a sliding window's
     size (0: none) and the attention sinks. Each token sees its own key, its sequence's cached keys and its earlier new
-    keys, within the window or among the sinks. Every row belongs to a sequence (a padding row to a padding
-    sequence). Returns fp32 [N, heads, d]. A program per (token, KV head): a prompt's queries each walk their own keys,
-    which a decode-heavy mixed step (a token a sequence) wants and a long prompt pays for in reads of its keys once a
-    query; what that costs against a tiled kernel is for a GPU run to measure."""
+    keys, within the window or among the sinks. Returns fp32 [N, heads, d].
+
+    A program per (block of FLAT_QUERIES new tokens of one sequence, KV head): a prompt's keys are read once a block,
+    not once a query, and scored in matrix products (the tensor cores in bf16); a decode is a block of one token.
+    The blocks are laid out here by tensor ops (no host sync), in a grid of N / FLAT_QUERIES + S programs a KV head
+    (the most blocks N tokens of S sequences can make: a fixed grid for a CUDA graph), the ones past the step's
+    blocks idle."""
     q, k, v = (tensor if tensor.stride(-1) == 1 else tensor.contiguous() for tensor in (q, k, v))
     tokens, kv_heads, head_dim = k.shape
     group = q.shape[1] // kv_heads
+    group_pad = max(1, 1 << (group - 1).bit_length())
     out = torch.empty(tokens, q.shape[1], head_dim, dtype=torch.float32, device=q.device)
-    # Each row's sequence: the number of sequences that end at or before it.
-    seqs = torch.searchsorted(starts[1:], torch.arange(tokens, device=q.device, dtype=starts.dtype), right=True)
+    # Each sequence's blocks, numbered one after another; an item past them has sequence -1.
+    counts = starts[1:].long() - starts[:-1].long()
+    blocks = (counts + FLAT_QUERIES - 1) // FLAT_QUERIES
+    ends = torch.cumsum(blocks, 0)
+    items = tokens // FLAT_QUERIES + len(counts)
+    item_seq = torch.searchsorted(ends, torch.arange(items, device=q.device), right=True)
+    inside = item_seq.clamp(max=len(counts) - 1)
+    item_first = starts[inside].long() + (torch.arange(items, device=q.device) - ends[inside] + blocks[inside]) \
+        * FLAT_QUERIES
+    item_seq = torch.where(item_seq < len(counts), item_seq, -1)
     table = table if table.stride(-1) == 1 else table.contiguous()
     _, _, flat = _kernels()
-    flat[(tokens, kv_heads)](
-        q, k, v, k_pool, v_pool, table, starts, cached, seqs, window, out, scale, q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        table.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(1, 1 << (group - 1).bit_length()), CHUNK=CHUNK, BLOCK=k_pool.shape[1],
-        HEAD_DIM=head_dim, num_warps=4 if max(1, 1 << (group - 1).bit_length()) * CHUNK * head_dim <= WARP_PRODUCTS * 4
-        else 8)
+    flat[(items, kv_heads)](
+        q, k, v, k_pool, v_pool, table, starts, cached, item_seq, item_first, window, out, scale, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_pool.stride(0), k_pool.stride(1),
+        k_pool.stride(2), table.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, QUERIES=FLAT_QUERIES, CHUNK=CHUNK, BLOCK=k_pool.shape[1],
+        HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32 or _interpreted(), num_warps=4 if group_pad * FLAT_QUERIES <= 32 else 8)
     return out
+
+
+def _interpreted() -> bool:
+    """Whether the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`: the tests on a CPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.cache

@@ -208,7 +208,8 @@ def flat_attention(q, k, v, k_pool, v_pool, table, starts, cached, window, scale
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_pool.stride(0), k_pool.stride(1),
         k_pool.stride(2), table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, QUERIES=FLAT_QUERIES, CHUNK=CHUNK, BLOCK=k_pool.shape[1],
-        HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32 or _interpreted(), num_warps=4 if group_pad * FLAT_QUERIES <= 32 else 8)
+        HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32 or _interpreted(),
+        num_warps=4 if group_pad * FLAT_QUERIES <= 32 else 8)
     return out
 
 

@@ -225,6 +225,22 @@ def test_splits_fill_the_device_and_a_full_batch_takes_none(monkeypatch):
     triton_attention._fixed_splits.cache_clear()
 
 
+def _compile_as_on_cuda(monkeypatch):
+    """A compiled engine built from here on compiles as on CUDA (torch.compile, no freezing) with the decode step's
+    Triton attention, here under the interpreter (skips where inductor cannot compile for the CPU). Returns the
+    `compiled` module."""
+    from inference_core.engine import compiled as compiled_module
+    from inference_core.engine import engine as engine_module
+
+    if compiled_module.compile_unavailable(torch.device("cpu")) is not None:
+        pytest.skip(compiled_module.compile_unavailable(torch.device("cpu")))
+    monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
+    monkeypatch.setattr(engine_module, "default_options", lambda device, model=None: {})  # as CUDA: no freezing
+    monkeypatch.setattr(triton_attention, "used",
+                        lambda device, dtype, pool, paged: triton_attention.unsupported(dtype, pool, paged) is None)
+    return compiled_module
+
+
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled step's CUDA tests run the kernel")
 @pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
@@ -236,15 +252,7 @@ def test_compiled_step_with_the_kernel_takes_whole_buffers(tmp_path, kv_mode, mo
     from conftest import compiled_matches_eager
     from tiny_models import build_tiny_model
 
-    from inference_core.engine import compiled as compiled_module
-    from inference_core.engine import engine as engine_module
-
-    if compiled_module.compile_unavailable(torch.device("cpu")) is not None:
-        pytest.skip(compiled_module.compile_unavailable(torch.device("cpu")))
-    monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
-    monkeypatch.setattr(engine_module, "default_options", lambda device, model=None: {})  # as CUDA: no freezing
-    monkeypatch.setattr(triton_attention, "used",
-                        lambda device, dtype, pool, paged: triton_attention.unsupported(dtype, pool, paged) is None)
+    compiled_module = _compile_as_on_cuda(monkeypatch)
     widths, call = set(), compiled_module.CompiledDecoder._call_compiled
 
     def recording_widths(self, bucket, args):
@@ -273,16 +281,9 @@ def test_compiled_flat_step_with_the_kernel_takes_prompts_and_mixed_steps(tmp_pa
     from tiny_models import build_tiny_model, prompt
 
     from inference_core import Engine, EngineConfig, SamplingParams
-    from inference_core.engine import compiled as compiled_module
-    from inference_core.engine import engine as engine_module
     from inference_core.spec.decoding import SpecConfig
 
-    if compiled_module.compile_unavailable(torch.device("cpu")) is not None:
-        pytest.skip(compiled_module.compile_unavailable(torch.device("cpu")))
-    monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
-    monkeypatch.setattr(engine_module, "default_options", lambda device, model=None: {})  # as CUDA: no freezing
-    monkeypatch.setattr(triton_attention, "used",
-                        lambda device, dtype, pool, paged: triton_attention.unsupported(dtype, pool, paged) is None)
+    compiled_module = _compile_as_on_cuda(monkeypatch)
     monkeypatch.setattr(triton_attention, "flat_unavailable",
                         lambda device, dtype, pool: triton_attention.unsupported(dtype, pool, True))
     buckets, call = [], compiled_module.CompiledDecoder._call_flat_compiled

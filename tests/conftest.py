@@ -169,6 +169,27 @@ def mixed_requests() -> list[tuple[list[int], int]]:
     return [(prompt(length, seed), new_tokens) for seed, (length, new_tokens) in enumerate(MIXED_LENGTHS)]
 
 
+def compile_as_on_cuda(monkeypatch, flat: bool = True):
+    """A compiled engine built from here on compiles as on CUDA (torch.compile, no freezing) with our Triton
+    attention in the decode step and (`flat`) in the flat step, here on the CPU under Triton's interpreter (its
+    caller's module sets `TRITON_INTERPRET` before Triton is imported). Skips where inductor cannot compile for the
+    CPU. Returns the `compiled` module."""
+    from inference_core.engine import compiled as compiled_module
+    from inference_core.engine import engine as engine_module
+    from inference_core.engine import triton_attention
+
+    if compiled_module.compile_unavailable(torch.device("cpu")) is not None:
+        pytest.skip(compiled_module.compile_unavailable(torch.device("cpu")))
+    monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
+    monkeypatch.setattr(engine_module, "default_options", lambda device, model=None: {})  # as CUDA: no freezing
+    monkeypatch.setattr(triton_attention, "used",
+                        lambda device, dtype, pool, paged: triton_attention.unsupported(dtype, pool, paged) is None)
+    if flat:
+        monkeypatch.setattr(triton_attention, "flat_unavailable",
+                            lambda device, dtype, pool: triton_attention.unsupported(dtype, pool, True))
+    return compiled_module
+
+
 def compiled_matches_eager(loaded, **settings) -> tuple[Engine, list]:
     """The `mixed_requests` one at a time through an eager engine with `settings`, and all at once through a compiled
     one: each compiled answer equals eager's (or parts at a near-tie). Returns the compiled engine and the step

@@ -96,19 +96,22 @@ def combine(part_acc, part_stats, out_ptr, out_batch, out_head, out_group, GROUP
 
 
 @triton.jit
-def attend_flat(q_ptr, k_ptr, v_ptr, k_pool, v_pool, table_ptr, starts_ptr, cached_ptr, item_seq_ptr, item_first_ptr,
-                window_ptr, out_ptr, scale, q_token, q_head, k_token, k_head, v_token, v_head, block_stride,
-                position_stride, head_stride, table_stride, out_token, out_head, GROUP: tl.constexpr,
-                GROUP_PAD: tl.constexpr, QUERIES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+def attend_flat(q_ptr, k_ptr, v_ptr, k_pool, v_pool, table_ptr, starts_ptr, cached_ptr, positions_ptr, seen_ptr,
+                item_seq_ptr, item_first_ptr, window_ptr, out_ptr, scale, q_token, q_head, k_token, k_head, v_token,
+                v_head, block_stride, position_stride, head_stride, table_stride, out_token, out_head,
+                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERIES: tl.constexpr, CHUNK: tl.constexpr,
+                BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
     """One program per (block of up to QUERIES new tokens of one sequence, KV head) of a flat step: the block is
     sequence s = item_seq_ptr[item]'s rows [item_first_ptr[item], its end) (s < 0: a program with no work), and its
     rows are the block's tokens by the group's query heads, [QUERIES * GROUP_PAD, d], scored against CHUNK keys at a
     time with two matrix products and an online softmax in fp32 (FlashAttention's): the sequence's cached keys
     [0, cached[s]) from the pool through its block table, then its new keys (rows [starts[s], ...)) up to the block's
-    last token. Row r (token t at position p) sees the key at position j <= p where no sliding window cuts it:
-    window[0] == 0, or j > p - window[0], or j < window[1] (the attention sinks); its own key always. The keys before
-    the block's window (where there are no sinks) are skipped a chunk at a time. `IEEE`: the products in fp32 (an fp32
+    last token. Row r (token t, the sequence's u-th new token, at position p = positions[t]) sees every cached key and
+    the new keys before it and its own (u' <= u), or, where seen[t] is not 0 (a draft tree's node), the new keys u'
+    whose bit seen[t] >> u' & 1 is set (its ancestors and itself); of those, the ones no sliding window cuts: a key at
+    position j is seen where window[0] == 0, or j > p - window[0], or j < window[1] (the attention sinks). A new key's
+    position is positions[its row] (a tree's node: its depth's), a cached key's its slot. The keys before the block's
+    window (where there are no sinks) are skipped a chunk at a time. `IEEE`: the products in fp32 (an fp32
     model's, and under Triton's interpreter, whose bf16 products are wrong), else in the inputs' dtype, bf16 or fp16,
     on the tensor cores. The output is fp32, [N, heads, d] as `out_token`,
     `out_head` stride it."""
@@ -129,7 +132,9 @@ def attend_flat(q_ptr, k_ptr, v_ptr, k_pool, v_pool, table_ptr, starts_ptr, cach
     real = (tokens < end) & (groups < GROUP)
     dims = tl.arange(0, HEAD_DIM)
     lanes = tl.arange(0, CHUNK)
-    positions = cached + tokens - start  # [R]
+    index = tokens - start  # [R] each row's token among its sequence's new ones
+    positions = tl.load(positions_ptr + tokens, mask=real, other=0).to(tl.int64)
+    bits = tl.load(seen_ptr + tokens, mask=real, other=0).to(tl.int64)
     cut_from = tl.where(size > 0, positions - size, -1)  # keys at or before it are out of the window
     q = tl.load(q_ptr + tokens[:, None] * q_token + (head * GROUP + groups)[:, None] * q_head + dims[None, :],
                 mask=real[:, None], other=0.0)  # [R, D]
@@ -138,8 +143,10 @@ def attend_flat(q_ptr, k_ptr, v_ptr, k_pool, v_pool, table_ptr, starts_ptr, cach
     best = tl.full([QUERIES * GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([QUERIES * GROUP_PAD], tl.float32)
     acc = tl.zeros([QUERIES * GROUP_PAD, HEAD_DIM], tl.float32)
-    last = cached + tl.minimum(first + QUERIES, end) - 1 - start  # the block's last position
-    lowest = tl.where(size > 0, tl.maximum(cached + first - start - size + 1, 0), 0)  # its first query's window
+    # The block's last key: its last token's (an idle program's loop is empty).
+    last = tl.where(busy, cached + tl.minimum(first + QUERIES, end) - 1 - start, -1)
+    nearest = tl.min(tl.where(real, positions, cached + QUERIES + first - start))  # the block's first position
+    lowest = tl.where(size > 0, tl.maximum(nearest - size + 1, 0), 0)  # where its window starts
     skip = tl.where(sinks > 0, 0, lowest // CHUNK * CHUNK)
     for key0 in range(skip, last + 1, CHUNK):
         keys = key0 + lanes
@@ -148,7 +155,8 @@ def attend_flat(q_ptr, k_ptr, v_ptr, k_pool, v_pool, table_ptr, starts_ptr, cach
         block = tl.load(table_ptr + seq * table_stride + keys // BLOCK, mask=is_cached, other=0)
         pool_at = (block.to(tl.int64) * block_stride + (keys % BLOCK) * position_stride)[:, None] \
             + head * head_stride + dims[None, :]  # [C, D]
-        new_rows = start + tl.maximum(keys - cached, 0)  # a cached key's: not read
+        new_index = tl.maximum(keys - cached, 0)  # a cached key's: not read
+        new_rows = start + new_index
         pooled = is_cached[:, None]
         chunk_k = tl.where(pooled, tl.load(k_pool + pool_at, mask=pooled, other=0.0).to(q.dtype), tl.load(
             k_ptr + new_rows[:, None] * k_token + head * k_head + dims[None, :], mask=is_new[:, None],
@@ -160,8 +168,11 @@ def attend_flat(q_ptr, k_ptr, v_ptr, k_pool, v_pool, table_ptr, starts_ptr, cach
             scores = tl.dot(q, tl.trans(chunk_k), input_precision="ieee") * scale  # [R, C]
         else:
             scores = tl.dot(q, tl.trans(chunk_k)) * scale
-        seen = ((is_cached | is_new)[None, :] & (keys[None, :] <= positions[:, None])
-                & ((keys[None, :] > cut_from[:, None]) | (keys[None, :] < sinks)))
+        key_positions = tl.where(is_cached, keys, tl.load(positions_ptr + new_rows, mask=is_new, other=0))
+        ancestor = ((bits[:, None] >> tl.minimum(new_index, 63)[None, :]) & 1) != 0
+        before = tl.where(bits[:, None] != 0, ancestor, new_index[None, :] <= index[:, None])
+        seen = ((is_cached[None, :] | (is_new[None, :] & before))
+                & ((key_positions[None, :] > cut_from[:, None]) | (key_positions[None, :] < sinks)))
         scores = tl.where(seen, scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         # A row with no key seen yet (a padding row, or keys before its window) subtracts 0: its weights are 0.

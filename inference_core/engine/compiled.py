@@ -32,8 +32,8 @@ step over a paged pool (prompts, prefill chunks, mixed steps of chunks and decod
 number of new tokens a sequence, one after another, in one package whose token count and key width are dynamic. On
 CUDA the flat step is compiled by torch.compile with its token count dynamic, padded to token buckets (`flat_tokens`)
 that each record a CUDA graph, its attention our Triton kernel (`triton_attention.flat_attention`); it takes the
-verifications and hidden-state steps there too. What none of them takes runs eager (`refusal` and `flat_refusal` say
-why, and the stats count it).
+verifications (a draft tree's too: `TritonFlatGraph`) and hidden-state steps there. What none of them takes runs
+eager (`refusal` and `flat_refusal` say why, and the stats count it).
 
 Two ways to compile it (`CompiledDecoder(backend=...)`):
 
@@ -74,7 +74,8 @@ from torch import nn
 from inference_core.config import ConfigError
 from inference_core.config import int4_value_group
 from inference_core.engine import package_weights, query_graph, triton_attention
-from inference_core.engine.query_graph import MAX_QUERIES, FlatGraph, QueryGraph, forward_layers, layer_pool, silu_mul
+from inference_core.engine.query_graph import (MAX_QUERIES, FlatGraph, QueryGraph, TritonFlatGraph, forward_layers,
+                                               layer_pool, silu_mul)
 from inference_core.engine.query_graph import read_context as _read_context
 from inference_core.engine.runner import window_mask
 from inference_core.model import attention_kernel, row_kernel, w4a8_kernel
@@ -358,9 +359,11 @@ class CompiledDecoder:
                                 our_attention="attention_kernel" in self.options).eval()
         self.query_step = QueryGraph(model, self.paged, self.block_size,  # several tokens a sequence
                                      our_attention="attention_kernel" in self.options).eval()
-        # Any mix of sequences and new tokens (prefill chunks, mixed steps); on CUDA its attention our Triton kernel.
-        self.flat_step = FlatGraph(model, triton=self.backend == "torch.compile").eval()
+        # Any mix of sequences and new tokens (prefill chunks, mixed steps); on CUDA its attention our Triton kernel,
+        # which takes a draft tree's verification too.
+        self.flat_step = (FlatGraph if self.backend == "aoti" else TritonFlatGraph)(model).eval()
         self.flat_off = self._flat_unavailable()
+        self.flat_trees = self.flat_off is None and self.backend != "aoti"  # a draft tree's verification in it too
         self._window = torch.tensor([kv_cache.sliding_window or 0, kv_cache.attention_sinks], dtype=torch.int32,
                                     device=device)
         # Inductor options are applied as a config patch around each call, not through torch.compile(options=...):
@@ -533,7 +536,7 @@ class CompiledDecoder:
         return table
 
     @torch.inference_mode()
-    def run_flat(self, seqs, num_new_tokens: list[int], num_logits: int = 1, hidden_states: bool = True):
+    def run_flat(self, seqs, num_new_tokens: list[int], num_logits: int = 1, hidden_states: bool = True, tree=None):
         """Forward `num_new_tokens[i]` new tokens of each of `seqs` after its cached ones through the flat step
         (`query_graph.FlatGraph`), where `flat_refusal` found none. Returns what `run_queries` does: the fp32 logits
         of each sequence's last `num_logits` new tokens, [rows, vocab], and per sequence the final-normed hidden
@@ -543,7 +546,8 @@ class CompiledDecoder:
         AOTInductor: a package whose token count is dynamic (at least 2), over the block tables as wide as the step
         needs. torch.compile (CUDA): the tokens padded to a bucket (`flat_tokens`) by a padding sequence in a row of
         its own, the block tables whole and every row finished by the last layer, so that each bucket is one CUDA
-        graph."""
+        graph; there `tree` = (depths, mask) makes one sequence's new tokens a draft tree, as `run_queries` takes it
+        (node i at position first + depths[i], seeing the nodes mask[i] marks; its KV written at slot first + i)."""
         self.kv_cache.settle()
         graphed = self.backend != "aoti"
         rows = self.buckets[-1] + graphed  # the padding sequence's row (aoti: a free row, `flat_refusal`)
@@ -554,10 +558,16 @@ class CompiledDecoder:
             positions += range(first, first + new)
             starts.append(len(input_ids))
         real = len(input_ids)
+        slots, seen = positions[:], [0] * real  # where each token's KV goes; a tree node's ancestors (bits)
+        if tree is not None:  # one sequence, its new tokens a tree: positions by depth
+            depths, mask = tree[0], tree[1].tolist()
+            positions = [firsts[0] + depth for depth in depths]
+            seen = [sum(1 << node for node, sees in enumerate(row) if sees) for row in mask]
         tokens = flat_tokens(real) if graphed else max(real, 2)  # the package's token count is at least 2
         if tokens > real:  # a padding sequence, at positions from 0 with nothing cached
             input_ids += [0] * (tokens - real)
             positions += range(tokens - real)
+            seen += [0] * (tokens - real)
             starts.append(tokens)
         starts += [tokens] * (rows + 1 - len(starts))
         width = self.max_width if graphed else self._width(max(-(-first // self.block_size) for first in firsts))
@@ -571,12 +581,12 @@ class CompiledDecoder:
         args = (torch.tensor(input_ids), torch.tensor(positions), table, torch.tensor(starts, dtype=torch.int32),
                 torch.tensor(firsts + [0] * (rows - len(seqs)), dtype=torch.int32), self._window, torch.tensor(keep))
         if graphed:
-            args = tuple(arg if arg is self._window else self._to_device(arg) for arg in args)
+            args = tuple(arg if arg is self._window else self._to_device(arg) for arg in (*args, torch.tensor(seen)))
             hidden, new_k, new_v = self._call_flat_compiled(tokens, (*args, *pool))
         else:
             hidden, new_k, new_v = self._call_package(("flat",), (*args, *pool), self.flat_step)
         token_seqs = [seq for seq, new in zip(seqs, num_new_tokens) for _ in range(new)]
-        self._store(new_k[:, :real], new_v[:, :real], token_seqs, positions[:real], None, None)
+        self._store(new_k[:, :real], new_v[:, :real], token_seqs, slots, None, None)
         if not hidden_states:
             return self.model.lm_head.forward(hidden[logit_rows if graphed else slice(len(logit_rows))]).float(), None
         logits = self.model.lm_head.forward(hidden[logit_rows]).float()
@@ -595,8 +605,9 @@ class CompiledDecoder:
         args = (torch.zeros(tokens, dtype=torch.long), torch.arange(tokens), table,
                 torch.tensor([0] + [tokens] * rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
                 self._window, torch.arange(tokens))
-        if graphed:
-            args = tuple(arg if arg is self._window else self._to_device(arg) for arg in args)
+        if graphed:  # and no tree
+            args = tuple(arg if arg is self._window else self._to_device(arg)
+                         for arg in (*args, torch.zeros(tokens, dtype=torch.long)))
             self._call_flat_compiled(tokens, (*args, *pool))
         else:
             self._call_package(("flat",), (*args, *pool), self.flat_step)
@@ -875,9 +886,9 @@ class CompiledDecoder:
         return self._run_traced(self.graph, bucket, f"{bucket}x1", args)
 
     def _call_flat_compiled(self, tokens: int, args: tuple):
-        """The flat step through torch.compile: one graph whose token count (inputs 0, 1 and `keep`) is dynamic, a
-        CUDA graph recorded for each bucket of `tokens` on its first call (counted as warm-up)."""
-        for index in (0, 1, FlatGraph.KEEP):
+        """The flat step through torch.compile: one graph whose token count (inputs 0, 1, `keep` and `seen`) is
+        dynamic, a CUDA graph recorded for each bucket of `tokens` on its first call (counted as warm-up)."""
+        for index in (0, 1, FlatGraph.KEEP, TritonFlatGraph.SEEN):
             torch._dynamo.maybe_mark_dynamic(args[index], 0)
         return self._run_traced(self.flat_graph, ("flat", tokens), "flat", args)
 

@@ -763,8 +763,8 @@ class Engine:
         the last token and k nodes a level for each of its `tree_width` candidates. Shorter ones run in the same
         package, and so do trained heads' plain steps (one token, its hidden state read) and their short prompts.
         EAGLE's draft layer runs through packages of its own (`_eagle_step`); early exit's and a draft model's passes
-        run eager. CUDA's torch.compile backend has no query step: its verifications and hidden-state steps run in the
-        flat step (token buckets recorded on first use), over a paged cache."""
+        run eager. CUDA's torch.compile backend has no query step: its verifications (chains and trees) and
+        hidden-state steps run in the flat step (token buckets recorded on first use), over a paged cache."""
         if spec is None or not spec.enabled or self.decoder is None or self.decoder.backend != "aoti":
             return ()
         spec = self.resolve_spec(spec)

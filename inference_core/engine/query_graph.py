@@ -92,12 +92,10 @@ class FlatGraph(nn.Module):
 
     KEEP = 6  # the input `keep`, its length dynamic in a package
 
-    def __init__(self, model: CausalLM, triton: bool = False):
+    def __init__(self, model: CausalLM):
         super().__init__()
         self.model = model
         self.group = int4_value_group(model.config.head_dim)  # an int4 pool's (`layer_pool`)
-        # The attention as our Triton kernel (`flat_attention`: CUDA's, under torch.compile) instead of our CPU op.
-        self.triton = triton
 
     def width_dims(self) -> dict[int, int]:
         """The block table's width (dynamic in a package)."""
@@ -116,8 +114,27 @@ class FlatGraph(nn.Module):
 
         def attend(index, attn, q, k, v):
             k_layer, v_layer = layer_pool(pool, index, self.group)
-            attend_flat = flat_attention if self.triton else attention_kernel.attend_flat
-            return attend_flat(q, k, v, k_layer, v_layer, table, starts, cached, window, attn.scale)
+            return attention_kernel.attend_flat(q, k, v, k_layer, v_layer, table, starts, cached, window, attn.scale)
+
+        x, new_k, new_v = forward_layers(self.model, input_ids, positions, attend, keep, silu_mul)
+        return self.model.norm.forward(x), new_k, new_v
+
+
+class TritonFlatGraph(FlatGraph):
+    """The flat step on CUDA (torch.compile; `FlatGraph` is the CPU's, exported by AOTInductor): its attention our
+    Triton kernel (`flat_attention`), which also takes a draft tree's nodes among the tokens (a tree's verification,
+    `ModelRunner.run_tree`), so it has one input more: `seen`."""
+
+    SEEN = 7  # the input `seen`, its length the token count
+
+    def forward(self, input_ids, positions, table, starts, cached, window, keep, seen, *pool):
+        """`FlatGraph.forward`'s inputs, and seen: [N] int64, for a tree's node the bits of the new tokens of its
+        sequence it sees (its ancestors and itself), 0 for every other token (it sees the ones before it). A node's
+        position in `positions` is its depth's."""
+
+        def attend(index, attn, q, k, v):
+            k_layer, v_layer = layer_pool(pool, index, self.group)
+            return flat_attention(q, k, v, k_layer, v_layer, table, starts, cached, window, attn.scale, positions, seen)
 
         x, new_k, new_v = forward_layers(self.model, input_ids, positions, attend, keep, silu_mul)
         return self.model.norm.forward(x), new_k, new_v
@@ -126,15 +143,16 @@ class FlatGraph(nn.Module):
 @torch.library.custom_op("inference_core::flat_attention", mutates_args=())
 def flat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    table: torch.Tensor, starts: torch.Tensor, cached: torch.Tensor, window: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     """The flat step's attention on CUDA (`triton_attention.flat_attention`, the arguments and result of
-    `model.attention_kernel.attend_flat`) as one op the compiler does not look into: the token count, which changes
-    from step to step, then reaches no kernel inductor generates."""
-    return triton_attention.flat_attention(q, k, v, k_pool, v_pool, table, starts, cached, window, scale)
+    `model.attention_kernel.attend_flat` with a tree's `positions` and `seen`) as one op the compiler does not look
+    into: the token count, which changes from step to step, then reaches no kernel inductor generates."""
+    return triton_attention.flat_attention(q, k, v, k_pool, v_pool, table, starts, cached, window, scale, positions,
+                                           seen)
 
 
 @flat_attention.register_fake
-def _flat_attention_shape(q, k, v, k_pool, v_pool, table, starts, cached, window, scale):
+def _flat_attention_shape(q, k, v, k_pool, v_pool, table, starts, cached, window, scale, positions, seen):
     return q.new_empty(q.shape, dtype=torch.float32)
 
 

@@ -290,6 +290,10 @@ class ModelRunner:
                 logits, hidden = self.decoder.run_queries([seq], [num_nodes], num_logits=num_nodes,
                                                           tree=(depths, tree_mask.cpu()))
                 return logits, hidden[0]
+            if self.decoder.flat_trees and self.decoder.flat_refusal([seq], [num_nodes]) is None:  # CUDA's flat step
+                logits, hidden = self.decoder.run_flat([seq], [num_nodes], num_logits=num_nodes,
+                                                       tree=(depths, tree_mask.cpu()))
+                return logits, hidden[0]
             self.count_fallback(reason)
         else:
             self.count_fallback("a draft tree's verification")

@@ -173,13 +173,17 @@ def flat_unavailable(device: torch.device, dtype: torch.dtype, k_pool: torch.Ten
     return None if reason is None else f"our Triton attention does not take {reason}"
 
 
-def flat_attention(q, k, v, k_pool, v_pool, table, starts, cached, window, scale: float) -> torch.Tensor:
+def flat_attention(q, k, v, k_pool, v_pool, table, starts, cached, window, scale: float, positions=None,
+                   seen=None) -> torch.Tensor:
     """The flat step's attention (what `model.attention_kernel.attend_flat` computes on the CPU) in one kernel launch:
     N new tokens of S sequences one after another, q [N, heads, d]; k, v [N, kv_heads, d]; k_pool, v_pool one layer's
     [blocks, block_size, kv_heads, d]; table [S, blocks] int32; starts [S + 1] (sequence s's tokens are rows
     [starts[s], starts[s + 1])), cached [S] (its keys in the pool before them); window [2] int32, a sliding window's
     size (0: none) and the attention sinks. Each token sees its own key, its sequence's cached keys and its earlier new
-    keys, within the window or among the sinks. Returns fp32 [N, heads, d].
+    keys, within the window or among the sinks. Returns fp32 [N, heads, d]. A draft tree's nodes among the tokens
+    (`ModelRunner.run_tree`): `positions` [N] int64, each token's position (a node's: its depth's; default: its
+    sequence's cached keys and the new tokens before it), and `seen` [N] int64, for a node the bits of the new keys of
+    its sequence it sees (bit u: the u-th; its ancestors and itself), 0 for the others (the ones before it).
 
     A program per (block of FLAT_QUERIES new tokens of one sequence, KV head): a prompt's keys are read once a block,
     not once a query, and scored in matrix products (the tensor cores in bf16); a decode is a block of one token.
@@ -202,9 +206,16 @@ def flat_attention(q, k, v, k_pool, v_pool, table, starts, cached, window, scale
         * FLAT_QUERIES
     item_seq = torch.where(item_seq < len(counts), item_seq, -1)
     table = table if table.stride(-1) == 1 else table.contiguous()
+    if positions is None:  # consecutive after each sequence's cached keys
+        rows = torch.arange(tokens, device=q.device)
+        token_seq = torch.searchsorted(starts[1:].long(), rows, right=True).clamp(max=len(counts) - 1)
+        positions = cached.long()[token_seq] + rows - starts.long()[token_seq]
+    if seen is None:
+        seen = torch.zeros(tokens, dtype=torch.long, device=q.device)
     _, _, flat = _kernels()
     flat[(items, kv_heads)](
-        q, k, v, k_pool, v_pool, table, starts, cached, item_seq, item_first, window, out, scale, q.stride(0),
+        q, k, v, k_pool, v_pool, table, starts, cached, positions, seen, item_seq, item_first, window, out, scale,
+        q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_pool.stride(0), k_pool.stride(1),
         k_pool.stride(2), table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, QUERIES=FLAT_QUERIES, CHUNK=CHUNK, BLOCK=k_pool.shape[1],

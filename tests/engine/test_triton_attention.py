@@ -130,9 +130,9 @@ def _flat_case(dtype, group: int, seed: int):
     return q, k, v, k_pool, v_pool, table, starts, torch.tensor(cached, dtype=torch.int32)
 
 
-def _flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale):
-    """Each token against its sequence's cached keys (through its block table) and its new keys up to itself, within
-    the window or among the sinks, in fp32, one token at a time."""
+def _flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale, positions=None, seen=None):
+    """Each token against its sequence's cached keys (through its block table) and its new keys up to itself (a tree
+    node: those its `seen` bits mark), within the window or among the sinks, in fp32, one token at a time."""
     size, sinks = window.tolist()
     kv_heads, head_dim = k.shape[1:]
     group = q.shape[1] // kv_heads
@@ -143,15 +143,57 @@ def _flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scal
         blocks = table[s].long()[pooled // k_pool.shape[1]]
         keys = torch.cat([k_pool[blocks, pooled % k_pool.shape[1]], k[first:end]]).float()
         values = torch.cat([v_pool[blocks, pooled % v_pool.shape[1]], v[first:end]]).float()
+        new_positions = positions[first:end] if positions is not None else torch.arange(count, count + end - first)
+        key_positions = torch.cat([pooled, new_positions])
         for t in range(first, end):
-            position = count + t - first
-            seen = torch.arange(position + 1)
+            u, position = t - first, int(new_positions[t - first])
+            bits = int(seen[t]) if seen is not None else 0
+            before = [j for j in range(end - first) if (bits >> j & 1 if bits else j <= u)]
+            visible = torch.cat([pooled, count + torch.tensor(before, dtype=torch.long)])
             if size:
-                seen = seen[(seen > position - size) | (seen < sinks)]
+                at = key_positions[visible]
+                visible = visible[(at > position - size) | (at < sinks)]
             for head in range(q.shape[1]):
-                scores = (keys[seen, head // group] @ q[t, head].float()) * scale
-                out[t, head] = torch.softmax(scores, 0) @ values[seen, head // group]
+                scores = (keys[visible, head // group] @ q[t, head].float()) * scale
+                out[t, head] = torch.softmax(scores, 0) @ values[visible, head // group]
     return out
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [(0, 0), (12, 3)], ids=["no-window", "window+sinks"])
+def test_flat_kernel_takes_a_draft_tree(dtype, window):
+    """A draft tree among the flat step's sequences (CUDA's tree verification): 2 levels of 2 candidates after 20
+    cached keys, node i at its depth's position seeing its ancestors and itself, beside a decode and a prompt."""
+    generator = torch.Generator().manual_seed(7)
+    kv_heads, group, head_dim, block_size = 2, 3, 32, 8
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    news, cached = [1, 5, 20], [30, 20, 0]
+    depths, parents = [0, 1, 1, 2, 2], [None, 0, 0, 1, 2]
+    tokens = sum(news)
+    q, k, v = rand(tokens, kv_heads * group, head_dim), rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads,
+                                                                                               head_dim)
+    k_pool, v_pool = rand(30, block_size, kv_heads, head_dim), rand(30, block_size, kv_heads, head_dim)
+    table = (torch.randperm(29, generator=generator)[:3 * 4].view(3, 4) + 1).to(torch.int32)
+    starts = torch.tensor([0, 1, 6, 26], dtype=torch.int32)
+    positions = torch.tensor([30] + [20 + depth for depth in depths] + list(range(20)))
+    seen = torch.zeros(tokens, dtype=torch.long)
+    for node, parent in enumerate(parents):
+        seen[1 + node] = (1 << node) | (int(seen[1 + parent]) if parent is not None else 0)
+    window = torch.tensor(window, dtype=torch.int32)
+    cached = torch.tensor(cached, dtype=torch.int32)
+    scale = 32 ** -0.5
+    expected = _flat_reference(q, k, v, k_pool, v_pool, table, starts, cached, window, scale, positions, seen)
+    tensors = [tensor.to(DEVICE) for tensor in (q, k, v, k_pool, v_pool, table, starts, cached, window)]
+    out = triton_attention.flat_attention(*tensors, scale, positions.to(DEVICE), seen.to(DEVICE))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu(), expected, rtol=tolerance, atol=tolerance)
+    # A tree node sees no sibling: with causal rows instead, the tree's rows differ.
+    causal = triton_attention.flat_attention(*tensors, scale, positions.to(DEVICE))
+    assert not torch.allclose(causal[1:6].cpu(), expected[1:6], rtol=tolerance, atol=tolerance)
 
 
 @needs_triton
@@ -225,22 +267,6 @@ def test_splits_fill_the_device_and_a_full_batch_takes_none(monkeypatch):
     triton_attention._fixed_splits.cache_clear()
 
 
-def _compile_as_on_cuda(monkeypatch):
-    """A compiled engine built from here on compiles as on CUDA (torch.compile, no freezing) with the decode step's
-    Triton attention, here under the interpreter (skips where inductor cannot compile for the CPU). Returns the
-    `compiled` module."""
-    from inference_core.engine import compiled as compiled_module
-    from inference_core.engine import engine as engine_module
-
-    if compiled_module.compile_unavailable(torch.device("cpu")) is not None:
-        pytest.skip(compiled_module.compile_unavailable(torch.device("cpu")))
-    monkeypatch.setattr(compiled_module, "default_backend", lambda device: "torch.compile")
-    monkeypatch.setattr(engine_module, "default_options", lambda device, model=None: {})  # as CUDA: no freezing
-    monkeypatch.setattr(triton_attention, "used",
-                        lambda device, dtype, pool, paged: triton_attention.unsupported(dtype, pool, paged) is None)
-    return compiled_module
-
-
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled step's CUDA tests run the kernel")
 @pytest.mark.parametrize("kv_mode", ["contiguous", "paged"])
@@ -249,10 +275,10 @@ def test_compiled_step_with_the_kernel_takes_whole_buffers(tmp_path, kv_mode, mo
     here on the CPU under Triton's interpreter: the graph takes the bucket's buffers whole, whatever the contexts, so
     one compile serves bucket 1 and one every bucket above it, with no width marked dynamic; ids equal eager's while
     contexts grow through 2 to 16 blocks and batches shrink from 4 to 1."""
-    from conftest import compiled_matches_eager
+    from conftest import compile_as_on_cuda, compiled_matches_eager
     from tiny_models import build_tiny_model
 
-    compiled_module = _compile_as_on_cuda(monkeypatch)
+    compiled_module = compile_as_on_cuda(monkeypatch, flat=False)
     widths, call = set(), compiled_module.CompiledDecoder._call_compiled
 
     def recording_widths(self, bucket, args):
@@ -277,15 +303,13 @@ def test_compiled_flat_step_with_the_kernel_takes_prompts_and_mixed_steps(tmp_pa
     """CUDA's flat step (torch.compile, our Triton kernel its attention), here on the CPU under Triton's interpreter:
     prompts in chunks, mixed steps of chunks and decodes, and prompt lookup's verifications run through it with no
     fallback, padded to token buckets by one compile (the token count dynamic), and the ids equal eager's."""
-    from conftest import assert_same_or_near_tie, compiled_matches_eager
+    from conftest import assert_same_or_near_tie, compile_as_on_cuda, compiled_matches_eager
     from tiny_models import build_tiny_model, prompt
 
     from inference_core import Engine, EngineConfig, SamplingParams
     from inference_core.spec.decoding import SpecConfig
 
-    compiled_module = _compile_as_on_cuda(monkeypatch)
-    monkeypatch.setattr(triton_attention, "flat_unavailable",
-                        lambda device, dtype, pool: triton_attention.unsupported(dtype, pool, True))
+    compiled_module = compile_as_on_cuda(monkeypatch)
     buckets, call = [], compiled_module.CompiledDecoder._call_flat_compiled
 
     def recording_buckets(self, tokens, args):
@@ -349,8 +373,9 @@ if sys.argv[1] != "flat":
                         {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "SPLITS": MAX_SPLITS}))
 else:  # the flat step's (a paged pool)
     flat_pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "k_pool": "*bf16", "v_pool": "*bf16",
-                     "table_ptr": "*i32", "starts_ptr": "*i32", "cached_ptr": "*i32", "item_seq_ptr": "*i64",
-                     "item_first_ptr": "*i64", "window_ptr": "*i32", "out_ptr": "*fp32"}
+                     "table_ptr": "*i32", "starts_ptr": "*i32", "cached_ptr": "*i32", "positions_ptr": "*i64",
+                     "seen_ptr": "*i64", "item_seq_ptr": "*i64", "item_first_ptr": "*i64", "window_ptr": "*i32",
+                     "out_ptr": "*fp32"}
     flat_strides = ("q_token", "q_head", "k_token", "k_head", "v_token", "v_head", "block_stride", "position_stride",
                     "head_stride", "table_stride", "out_token", "out_head")
     sizes.append(binary(attend_flat, {**flat_pointers, "scale": "fp32", **dict.fromkeys(flat_strides, "i64")},

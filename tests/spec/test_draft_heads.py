@@ -156,6 +156,54 @@ def test_greedy_with_trained_heads_compiled_is_lossless_and_never_eager(tiny, ti
         assert_nothing_held(engine)
 
 
+def _triton_installed() -> bool:
+    from inference_core.engine import triton_attention
+
+    return triton_attention._triton() is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.is_available() or not _triton_installed(),
+                    reason="Triton's interpreter on a CPU where Triton is installed (it is not in the suite's torch)")
+def test_trees_verify_in_cudas_flat_step_as_plain_greedy_decodes(tiny, tiny_heads, monkeypatch):
+    """CUDA's compiled engine (torch.compile, our Triton attention; here on the CPU under Triton's interpreter)
+    verifies EAGLE's draft trees in the flat step, the nodes at their depths' positions under the tree's mask: each
+    tree's logits are the eager forward's (run after it on the same tree), greedy ids are plain greedy's, and no
+    forward runs eager."""
+    from conftest import compile_as_on_cuda
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read where Triton's kernels are first defined
+    compile_as_on_cuda(monkeypatch)
+    eager = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4))
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4, compile=True, speculate_when_it_pays=False))
+    engine.load_draft_heads("eagle", tiny_heads["eagle"][0])
+    assert engine.decoder.flat_trees
+    runner, trees = engine.runner, []
+    run_tree = runner.run_tree
+
+    def and_eager(seq, depths, tree_mask):
+        logits, hidden = run_tree(seq, depths, tree_mask)
+        runner.decoder = None  # the same tree through the eager forward (its KV written to the same slots)
+        try:
+            eager_logits, eager_hidden = run_tree(seq, depths, tree_mask)
+        finally:
+            runner.decoder = engine.decoder
+        torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(hidden, eager_hidden, rtol=1e-4, atol=1e-4)
+        trees.append(len(depths))
+        return logits, hidden
+
+    monkeypatch.setattr(runner, "run_tree", and_eager)
+    params, spec = SamplingParams(max_new_tokens=24, ignore_eos=True), SpecConfig("eagle", k=2, tree_width=2)
+    fast = engine.complete([1, 5, 9, 3], params, spec=spec)
+    assert trees and max(trees) == 5  # the last token and 2 levels of 2 (fewer near the end)
+    assert fast.token_ids == eager.complete([1, 5, 9, 3], params).token_ids
+    assert fast.stats.spec["accepted"] > 0 and fast.stats.spec["tree_width"] == 2
+    stats = engine.compile_stats()
+    assert stats["fallbacks"] == {} and stats["steps_by_bucket"]["flat"] >= fast.stats.spec["steps"]
+    assert_nothing_held(engine)
+
+
 @pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
 def test_a_compiled_engines_eagle_drafts_step_through_its_packages_as_eager_ones_do(tiny, tiny_heads, tiny_answers):
     """A compiled engine's EAGLE drafter steps its layer through the draft step's packages (`EagleDraftStep`, one a

@@ -348,7 +348,7 @@ def row_in_child(directory: Path, name: str, device: torch.device, new_tokens: i
                    str(directory), "--device", str(device), "--new-tokens", str(new_tokens), "--repeats",
                    str(repeats), "--result", str(result)] + (["--trace", str(trace)] if trace else [])
         env = dict(os.environ, TORCH_LOGS=os.environ.get("TORCH_LOGS", "recompiles"))
-        if ROWS[name] is None or "spec" not in ROWS[name][0]:
+        if not _speculates(name):
             # A decode row's prompt is one forward, eager as in the earlier runs: the flat step (which takes prompts on
             # CUDA) would cost each row's process a compile of its own for it. The speculative row verifies in it.
             env["INFERENCE_CORE_TRITON_FLAT"] = "0"
@@ -368,7 +368,7 @@ def measure_row(loaded, directory: Path, name: str, new_tokens: int, repeats: in
     context (`bytes_per_step`), the prompt's length and, for our compiled rows, what compiling cost (and with `trace`,
     a profile of its steps)."""
     prompt = Engine(loaded, EngineConfig(kv_mode="none")).prompt_ids(prompt_text(), chat=True)
-    if ROWS[name] is not None and "spec" in ROWS[name][0]:
+    if _speculates(name):
         prompt = prompt * SPEC_PROMPT_REPEATS
     row: dict = {"prompt_tokens": len(prompt)}
     if ROWS[name] is None:
@@ -389,6 +389,11 @@ def measure_row(loaded, directory: Path, name: str, new_tokens: int, repeats: in
             row["profile"] = profile_engine(engine, prompt, trace)
     row["bytes_per_step"] = decode_bytes_per_step(row_loaded, len(prompt) + new_tokens / 2)
     return row
+
+
+def _speculates(name: str) -> bool:
+    """Whether decode row `name` speculates (its settings name a `spec` source)."""
+    return ROWS[name] is not None and "spec" in ROWS[name][0]
 
 
 def ours_decode(loaded, name: str, prompt: list[int], new_tokens: int, repeats: int):

@@ -111,10 +111,9 @@ def attend_flat(q_ptr, k_ptr, v_ptr, k_pool, v_pool, table_ptr, starts_ptr, cach
     whose bit seen[t] >> u' & 1 is set (its ancestors and itself); of those, the ones no sliding window cuts: a key at
     position j is seen where window[0] == 0, or j > p - window[0], or j < window[1] (the attention sinks). A new key's
     position is positions[its row] (a tree's node: its depth's), a cached key's its slot. The keys before the block's
-    window (where there are no sinks) are skipped a chunk at a time. `IEEE`: the products in fp32 (an fp32
-    model's, and under Triton's interpreter, whose bf16 products are wrong), else in the inputs' dtype, bf16 or fp16,
-    on the tensor cores. The output is fp32, [N, heads, d] as `out_token`,
-    `out_head` stride it."""
+    window (where there are no sinks) are skipped a chunk at a time. `IEEE`: the products in fp32 (an fp32 model's,
+    and under Triton's interpreter, whose bf16 products are wrong), else in the inputs' dtype, bf16 or fp16, on the
+    tensor cores. The output is fp32, [N, heads, d] as `out_token`, `out_head` stride it."""
     item = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(item_seq_ptr + item).to(tl.int64)

@@ -580,11 +580,7 @@ class CompiledDecoder:
         keep = list(range(tokens)) if hidden_states or graphed else logit_rows + logit_rows[-1:] * (2 - len(logit_rows))
         args = (torch.tensor(input_ids), torch.tensor(positions), table, torch.tensor(starts, dtype=torch.int32),
                 torch.tensor(firsts + [0] * (rows - len(seqs)), dtype=torch.int32), self._window, torch.tensor(keep))
-        if graphed:
-            args = tuple(arg if arg is self._window else self._to_device(arg) for arg in (*args, torch.tensor(seen)))
-            hidden, new_k, new_v = self._call_flat_compiled(tokens, (*args, *pool))
-        else:
-            hidden, new_k, new_v = self._call_package(("flat",), (*args, *pool), self.flat_step)
+        hidden, new_k, new_v = self._call_flat(tokens, args, seen, pool)
         token_seqs = [seq for seq, new in zip(seqs, num_new_tokens) for _ in range(new)]
         self._store(new_k[:, :real], new_v[:, :real], token_seqs, slots, None, None)
         if not hidden_states:
@@ -605,12 +601,7 @@ class CompiledDecoder:
         args = (torch.zeros(tokens, dtype=torch.long), torch.arange(tokens), table,
                 torch.tensor([0] + [tokens] * rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
                 self._window, torch.arange(tokens))
-        if graphed:  # and no tree
-            args = tuple(arg if arg is self._window else self._to_device(arg)
-                         for arg in (*args, torch.zeros(tokens, dtype=torch.long)))
-            self._call_flat_compiled(tokens, (*args, *pool))
-        else:
-            self._call_package(("flat",), (*args, *pool), self.flat_step)
+        self._call_flat(tokens, args, [0] * tokens, pool)  # no tree
 
     @torch.inference_mode()
     def run_queries(self, seqs, num_new_tokens: list[int], num_logits: int = 1, tree=None):
@@ -885,6 +876,14 @@ class CompiledDecoder:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
         return self._run_traced(self.graph, bucket, f"{bucket}x1", args)
 
+    def _call_flat(self, tokens: int, args: tuple, seen: list[int], pool: tuple):
+        """The flat step of `tokens` tokens on `args` (its inputs before the pool, on the host) and `pool`: its package
+        (AOTInductor), or its torch.compile graph with `seen` (each token's tree bits) after them, all on the device."""
+        if self.backend == "aoti":
+            return self._call_package(("flat",), (*args, *pool), self.flat_step)
+        inputs = tuple(arg if arg is self._window else self._to_device(arg) for arg in (*args, torch.tensor(seen)))
+        return self._call_flat_compiled(tokens, (*inputs, *pool))
+
     def _call_flat_compiled(self, tokens: int, args: tuple):
         """The flat step through torch.compile: one graph whose token count (inputs 0, 1, `keep` and `seen`) is
         dynamic, a CUDA graph recorded for each bucket of `tokens` on its first call (counted as warm-up)."""
@@ -1084,13 +1083,12 @@ _STEP_FUNCTIONS_LOCK = threading.Lock()
 
 def own_step_function(step: nn.Module):
     """`step.forward` (a `DecodeGraph`'s or a `FlatGraph`'s) as a method whose code object belongs to `step`'s model
-    (and step layout) alone. Dynamo keeps
-    compiled graphs by code object: were every decoder of a process to compile `DecodeGraph.forward` itself, all of
-    their graphs would share one cache, and only dynamo's guards on the modules would tell one model from another (a
-    quantized copy, say, whose step takes inputs of the same shapes). Those guards cost about 110 us a call on an
-    H100's host and 100-170 us on a 2-core CPU (docs/benchmarks.md, "GPU"). With a code object per model, its cache
-    holds that model's graphs alone, so the guards on its modules can be skipped (`module_guards_kept`), and the
-    engines of one model (a race's two lanes) still share their graphs."""
+    (and step layout) alone. Dynamo keeps compiled graphs by code object: were every decoder of a process to compile
+    `DecodeGraph.forward` itself, all of their graphs would share one cache, and only dynamo's guards on the modules
+    would tell one model from another (a quantized copy, say, whose step takes inputs of the same shapes). Those
+    guards cost about 110 us a call on an H100's host and 100-170 us on a 2-core CPU (docs/benchmarks.md, "GPU").
+    With a code object per model, its cache holds that model's graphs alone, so the guards on its modules can be
+    skipped (`module_guards_kept`), and the engines of one model (a race's two lanes) still share their graphs."""
     kind = type(step)
     key = (kind, getattr(step, "paged", True), getattr(step, "block_size", None),
            getattr(step, "opaque_attention", None))

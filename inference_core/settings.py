@@ -174,6 +174,14 @@ class LaneSettings:
              "source on this host and setup, kept by `spec-bench --keep`, else the project's measurement, and a "
              "chain when sampling)",
         applies=("spec_method", _one_of(*HIDDEN_READERS)), hidden=True, off_value=AUTO)
+    spec_tree_prune: bool = _setting(
+        True, label="prune the tree by the drafter's confidence", widget="checkbox", flag="spec-tree-prune",
+        info="a tree's next level only where the chain's draft probabilities hold at least even odds, a next-best "
+             "token only at 5% or more (EAGLE-2's dynamic tree); off: every level and candidate",
+        help="medusa, eagle trees: verify every level and candidate (by default a tree drafts its next level only "
+             "where the chain's draft probabilities hold at least even odds, and keeps a next-best token only at "
+             "5%% or more)",
+        applies=("spec_method", _one_of(*HIDDEN_READERS)), hidden=True)
     draft_layers: int | str | None = _setting(  # DEFAULT_LAYERS (or None): the engine's default depth
         DEFAULT_LAYERS, label="early-exit draft layers", widget="dropdown", kinds=(int, str), flag="draft-layers",
         flag_default=None, help="early-exit: layers the draft runs (default: half)",
@@ -312,7 +320,7 @@ class LaneSettings:
         else:  # a chain; a width named for one of them is refused by SpecConfig
             width = 1 if _left_open(self.spec_tree_width) or method == "none" else _whole(self.spec_tree_width)
         return SpecConfig(method=method, k=k, adaptive=bool(self.spec_adaptive), draft_layers=_whole(layers),
-                          tree_width=width)
+                          tree_width=width, tree_prune=bool(self.spec_tree_prune))
 
     def check(self) -> None:
         """Refuse a bad value or a combination the engine cannot run (ConfigError), without building an engine."""
@@ -353,6 +361,8 @@ class LaneSettings:
             else:
                 width = _whole(self.spec_tree_width)
                 tree = f" tree {width} wide" if width != 1 else ""
+            if tree and not self.spec_tree_prune:
+                tree += ", every node"
             parts.append(f"{draft} {k}" + (" adaptive" if self.spec_adaptive else "") + tree)
         if float(self.min_p or 0) and not self.greedy:
             parts.append(f"min-p {float(self.min_p):g}")

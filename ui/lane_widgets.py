@@ -28,7 +28,7 @@ QUICK = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}
 # the setting's name with dashes, but for these.
 ELEMENT_IDS = {"kv_mode": "kv", "spec_method": "spec", "spec_tree_width": "spec-tree", "draft_layers": "spec-layers",
                "sliding_window": "window"}
-SIDE_BY_SIDE = ("spec_k", "spec_adaptive", "spec_tree_width", "draft_layers")  # drawn in one row
+SIDE_BY_SIDE = ("spec_k", "spec_adaptive", "spec_tree_width", "spec_tree_prune", "draft_layers")  # drawn in one row
 # Folded into an accordion of their own (closed), so that a lane's panel stays short: the sampling controls people
 # expect besides temperature and top-p, and the output constraint.
 SAMPLING_GROUP = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "constraint",

@@ -5,8 +5,9 @@ where speculation loses.
 Draft sources (--source, comma-separated for several in one run): `ngram` (prompt lookup), `early-exit`
 (--draft-layers may list several depths), `draft` (--draft-model; by default the target itself, which accepts every
 draft and so shows the cost of drafting with no gain), `medusa` and `eagle` (trained draft heads; --draft-heads for a
-file of your own; --tree-width lists tree widths to verify, 1 being the chain). The JSON also keeps acceptance by
-draft position (for a tree: a position counts as accepted when any of its candidates is).
+file of your own; --tree-width lists tree widths to verify, 1 being the chain; a tree is pruned by the drafter's
+confidence, as a request's is by default, and --every-node adds each tree unpruned beside it). The JSON also keeps
+acceptance by draft position (for a tree: a position counts as accepted when any of its candidates is).
 
 `--keep` keeps each source's best k (the highest geometric mean of its ratios over the kinds) as this host's default
 for the setup (`spec.defaults`): a request that leaves k open (`--spec` without `--spec-k`, the page's "best
@@ -38,6 +39,7 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -94,6 +96,9 @@ def add_spec_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-width", default="1",
                         help="medusa, eagle: tree widths to try (candidates per draft position; 1: a chain), "
                              "comma-separated")
+    parser.add_argument("--every-node", action="store_true",
+                        help="each tree also unpruned (every level and candidate, `--no-spec-tree-prune`), beside "
+                             "the pruned one; --keep chooses among the pruned ones only")
     parser.add_argument("--draft-layers", default="",
                         help="early-exit: layer counts to try, comma-separated (default: half the model's)")
     parser.add_argument("--draft-model", help="draft: the draft model (default: the target model itself)")
@@ -156,6 +161,8 @@ def run_spec_bench(args) -> int:
                     spec = engine.resolve_spec(SpecConfig(source, k=k, draft_layers=layers, tree_width=width))
                     name = f"{source} L={spec.draft_layers} k={k}" if spec.draft_layers else f"{source} k={k}"
                     settings[name + (f" w={width}" if width > 1 else "")] = spec
+                    if width > 1 and getattr(args, "every_node", False):
+                        settings[f"{name} w={width} every node"] = replace(spec, tree_prune=False)
     keys = {name: setting_key(spec.method, spec.tree_width, spec.draft_layers) for name, spec in settings.items()}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     prompts = [(row["kind"], row["id"], engine.prompt_ids(row["prompt"], row.get("system"))) for row in rows]
@@ -213,6 +220,7 @@ def run_spec_bench(args) -> int:
             ranks = {"source_key": setting_key(spec.method, 1, spec.draft_layers), "tree_width": spec.tree_width} \
                 if spec.method in HIDDEN_READERS else {}  # a width to choose among (`best_k`'s "w=auto" entry)
             table.append({"kind": kind, "setting": name, "setting_key": keys[name], "k": spec.k, **ranks,
+                          "tree_prune": spec.tree_prune if spec.tree_width > 1 else None,
                           "plain_tokens_per_s": round(plain_speed, 2),
                           "spec_tokens_per_s": round(speed, 2), "ratio": round(speed / plain_speed, 3),
                           "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
@@ -234,7 +242,7 @@ def run_spec_bench(args) -> int:
               f"{str(loaded.dtype).removeprefix('torch.')}"
               f"{' with int8 activations' if loaded.dtype == torch.float32 else ''} a verification rounds "
               "differently from a one-row decode")
-    chosen = best_k(table)
+    chosen = best_k([row for row in table if row["tree_prune"] is not False])  # what a request gets unless it asks
     for setting, entry in chosen.items():
         if "tree_width" in entry:  # a source's best pair of k and tree width
             others = ", ".join(f"{pair} {mean:.2f}x" for pair, mean in entry["others"].items())

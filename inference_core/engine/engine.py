@@ -323,7 +323,8 @@ class Engine:
         """The draft length `spec`'s source gets on this engine when the request leaves it open, and where it came
         from (this host's measurement of the setup, kept by `spec-bench --keep`, or the project's)."""
         setup = spec_defaults.setup_key(self.loaded, self.config.kv_mode, self.decoder is not None)
-        k, where = spec_defaults.default_k(setup, spec.method, spec.tree_width or 1, spec.draft_layers)
+        k, where = spec_defaults.default_k(setup, spec.method, spec.tree_width or 1, spec.draft_layers,
+                                           self.decoder is not None)
         if spec.method in ("medusa", "eagle") and (heads := self.load_draft_heads(spec.method)).num_heads:
             k = min(k, heads.num_heads)
         return k, where
@@ -515,7 +516,8 @@ class Engine:
                 if k > 0 and request.spec.tree_width > 1:
                     steps[index] = tree_speculative_step(
                         self.runner, seq, request.drafter, k, request.spec.tree_width, request.spec_stats,
-                        request.eos_ids, request.params, request if request.reads_logits else None)
+                        request.eos_ids, request.params, request if request.reads_logits else None,
+                        request.spec.tree_prune)
                     if steps[index]:
                         continue
                 chains[index] = None if k <= 0 or request.spec.tree_width > 1 else draft_chain(
@@ -763,12 +765,17 @@ class Engine:
         the last token and k nodes a level for each of its `tree_width` candidates. Shorter ones run in the same
         package, and so do trained heads' plain steps (one token, its hidden state read) and their short prompts.
         EAGLE's draft layer runs through packages of its own (`_eagle_step`); early exit's and a draft model's passes
-        run eager. CUDA's torch.compile backend has no query step: its verifications (chains and trees) and
-        hidden-state steps run in the flat step (token buckets recorded on first use), over a paged cache."""
+        run eager. A pruned tree (`SpecConfig.tree_prune`) may be smaller than its most: it verifies in the least of
+        a few packages that holds it (2, 3, 4, 5, 7, 9, 13 or 17 tokens, up to its most). CUDA's torch.compile
+        backend has no query step: its verifications (chains and trees) and hidden-state steps run in the flat step
+        (token buckets recorded on first use), over a paged cache."""
         if spec is None or not spec.enabled or self.decoder is None or self.decoder.backend != "aoti":
             return ()
         spec = self.resolve_spec(spec)
-        return (1 + self.drafts_that_fit(spec.max_k, spec.tree_width, group) * spec.tree_width,)
+        nodes = self.drafts_that_fit(spec.max_k, spec.tree_width, group) * spec.tree_width
+        if spec.tree_width > 1 and spec.tree_prune:
+            return tuple(sorted({1 + min(count, nodes) for count in (1, 2, 3, 4, 6, 8, 12, 16)}))
+        return (1 + nodes,)
 
     def drafts_that_fit(self, k: int, tree_width: int, group: int) -> int:
         """`k` drafts a request, shortened for a `group` of several speculating requests to what a verification of

@@ -45,6 +45,15 @@ SPEC_METHODS = ("none", "ngram", "early-exit", "draft", "medusa", "eagle")
 HIDDEN_READERS = ("medusa", "eagle")  # draft sources that read the target's hidden states
 MAX_K = 16
 MAX_TREE_WIDTH = 8
+# A pruned tree follows the drafter's confidence (EAGLE-2's dynamic draft tree, within the request's depth and width):
+# the chain drafts one more level only while the product of its draft probabilities so far is at least TREE_GO_ON,
+# and a position's next-best tokens join the tree only where their draft probability times the chain's above them is
+# at least TREE_KEEP. Chosen from the shipped EAGLE layer's calibration on the benchmark's chat and code answers
+# (docs/benchmarks.md, "Trees that follow the drafter's confidence"): a second draft pays for its cost (about a tenth
+# of a step) where the first is at least even odds, and a leaf's verification row (a few percent of a step) where it
+# is accepted a twentieth of the time.
+TREE_GO_ON = 0.5
+TREE_KEEP = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +79,9 @@ class SpecConfig:
     # Tree verification (trained heads, greedy): each draft position offers its `tree_width` best tokens. The best
     # ones form the chain; the others are leaves beside it, verified in the same forward (`tree_speculative_step`).
     tree_width: int | None = 1  # None: the engine's measured default
+    # A tree pruned by the drafter's confidence (TREE_GO_ON, TREE_KEEP): k and tree_width are then its most; False
+    # verifies every level and candidate.
+    tree_prune: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -89,8 +101,10 @@ class SpecConfig:
                 raise ConfigError(f"tree verification ({{spec_tree_width}} > 1) needs a draft source that ranks its "
                                   f"candidates: {' or '.join(HIDDEN_READERS)}, not {self.method!r}.")
             if self.tree_width > 1 and self.adaptive:
-                raise ConfigError("tree verification ({spec_tree_width} > 1) drafts a fixed depth; turn adaptive k "
-                                  "off.")
+                raise ConfigError("tree verification ({spec_tree_width} > 1) takes its depth from k and the drafter's "
+                                  "confidence ({spec_tree_prune}); turn adaptive k off.")
+        if not isinstance(self.tree_prune, bool):
+            raise ConfigError(f"tree pruning ({{spec_tree_prune}}) is on or off, got {self.tree_prune!r}.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"prompt lookup needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                               f"{self.ngram_max}.")
@@ -438,19 +452,19 @@ class DraftTree:
 
 
 def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int, stats: SpecStats,
-                          eos_ids, params: SamplingParams, shaping=None) -> list[tuple]:
+                          eos_ids, params: SamplingParams, shaping=None, prune: bool = False) -> list[tuple]:
     """A greedy verification step over a draft tree (`DraftTree`): the drafter ranks `width` candidates at each of
-    `depth` positions; one forward scores every node under a tree attention mask (`ModelRunner.run_tree`); the
-    longest path the target's argmax follows is kept, the KV of a leaf that ends it moved next to its parent, and
-    the rest rolled back. Emits exactly plain greedy decoding's tokens, like the chain (`finish_chain`), with more
-    chances at each position for one wider forward. Returns the tokens as `finish_chain` does, or [] when the
-    drafter proposed nothing.
+    `depth` positions (with `prune`, fewer where its confidence is low: TREE_GO_ON, TREE_KEEP); one forward scores
+    every node under a tree attention mask (`ModelRunner.run_tree`); the longest path the target's argmax follows is
+    kept, the KV of a leaf that ends it moved next to its parent, and the rest rolled back. Emits exactly plain
+    greedy decoding's tokens, like the chain (`finish_chain`), with more chances at each position for one wider
+    forward. Returns the tokens as `finish_chain` does, or [] when the drafter proposed nothing.
 
     `shaping` (the request, for one that shapes its logits or asks for log-probabilities) first drops the candidates
     its grammar forbids (`legal_candidates`), then gives every node its shaping context (`tree_contexts`: the text
     so far and the path down to the node), so greedy ids equal plain greedy's under penalties and constraints too."""
     started = time.perf_counter()
-    candidates = drafter.propose_tree(seq, depth, width)
+    candidates = drafter.propose_tree(seq, depth, width, prune)
     if shaping is not None:
         candidates = shaping.legal_candidates(candidates)
     drafted_at = time.perf_counter()

@@ -51,6 +51,7 @@ from inference_core.quant.linear import (INT4_SCHEMES, QuantConfig, QuantLinear,
                                         quantize_projections)
 from inference_core.sampling import SamplingParams, sample_with_probabilities
 from inference_core.sequence import Sequence
+from inference_core.spec.decoding import TREE_GO_ON, TREE_KEEP
 
 DRAFT_KINDS = ("medusa", "eagle")
 SHIPPED = DATA_DIR / "draft_heads"
@@ -432,9 +433,16 @@ class _HeadScorer:
         """[rows, hidden] -> fp32 [rows, draft vocab]."""
         return self.scorer(hidden.to(self.heads.dtype))[..., :len(self.heads.vocab_ids)].float()
 
-    def ranked(self, scores: torch.Tensor, width: int) -> list[list[int]]:
-        """Each row's `width` best token ids (target ids), best first: a tree's candidates at one position."""
-        return self.heads.vocab_ids[scores.topk(width, dim=-1).indices].tolist()
+    def tree_level(self, scores: torch.Tensor, width: int, reach: float, prune: bool) -> tuple[list[int], float]:
+        """A tree's candidates at one position from its `scores` [draft vocab]: the `width` best token ids (target
+        ids), best first, and the chain's reach through this position (`reach`, the product of the chain's draft
+        probabilities above it, times the best one's here). With `prune`, the next-best ones only where their
+        probability times `reach` is at least TREE_KEEP."""
+        top = scores.softmax(-1).topk(width)
+        ids, probs = self.heads.vocab_ids[top.indices].tolist(), top.values.tolist()
+        if prune:
+            ids = ids[:1] + [token for token, p in zip(ids[1:], probs[1:]) if reach * p >= TREE_KEEP]
+        return ids, reach * probs[0]
 
     def draft(self, scores: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
         """One draft token from one row of `scores`."""
@@ -478,10 +486,17 @@ class MedusaDrafter(_HeadScorer):
             probs.append(q)
         return drafts, None if params.greedy else torch.stack(probs)
 
-    def propose_tree(self, seq: Sequence, depth: int, width: int) -> list[list[int]]:
-        """Greedy tree candidates: per position, the `width` best tokens of its head, best first ([] as propose)."""
+    def propose_tree(self, seq: Sequence, depth: int, width: int, prune: bool = False) -> list[list[int]]:
+        """Greedy tree candidates: per position, the `width` best tokens of its head, best first ([] as propose);
+        with `prune`, fewer positions and candidates where the heads are unsure (`tree_level`, TREE_GO_ON)."""
         head_scores = self._head_scores(seq, depth)
-        return [] if head_scores is None else self.ranked(head_scores, width)
+        levels, reach = [], 1.0
+        for scores in [] if head_scores is None else head_scores:
+            candidates, reach = self.tree_level(scores, width, reach, prune)
+            levels.append(candidates)
+            if prune and reach < TREE_GO_ON:
+                break
+        return levels
 
     def close(self) -> None:
         self.feature = None
@@ -551,9 +566,9 @@ class EagleDrafter(_HeadScorer):
         return out[tokens - 1], scores[0]
 
     def _drafts(self, seq: Sequence, max_drafts: int, choose):
-        """Step the layer `max_drafts` times from the sequence's last position; `choose(scores)` turns each step's
-        scores [draft vocab] into (the token the next step reads, what to collect). The collected values, or None
-        while the hidden states do not reach the last position."""
+        """Step the layer up to `max_drafts` times from the sequence's last position; `choose(scores)` turns each
+        step's scores [draft vocab] into (the token the next step reads, what to collect, whether to step on). The
+        collected values, or None while the hidden states do not reach the last position."""
         last = len(seq) - 1  # the last token's position; the target's hidden state before it predicted it
         if self.known != last or last <= self.first or last + max_drafts > len(self.features):
             return None
@@ -564,28 +579,34 @@ class EagleDrafter(_HeadScorer):
             out, scores = self._step(self.features[start:last], seq.token_ids[start + 1:last + 1], start)
             self.cached = last
             for index in range(max_drafts):
-                token, value = choose(scores)
+                token, value, step_on = choose(scores)
                 collected.append(value)
-                if index + 1 < max_drafts:
-                    out, scores = self._step(out[None], [token], last + index)
+                if index + 1 == max_drafts or not step_on:
+                    break
+                out, scores = self._step(out[None], [token], last + index)
         return collected
 
     def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
         def choose(scores):
             token, q = self.draft(scores, params, generator)
-            return token, (token, q)
+            return token, (token, q), True
 
         drafted = self._drafts(seq, max_drafts, choose)
         if drafted is None:
             return [], None
         return [token for token, _ in drafted], None if params.greedy else torch.stack([q for _, q in drafted])
 
-    def propose_tree(self, seq: Sequence, depth: int, width: int) -> list[list[int]]:
+    def propose_tree(self, seq: Sequence, depth: int, width: int, prune: bool = False) -> list[list[int]]:
         """Greedy tree candidates: per position, the `width` best tokens, best first; the layer steps along the best
-        ones (the chain), so the others are alternatives at their position after the chain's tokens before it."""
+        ones (the chain), so the others are alternatives at their position after the chain's tokens before it. With
+        `prune`, the layer steps on only while the chain's reach holds (TREE_GO_ON: a draft step saved where the
+        next draft would rarely be reached) and keeps the likely alternatives only (`tree_level`)."""
+        reach = 1.0
+
         def choose(scores):
-            candidates = self.ranked(scores[None], width)[0]
-            return candidates[0], candidates
+            nonlocal reach
+            candidates, reach = self.tree_level(scores, width, reach, prune)
+            return candidates[0], candidates, not prune or reach >= TREE_GO_ON
 
         return self._drafts(seq, depth, choose) or []
 

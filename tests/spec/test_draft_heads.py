@@ -131,17 +131,18 @@ def test_heads_take_the_targets_quantized_weights(tiny, tiny_heads, weights, req
 @pytest.mark.parametrize("tree_width", [1, 3])
 @pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
 def test_greedy_with_trained_heads_compiled_is_lossless_and_never_eager(tiny, tiny_heads, tree_width):
-    """A compiled engine runs the heads' verifications (the last token and 3 drafts, or a tree of 3 levels 3 wide:
-    10 nodes under the tree's mask) and their plain steps (one token, its hidden state read) through the query step,
-    whose package it builds before the first request; the 4-token prompts fit it too, so no forward runs eager, and
-    greedy ids are plain greedy's."""
+    """A compiled engine runs the heads' verifications (the last token and 3 drafts, or a tree of at most 2 levels 3
+    wide pruned by the drafter's confidence: up to 7 tokens under the tree's mask) and their plain steps (one token,
+    its hidden state read) through the query step, whose packages it builds before the first request (a pruned
+    tree's: 2, 3, 4, 5 and 7 tokens, each tree verified in the least that holds it); the 4-token prompts fit them too,
+    so no forward runs eager, and greedy ids are plain greedy's."""
     eager = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4))
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for kind in KINDS:
         engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4, compile=True,
                                              speculate_when_it_pays=False))  # every step drafts, as measured
         engine.load_draft_heads(kind, tiny_heads[kind][0])
-        spec = SpecConfig(kind, k=3, tree_width=tree_width)
+        spec = SpecConfig(kind, k=3 if tree_width == 1 else 2, tree_width=tree_width)
         engine.warm_up_compiled((1,), spec)
         accepted = 0
         for prompt in ([1, 5, 9, 3], [7, 7, 4, 2]):
@@ -151,7 +152,11 @@ def test_greedy_with_trained_heads_compiled_is_lossless_and_never_eager(tiny, ti
             accepted += fast.stats.spec["accepted"]
         stats = engine.compile_stats()
         assert accepted > 0 and stats["fallbacks"] == {}, kind
-        assert stats["steps_by_bucket"][f"1x{1 + 3 * tree_width} query"] > 0
+        queries = {bucket: count for bucket, count in stats["steps_by_bucket"].items() if bucket.endswith("query")}
+        if tree_width == 1:
+            assert queries["1x4 query"] > 0
+        else:  # pruned trees of several sizes, each in the least package that holds it
+            assert set(queries) <= {f"1x{tokens} query" for tokens in (2, 3, 4, 5, 7)} and len(queries) >= 2
         assert (stats["draft_steps"].get("1-token", 0) > 0) == (kind == "eagle")  # its draft layer's package
         assert_nothing_held(engine)
 
@@ -294,6 +299,49 @@ def test_greedy_tree_verification_is_lossless_on_tiny(tiny, tiny_heads, kind, kv
         if index == 6:
             break
     request.close()
+    assert_nothing_held(engine)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_pruned_tree_follows_the_drafters_confidence(tiny, tiny_heads, kind, monkeypatch):
+    """A pruned tree (`SpecConfig.tree_prune`, the default) is the full tree with the levels past where the chain's
+    draft probabilities fall below TREE_GO_ON and the candidates below TREE_KEEP left out: with both thresholds at 0
+    it is the full tree, proposal by proposal; with TREE_KEEP out of reach a chain; with TREE_GO_ON out of reach one
+    level. At the real thresholds it verifies fewer nodes than the full tree, and every setting keeps plain greedy's
+    ids."""
+    from inference_core.spec import draft_heads
+
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4))
+    engine.load_draft_heads(kind, tiny_heads[kind][0])
+    drafter_class = MedusaDrafter if kind == "medusa" else EagleDrafter
+    proposed = []
+    propose_tree = drafter_class.propose_tree
+    monkeypatch.setattr(drafter_class, "propose_tree",
+                        lambda self, *args: proposed.append(propose_tree(self, *args)) or proposed[-1])
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    full, pruned = SpecConfig(kind, k=3, tree_width=3, tree_prune=False), SpecConfig(kind, k=3, tree_width=3)
+
+    def run(spec, go_on=None, keep=None):
+        if go_on is not None:
+            monkeypatch.setattr(draft_heads, "TREE_GO_ON", go_on)
+            monkeypatch.setattr(draft_heads, "TREE_KEEP", keep)
+        proposed.clear()
+        ids = [engine.complete(prompt, params, spec=spec).token_ids for prompt in ([1, 5, 9, 3], [7, 7, 4])]
+        return ids, list(proposed)
+
+    plain = [engine.complete(prompt, params).token_ids for prompt in ([1, 5, 9, 3], [7, 7, 4])]
+    full_ids, full_trees = run(full)
+    assert full_ids == plain and all(len(level) == 3 for tree in full_trees for level in tree)
+    assert max(map(len, full_trees)) == 3  # (shorter near the end: the drafts the answer still has room for)
+    default_ids, default_trees = run(pruned)
+    assert default_ids == plain
+    assert sum(map(len, sum(default_trees, []))) < sum(map(len, sum(full_trees, [])))
+    assert run(pruned, 0.0, 0.0) == (full_ids, full_trees)
+    chain_ids, chains = run(pruned, 0.5, 1.01)
+    assert chain_ids == plain and all(len(level) == 1 for tree in chains for level in tree)
+    shallow_ids, shallow = run(pruned, 1.01, 0.05)
+    assert shallow_ids == plain and all(len(tree) == 1 for tree in shallow)
+    assert any(len(tree[0]) < 3 for tree in shallow) and any(len(tree[0]) > 1 for tree in shallow)
     assert_nothing_held(engine)
 
 

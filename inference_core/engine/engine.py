@@ -323,8 +323,7 @@ class Engine:
         """The draft length `spec`'s source gets on this engine when the request leaves it open, and where it came
         from (this host's measurement of the setup, kept by `spec-bench --keep`, or the project's)."""
         setup = spec_defaults.setup_key(self.loaded, self.config.kv_mode, self.decoder is not None)
-        k, where = spec_defaults.default_k(setup, spec.method, spec.tree_width or 1, spec.draft_layers,
-                                           self.decoder is not None)
+        k, where = spec_defaults.default_k(setup, spec.method, spec.tree_width or 1, spec.draft_layers)
         if spec.method in ("medusa", "eagle") and (heads := self.load_draft_heads(spec.method)).num_heads:
             k = min(k, heads.num_heads)
         return k, where

@@ -15,8 +15,8 @@ where nothing was kept. Greedy output is the same at every k (speculation is los
 
 The tree width of the sources that rank their candidates (Medusa, EAGLE) is chosen the same way when a greedy request
 leaves it open: a run that measured two widths or more keeps the fastest (k, width) pair of the source, and the best
-width at each k measured (`best_k`'s "w=auto" entries, read by `default_tree_width`); `BUILT_IN_TREE_WIDTH` (and
-`BUILT_IN_TREE_K`) where nothing was kept. A sampled request, or an adaptive k, verifies a chain.
+width at each k measured (`best_k`'s "w=auto" entries, read by `default_tree_width`); `BUILT_IN_TREE_WIDTH` where
+nothing was kept. A sampled request, or an adaptive k, verifies a chain.
 """
 
 from __future__ import annotations
@@ -43,12 +43,11 @@ BUILT_IN_K = {"ngram": 4, "early-exit": 1, "draft": 4, "medusa": 1, "eagle": 1}
 # tree width measured and kept"). Eager, a tree is clearly ahead (EAGLE 3 wide 1.34-1.51x plain against the chain's
 # 1.17-1.26x over four runs; Medusa 5 wide 1.22-1.40x against 1.13x). Compiled, where a verification's extra rows
 # cost more against the step, EAGLE 2 wide led the chain by 1.5-4% in four runs of five and tied it in the fifth,
-# and Medusa 3 wide led its chain by 3% in the one run that measured it.
-# Compiled, EAGLE's tree pruned by its confidence (`SpecConfig.tree_prune`) then led at k=2 3 wide: 1.44x plain on the
-# geometric mean of chat and code in two runs, against 1.41-1.42x for k=1 2 wide ("Trees that follow the drafter's
-# confidence"); BUILT_IN_TREE_K gives a tree's k where it differs from the chain's.
-BUILT_IN_TREE_WIDTH = {"medusa": {"eager": 5, "compiled": 3}, "eagle": {"eager": 3, "compiled": 3}}
-BUILT_IN_TREE_K = {("eagle", "compiled", 3): 2}  # (source, eager or compiled, tree width): k
+# and Medusa 3 wide led its chain by 3% in the one run that measured it. With trees pruned by the drafter's
+# confidence ("Trees that follow the drafter's confidence"), EAGLE k=1 2 wide read at least 1.42x plain on chat and
+# on code in three runs of three; k=2 3 wide led the geometric mean in two of them but read 1.37x on code in the third,
+# where a host's extra rows cost the most.
+BUILT_IN_TREE_WIDTH = {"medusa": {"eager": 5, "compiled": 3}, "eagle": {"eager": 3, "compiled": 2}}
 AUTO_WIDTH = "auto"  # setting_key's tree width for "the best measured": its entry names both k and the width
 FILE_NAME = "spec-defaults.json"
 
@@ -99,15 +98,12 @@ def _measured(entry: dict) -> str:
     return f"measured on this host {entry.get('measured', '')}".strip()
 
 
-def default_k(setup: str, method: str, tree_width: int = 1, draft_layers: int | None = None,
-              compiled: bool = False) -> tuple[int, str]:
-    """The k a request of `method` (verifying a tree `tree_width` wide, on a `compiled` engine) gets when it leaves k
-    to the engine, and where it came from."""
+def default_k(setup: str, method: str, tree_width: int = 1, draft_layers: int | None = None) -> tuple[int, str]:
+    """The k a request of `method` gets when it leaves k to the engine, and where it came from."""
     entry = kept_k(setup, setting_key(method, tree_width, draft_layers))
     if entry is not None:
         return entry["k"], _measured(entry)
-    return BUILT_IN_TREE_K.get((method, "compiled" if compiled else "eager", tree_width), BUILT_IN_K[method]), \
-        BUILT_IN_WHERE
+    return BUILT_IN_K[method], BUILT_IN_WHERE
 
 
 def _geomeans(by_choice: dict) -> tuple[dict, dict]:

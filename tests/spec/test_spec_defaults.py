@@ -71,10 +71,6 @@ def test_kept_choices_are_read_back_for_their_setup_and_setting_only(tmp_path, m
     monkeypatch.setattr(defaults, "_path", lambda: tmp_path / defaults.FILE_NAME)
     k, where = defaults.default_k("setup A", "eagle")
     assert k == defaults.BUILT_IN_K["eagle"] and "nothing measured" in where
-    # a compiled engine's pruned EAGLE tree 3 wide drafts deeper than its chain; eager, the chain's k
-    assert defaults.default_k("setup A", "eagle", 3, compiled=True)[0] == 2
-    assert defaults.default_k("setup A", "eagle", 3)[0] == defaults.default_k("setup A", "eagle", 1, compiled=True)[0] \
-        == defaults.BUILT_IN_K["eagle"] == 1
     defaults.keep("setup A", {"eagle": {"k": 3, "geomean_ratio": 1.2}, "eagle w=3": {"k": 2}}, "spec-bench ...")
     defaults.keep("setup A", {"ngram": {"k": 5}}, "spec-bench ...")  # adds to the setup's earlier choices
     assert defaults.default_k("setup A", "eagle")[0] == 3

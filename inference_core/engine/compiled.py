@@ -536,7 +536,8 @@ class CompiledDecoder:
         return table
 
     @torch.inference_mode()
-    def run_flat(self, seqs, num_new_tokens: list[int], num_logits: int = 1, hidden_states: bool = True, tree=None):
+    def run_flat(self, seqs, num_new_tokens: list[int], num_logits: int = 1, hidden_states: bool = True,
+                 trees=None):
         """Forward `num_new_tokens[i]` new tokens of each of `seqs` after its cached ones through the flat step
         (`query_graph.FlatGraph`), where `flat_refusal` found none. Returns what `run_queries` does: the fp32 logits
         of each sequence's last `num_logits` new tokens, [rows, vocab], and per sequence the final-normed hidden
@@ -546,8 +547,9 @@ class CompiledDecoder:
         AOTInductor: a package whose token count is dynamic (at least 2), over the block tables as wide as the step
         needs. torch.compile (CUDA): the tokens padded to a bucket (`flat_tokens`) by a padding sequence in a row of
         its own, the block tables whole and every row finished by the last layer, so that each bucket is one CUDA
-        graph; there `tree` = (depths, mask) makes one sequence's new tokens a draft tree, as `run_queries` takes it
-        (node i at position first + depths[i], seeing the nodes mask[i] marks; its KV written at slot first + i)."""
+        graph; there `trees[i]` = (depths, mask), or None, makes sequence i's new tokens a draft tree, as
+        `run_queries` takes them (node j at position first + depths[j], seeing the nodes mask[j] marks; its KV written
+        at slot first + j)."""
         self.kv_cache.settle()
         graphed = self.backend != "aoti"
         rows = self.buckets[-1] + graphed  # the padding sequence's row (aoti: a free row, `flat_refusal`)
@@ -559,10 +561,11 @@ class CompiledDecoder:
             starts.append(len(input_ids))
         real = len(input_ids)
         slots, seen = positions[:], [0] * real  # where each token's KV goes; a tree node's ancestors (bits)
-        if tree is not None:  # one sequence, its new tokens a tree: positions by depth
-            depths, mask = tree[0], tree[1].tolist()
-            positions = [firsts[0] + depth for depth in depths]
-            seen = [sum(1 << node for node, sees in enumerate(row) if sees) for row in mask]
+        for index, tree in enumerate(trees or ()):
+            if tree is not None:  # the sequence's new tokens a tree: positions by depth
+                start, end = starts[index], starts[index + 1]
+                positions[start:end] = [firsts[index] + depth for depth in tree[0]]
+                seen[start:end] = [sum(1 << node for node, sees in enumerate(row) if sees) for row in tree[1].tolist()]
         tokens = flat_tokens(real) if graphed else max(real, 2)  # the package's token count is at least 2
         if tokens > real:  # a padding sequence, at positions from 0 with nothing cached
             input_ids += [0] * (tokens - real)
@@ -604,14 +607,14 @@ class CompiledDecoder:
         self._call_flat(tokens, args, [0] * tokens, pool)  # no tree
 
     @torch.inference_mode()
-    def run_queries(self, seqs, num_new_tokens: list[int], num_logits: int = 1, tree=None):
+    def run_queries(self, seqs, num_new_tokens: list[int], num_logits: int = 1, trees=None):
         """Forward `num_new_tokens[i]` new tokens of each of `seqs` after its cached ones through the query step
         (`query_graph.QueryGraph`), where `refusal` found none. Returns (fp32 logits of each sequence's last
         `num_logits` new tokens, in the sequences' order, [rows, vocab]; per sequence the final-normed hidden states
         of its new tokens, [num_new_tokens[i], hidden]). Writes the new KV (the caller has made room, and commits).
-        `tree` = (depths, mask): one sequence's new tokens are a draft tree (`ModelRunner.run_tree`), node i at
-        position first + depths[i], seeing the nodes mask[i] marks ([nodes, nodes] bool) instead of the ones before
-        it."""
+        `trees[i]` = (depths, mask), or None: sequence i's new tokens are a draft tree (`ModelRunner.run_tree`), node
+        j at position first + depths[j], seeing the nodes mask[j] marks ([nodes, nodes] bool) instead of the ones
+        before it."""
         self.kv_cache.settle()
         count, bucket = len(seqs), self.bucket_for(len(seqs))
         # Queries a sequence: the fewest of a package already loaded that hold the step's, else the step's own.
@@ -622,9 +625,11 @@ class CompiledDecoder:
         # Each row's new tokens and their positions, its last one repeated up to `queries` (padding rows: token 0 at
         # position 0), built as lists: a verification's inputs were a dozen small tensor ops, a tenth of a
         # millisecond of a step, more with the caches cold after the forward before.
-        depths = tree[0] if tree is not None else range(queries)  # a tree's nodes sit at their depths below node 0
+        trees = trees or [None] * count
         position_rows, id_rows = [], []
         for row, (first, new) in enumerate(zip(starts, news)):
+            # a tree's nodes sit at their depths below node 0
+            depths = trees[row][0] if row < count and trees[row] is not None else range(queries)
             steps = [min(offset, new - 1) for offset in range(queries)]
             position_rows.append([first + depths[step] for step in steps])
             tokens = seqs[row].token_ids[first:first + new] if row < count else [0]
@@ -642,7 +647,7 @@ class CompiledDecoder:
         # [B, T, width], whole (a package exported with one shape reads the strides of that shape: a mask broadcast
         # over T here gave every query after the first another query's row).
         key_mask = key_positions.expand(bucket, queries, -1) < torch.tensor(starts)[:, None, None]
-        new_mask = self._new_mask(queries, news, tree)
+        new_mask = self._new_mask(queries, news, trees)
         window, sinks = self.kv_cache.sliding_window, self.kv_cache.attention_sinks
         if window is not None:  # a query at position p sees keys at positions p - window + 1 .. p, and the sinks
             key_mask = key_mask & window_mask(key_positions[None, None, :], positions[:, :, None], window, sinks)
@@ -665,18 +670,19 @@ class CompiledDecoder:
         return (logits[logit_rows[0]:logit_rows[-1] + 1] if consecutive else logits[logit_rows],
                 [hidden[row * queries:row * queries + new] for row, new in enumerate(num_new_tokens)])
 
-    def _new_mask(self, queries: int, news: list[int], tree) -> torch.Tensor:
+    def _new_mask(self, queries: int, news: list[int], trees: list) -> torch.Tensor:
         """[B, T, T] bool: which of its row's new keys each query sees (causal within the row's `news[b]` new tokens,
-        or `tree`'s mask; every query, padding too, sees its own key). Kept by shape: a step of the same shape reads
-        the same tensor (the packages never write their inputs)."""
-        key = (queries, tuple(news), None if tree is None else (tuple(tree[0]), tree[1].numpy().tobytes()))
+        or the row's tree's mask, `trees[b]`; every query, padding too, sees its own key). Kept by shape: a step of
+        the same shape reads the same tensor (the packages never write their inputs)."""
+        key = (queries, tuple(news), tuple(None if tree is None else (tuple(tree[0]), tree[1].numpy().tobytes())
+                                          for tree in trees))
         mask = self._new_masks.get(key)
         if mask is None:
             offsets = torch.arange(queries)
             mask = (offsets[:, None] >= offsets[None, :]) & (offsets[None, None, :] < torch.tensor(news)[:, None, None])
-            if tree is not None:
-                nodes = news[0]
-                mask[0, :nodes, :nodes] = tree[1]
+            for row, tree in enumerate(trees):
+                if tree is not None:
+                    mask[row, :news[row], :news[row]] = tree[1]
             mask |= torch.eye(queries, dtype=torch.bool)
             if len(self._new_masks) >= 256:  # batches of every mix of lengths: keep the most recent shapes
                 self._new_masks.pop(next(iter(self._new_masks)))

@@ -43,8 +43,8 @@ from inference_core.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from inference_core.roofline import run_points, weights_read_per_step
 from inference_core.sampling import SamplingParams, sample_batch
 from inference_core.spec.decoding import (HIDDEN_READERS, MAX_K, ChainDraft, DraftModelDrafter, EarlyExitDrafter,
-                                          NgramDrafter, SpecConfig, draft_chain, finish_chain, next_k,
-                                          tree_speculative_step)
+                                          NgramDrafter, SpecConfig, TreeDraft, draft_chain, draft_tree, finish_chain,
+                                          finish_tree, next_k)
 from inference_core.spec import defaults as spec_defaults
 from inference_core.spec.draft_heads import (DRAFT_TOKENS, DraftHeads, EagleDrafter, EagleDraftStep, MedusaDrafter,
                                              find_heads, load_heads)
@@ -490,9 +490,10 @@ class Engine:
         return isinstance(self.kv_cache, RecomputeKVCache) or seq.num_computed_tokens == len(seq)
 
     def _run_speculative(self, work: list[ScheduledWork], batch_size: int, finished: list[Request]) -> None:
-        """The step's speculating requests: each drafts (`draft_chain`; a tree verifies in a forward of its own),
-        then one forward verifies every chain, beside a plain token for each request that drafted nothing, and each
-        request keeps what the target accepted and rolls the rest back (`finish_chain`). Where plain steps measured
+        """The step's speculating requests: each drafts (`draft_chain`, or `draft_tree`), then one forward verifies
+        every chain and tree (`ModelRunner.verify`; where the compiled query step does not take the trees, each tree
+        has a forward of its own), beside a plain token for each request that drafted nothing, and each request keeps
+        what the target accepted and rolls the rest back (`finish_chain`, `finish_tree`). Where plain steps measured
         faster for a greedy group of this size (`spec.pays.SpeculationPolicy`), none drafts: one plain token each."""
         requests = [w.request for w in work if not w.request.finished]
         for request in requests:
@@ -501,10 +502,9 @@ class Engine:
             self.config.speculate_when_it_pays and requests and all(r.params.greedy for r in requests)) else None
         step_start = time.perf_counter()
         compiled_before = self._compile_seconds()  # a query step's first use compiles (or loads) its package
-        steps: dict[int, list[tuple]] = {}  # by request index: the tokens of a tree's step
-        chains: dict[int, ChainDraft | None] = {}  # the requests of the shared forward (None: a plain token)
+        drafts: list[ChainDraft | TreeDraft | None] = []  # each request's (None: a plain token)
         try:
-            for index, request in enumerate(requests):
+            for request in requests:
                 seq = request.seq
                 if request.drafter is None:
                     request.drafter = self._drafter(request.spec)
@@ -512,24 +512,22 @@ class Engine:
                 if plain_reason:
                     request.spec_stats.plain_steps += 1
                     request.spec_stats.plain_reason = plain_reason
-                if k > 0 and request.spec.tree_width > 1:
-                    steps[index] = tree_speculative_step(
-                        self.runner, seq, request.drafter, k, request.spec.tree_width, request.spec_stats,
-                        request.eos_ids, request.params, request if request.reads_logits else None,
-                        request.spec.tree_prune)
-                    if steps[index]:
-                        continue
-                chains[index] = None if k <= 0 or request.spec.tree_width > 1 else draft_chain(
-                    seq, request.drafter, k, request.spec_stats, request.params, request.generator, request.eos_ids,
-                    request.row_contexts if request.reads_logits else None)
+                shaping = request if request.reads_logits else None
+                if k <= 0:
+                    drafts.append(None)
+                elif request.spec.tree_width > 1:
+                    drafts.append(draft_tree(seq, request.drafter, k, request.spec.tree_width, request.spec_stats,
+                                             request.eos_ids, shaping, request.spec.tree_prune))
+                else:
+                    drafts.append(draft_chain(seq, request.drafter, k, request.spec_stats, request.params,
+                                              request.generator, request.eos_ids,
+                                              request.row_contexts if shaping is not None else None))
                 self.kv_cache.ensure_capacity(seq)  # its drafts' room, taken before the next request asks for its own
-            if chains:
-                verified = self._verify_chains([requests[index] for index in chains], list(chains.values()))
-                steps.update(zip(chains, verified))
+            steps = dict(enumerate(self._verify_drafts(requests, drafts)))
         except BaseException as error:
-            for index, chain in chains.items():
-                if chain is not None:
-                    del requests[index].seq.token_ids[chain.num_before:]
+            for request, draft in zip(requests, drafts):
+                if draft is not None:
+                    del request.seq.token_ids[draft.num_before:]
             for request in requests:
                 self._fail(request, error)
             raise
@@ -566,24 +564,25 @@ class Engine:
             k -= 1
         return k
 
-    def _verify_chains(self, requests: list[Request], chains: list[ChainDraft | None]) -> list[list[tuple]]:
-        """One forward over `requests`: each chain's last token and drafts (`chains[i]`), or one plain token where
-        the chain is None. Returns each request's tokens."""
+    def _verify_drafts(self, requests: list[Request],
+                       drafts: list[ChainDraft | TreeDraft | None]) -> list[list[tuple]]:
+        """One forward over `requests` (`ModelRunner.verify`): each one's last token and its drafts (`drafts[i]`, a
+        chain or a tree), or one plain token where it drafted nothing. Returns each request's tokens."""
         readers = [request.spec.reads_hidden for request in requests]
         seqs = [request.seq for request in requests]
-        counts = [len(seq) - seq.num_computed_tokens for seq in seqs]  # the tokens each forwards
         firsts = [seq.num_computed_tokens for seq in seqs]
-        needed = [1 if chain is None else chain.num_rows for chain in chains]  # logits rows each reads
-        output = self.runner.run(seqs, counts, num_logits=max(needed), return_hidden=any(readers))
-        logits, hidden = output if any(readers) else (output, None)
-        steps, row = [], 0
-        for index, (request, chain, count, need) in enumerate(zip(requests, chains, counts, needed)):
-            taken = min(max(needed), count)  # the rows `run` returned for this sequence: its last `taken` tokens'
-            rows = logits[row + taken - need:row + taken]
-            row += taken
+        needed = [1 if draft is None else draft.num_rows for draft in drafts]  # logits rows each reads
+        trees = [(draft.depths, draft.mask()) if isinstance(draft, TreeDraft) else None for draft in drafts]
+        logits, hidden = self.runner.verify(seqs, needed, trees, return_hidden=any(readers))
+        steps = []
+        for index, (request, draft, rows) in enumerate(zip(requests, drafts, logits)):
             mine = hidden[index] if readers[index] else None
-            if chain is not None:
-                steps.append(finish_chain(self.runner, request.seq, request.drafter, chain, rows, mine,
+            if isinstance(draft, TreeDraft):
+                steps.append(finish_tree(self.runner, request.seq, request.drafter, draft, rows, mine,
+                                         request.spec_stats, request.params))
+                continue
+            if draft is not None:
+                steps.append(finish_chain(self.runner, request.seq, request.drafter, draft, rows, mine,
                                           request.spec_stats, request.params, request.generator))
                 continue
             if mine is not None:  # a plain step's hidden states, every position it computed

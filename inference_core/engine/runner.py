@@ -288,11 +288,11 @@ class ModelRunner:
             reason = self.decoder.refusal([seq], [num_nodes])
             if reason is None:
                 logits, hidden = self.decoder.run_queries([seq], [num_nodes], num_logits=num_nodes,
-                                                          tree=(depths, tree_mask.cpu()))
+                                                          trees=[(depths, tree_mask.cpu())])
                 return logits, hidden[0]
             if self.decoder.flat_trees and self.decoder.flat_refusal([seq], [num_nodes]) is None:  # CUDA's flat step
                 logits, hidden = self.decoder.run_flat([seq], [num_nodes], num_logits=num_nodes,
-                                                       tree=(depths, tree_mask.cpu()))
+                                                       trees=[(depths, tree_mask.cpu())])
                 return logits, hidden[0]
             self.count_fallback(reason)
         else:
@@ -313,6 +313,66 @@ class ModelRunner:
             self.kv_cache.prepare_tree(seq, batch, positions, mask)
         logits, flat = self.model.forward(batch, self.kv_cache, return_hidden=True)
         return logits, flat[-num_nodes:]
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], needed: list[int], trees: list | None = None,
+               return_hidden: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """A speculative step's forward: each sequence's uncomputed tokens (its last token, then its drafts: a
+        chain, a draft tree `trees[i]` = (depths, mask) in slot order as `run_tree` takes one, or none), and the
+        logits of its last `needed[i]` tokens. Returns (per sequence fp32 logits [needed[i], vocab]; per sequence the
+        final-normed hidden states of its forwarded tokens, or None without `return_hidden`). The KV of chains and
+        plain tokens is committed (the caller rolls rejected drafts back), a tree's is not (`finish_tree` commits
+        the path it keeps). One forward for all where there is no tree, or where the compiled query step (CUDA: the
+        flat step) takes the trees with the rest, each tree alone new after its cached context; else each tree's own
+        forward beside one for the rest."""
+        counts = [len(seq) - seq.num_computed_tokens for seq in seqs]
+        trees = trees if trees is not None and any(tree is not None for tree in trees) else None
+        if trees is None:
+            output = self.run(seqs, counts, num_logits=max(needed), return_hidden=return_hidden)
+            logits, hidden = output if return_hidden else (output, None)
+            return self._rows(logits, counts, needed, max(needed)), hidden
+        decoder = self.decoder
+        alone = all(tree is None or len(tree[0]) == count for tree, count in zip(trees, counts))  # nothing before
+        step = None
+        if decoder is not None and alone:  # the query step (aoti), or CUDA's flat step
+            if decoder.refusal(seqs, counts) is None:
+                step = decoder.run_queries
+            elif decoder.flat_trees and decoder.flat_refusal(seqs, counts) is None:
+                step = decoder.run_flat
+        if step is not None:
+            for seq, count in zip(seqs, counts):
+                self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + count)
+            logits, hidden = step(seqs, counts, max(needed),
+                                  trees=[None if tree is None else (tree[0], tree[1].cpu()) for tree in trees])
+            for seq, count, tree in zip(seqs, counts, trees):
+                if tree is None:
+                    self.kv_cache.commit(seq, seq.num_computed_tokens + count)
+            return self._rows(logits, counts, needed, max(needed)), hidden if return_hidden else None
+        rows: list = [None] * len(seqs)
+        hidden: list = [None] * len(seqs)
+        rest = [index for index, tree in enumerate(trees) if tree is None]
+        if rest:
+            part_rows, part_hidden = self.verify([seqs[i] for i in rest], [needed[i] for i in rest],
+                                                 return_hidden=return_hidden)
+            for position, index in enumerate(rest):
+                rows[index] = part_rows[position]
+                hidden[index] = part_hidden[position] if part_hidden is not None else None
+        for index, tree in enumerate(trees):
+            if tree is not None:
+                logits, hidden[index] = self.run_tree(seqs[index], *tree)
+                rows[index] = logits[len(logits) - needed[index]:]
+        return rows, hidden if return_hidden else None
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, counts: list[int], needed: list[int], num_logits: int) -> list[torch.Tensor]:
+        """`run`'s logits (each sequence's last min(num_logits, count) rows, one after another) as each sequence's
+        last `needed[i]` rows."""
+        rows, row = [], 0
+        for count, need in zip(counts, needed):
+            taken = min(num_logits, count)
+            rows.append(logits[row + taken - need:row + taken])
+            row += taken
+        return rows
 
     @torch.inference_mode()
     def run_shallow(self, seq: Sequence, num_layers: int) -> torch.Tensor:

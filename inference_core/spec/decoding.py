@@ -77,7 +77,7 @@ class SpecConfig:
     ngram_max: int = 3
     ngram_min: int = 3
     # Tree verification (trained heads, greedy): each draft position offers its `tree_width` best tokens. The best
-    # ones form the chain; the others are leaves beside it, verified in the same forward (`tree_speculative_step`).
+    # ones form the chain; the others are leaves beside it, verified in the same forward (`draft_tree`).
     tree_width: int | None = 1  # None: the engine's measured default
     # A tree pruned by the drafter's confidence (TREE_GO_ON, TREE_KEEP): k and tree_width are then its most; False
     # verifies every level and candidate.
@@ -451,14 +451,34 @@ class DraftTree:
         return path
 
 
-def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int, stats: SpecStats,
-                          eos_ids, params: SamplingParams, shaping=None, prune: bool = False) -> list[tuple]:
-    """A greedy verification step over a draft tree (`DraftTree`): the drafter ranks `width` candidates at each of
-    `depth` positions (with `prune`, fewer where its confidence is low: TREE_GO_ON, TREE_KEEP); one forward scores
-    every node under a tree attention mask (`ModelRunner.run_tree`); the longest path the target's argmax follows is
-    kept, the KV of a leaf that ends it moved next to its parent, and the rest rolled back. Emits exactly plain
-    greedy decoding's tokens, like the chain (`finish_chain`), with more chances at each position for one wider
-    forward. Returns the tokens as `finish_chain` does, or [] when the drafter proposed nothing.
+@dataclass(slots=True)
+class TreeDraft:
+    """A draft tree appended to its sequence (nodes 1.. in slot order after node 0, the last token), waiting for the
+    target's verification forward (`draft_tree`, then `finish_tree` with the forward's logits)."""
+
+    tree: DraftTree
+    rows: list | None  # each node's shaping context, or None
+    num_before: int  # the sequence's length before the nodes (its last token, node 0, has no KV yet)
+    drafted_at: float  # perf_counter when drafting ended
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows the verification reads: node 0's and every node's."""
+        return len(self.tree.tokens) + 1
+
+    @property
+    def depths(self) -> list[int]:
+        return self.tree.depths
+
+    def mask(self) -> torch.Tensor:
+        return self.tree.mask()
+
+
+def draft_tree(seq: Sequence, drafter, depth: int, width: int, stats: SpecStats, eos_ids, shaping=None,
+               prune: bool = False) -> TreeDraft | None:
+    """A tree verification's first half: the drafter ranks `width` candidates at each of `depth` positions (with
+    `prune`, fewer where its confidence is low: TREE_GO_ON, TREE_KEEP), laid out as a `DraftTree` and appended to
+    `seq` in slot order. None (and `seq` unchanged) when the drafter proposed nothing: the caller takes a plain step.
 
     `shaping` (the request, for one that shapes its logits or asks for log-probabilities) first drops the candidates
     its grammar forbids (`legal_candidates`), then gives every node its shaping context (`tree_contexts`: the text
@@ -470,13 +490,23 @@ def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int
     drafted_at = time.perf_counter()
     stats.draft_ms += (drafted_at - started) * 1e3
     if not candidates:
-        return []
+        return None
     tree = DraftTree.from_candidates(candidates, eos_ids)
     rows = shaping.tree_contexts(tree.tokens, tree.parents) if shaping is not None else None
-    root = len(seq) - 1  # node 0: the last token, its KV not yet written
+    draft = TreeDraft(tree, rows, len(seq), drafted_at)
     seq.token_ids.extend(tree.tokens)
+    return draft
+
+
+def finish_tree(runner, seq: Sequence, drafter, draft: TreeDraft, logits: torch.Tensor, hidden: torch.Tensor,
+                stats: SpecStats, params: SamplingParams) -> list[tuple]:
+    """A tree verification's second half, after the forward that scored node 0 and every node under the tree's mask
+    without committing their KV (`logits` [draft.num_rows, vocab] fp32, `hidden` their final-normed hidden states):
+    keep the longest path the target's argmax follows, the KV of a leaf that ends it moved next to its parent;
+    commit node 0 and the path, roll the rest back. Emits exactly plain greedy decoding's tokens, like the chain
+    (`finish_chain`). Returns the tokens as `finish_chain` does."""
+    tree, rows, root = draft.tree, draft.rows, draft.num_before - 1
     try:
-        logits, hidden = runner.run_tree(seq, tree.depths, tree.mask())
         shaped = shape_logits(logits, rows) if rows is not None else logits
         target_ids = argmax_rows(shaped).tolist()
         path = tree.accept_greedy(target_ids)
@@ -489,9 +519,9 @@ def tree_speculative_step(runner, seq: Sequence, drafter, depth: int, width: int
     finally:
         del seq.token_ids[root + 1:]
     runner.kv_cache.rollback(seq, root + 1 + len(path))
-    drafter.observe(root, hidden[[0, *path]])
+    drafter.observe(root, hidden[-draft.num_rows:][[0, *path]])
     stats.record(len(tree.chain), len(path))
-    stats.verify_ms += (time.perf_counter() - drafted_at) * 1e3
+    stats.verify_ms += (time.perf_counter() - draft.drafted_at) * 1e3
     # The target's token after the path replaces the chain's drafts from there on (a leaf took the place of the
     # chain's token at its depth, and the chain's later drafts followed that token).
     tokens = step_tokens([tree.tokens[node - 1] for node in path], target_ids[path[-1] if path else 0], tree.chain)

@@ -26,7 +26,7 @@ from inference_core.spec.decoding import DraftTree, SpecConfig
 from inference_core.training.train_draft import model_targets, train_heads, validation_split
 from conftest import assert_nothing_held
 from test_speculative import sampled_speculation_distances
-from tiny_models import build_tiny, TINY_VOCAB
+from tiny_models import build_tiny, run_to_end, TINY_VOCAB
 
 KINDS = ("medusa", "eagle")
 
@@ -161,6 +161,43 @@ def test_greedy_with_trained_heads_compiled_is_lossless_and_never_eager(tiny, ti
         assert_nothing_held(engine)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_tree_and_a_chain_of_two_requests_verify_in_one_forward(tiny, tiny_heads, compiled):
+    """Two EAGLE requests at once, one drafting a tree (2 wide, one level, every node) and one a chain of 2, verify
+    in one forward a step on a compiled engine (the query step: 2 sequences of 3 tokens, the tree under its mask, its
+    KV committed only for the path kept); eager, the tree takes a forward of its own beside one for the chain. Each
+    answer is its solo plain greedy one; the same prompts again, served from the prefix cache, still are (a tree's
+    nodes committed in slot order would have cached blocks whose keys are not their tokens'); the pool ends empty."""
+    if compiled and compile_unavailable(torch.device("cpu")) is not None:
+        pytest.skip("no C++ compiler")
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4, max_num_seqs=2, compile=compiled,
+                                       speculate_when_it_pays=False))
+    engine.load_draft_heads("eagle", tiny_heads["eagle"][0])
+    tree, chain = SpecConfig("eagle", k=1, tree_width=2, tree_prune=False), SpecConfig("eagle", k=2)
+    if compiled:
+        engine.warm_up_compiled((1, 2), tree)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts, specs = ([1, 5, 9, 3], [7, 7, 4, 2]), (tree, chain)
+    want = [Engine(tiny, EngineConfig(kv_mode="paged", block_size=4)).complete(ids, params).token_ids
+            for ids in prompts]
+    forwards = []
+    verify, run_tree = engine.runner.verify, engine.runner.run_tree
+    engine.runner.verify = lambda seqs, *args, **kwargs: forwards.append(len(seqs)) or verify(seqs, *args, **kwargs)
+    engine.runner.run_tree = lambda *args: forwards.append("tree") or run_tree(*args)
+    requests = [engine.submit(ids, params, spec=spec) for ids, spec in zip(prompts, specs)]
+    run_to_end(engine)
+    assert [request.events[-1].token_ids for request in requests] == want
+    assert all(request.events[-1].stats.spec["accepted"] > 0 for request in requests)
+    assert 2 in forwards and ("tree" in forwards) != compiled  # eager: the tree's own forward; compiled: none
+    if compiled:
+        stats = engine.compile_stats()
+        assert stats["fallbacks"] == {} and stats["steps_by_bucket"]["2x3 query"] > 0
+    assert [engine.complete(ids + answer[:12], params).token_ids for ids, answer in zip(prompts, want)] == \
+        [Engine(tiny, EngineConfig(kv_mode="paged", block_size=4)).complete(ids + answer[:12], params).token_ids
+         for ids, answer in zip(prompts, want)]
+    assert_nothing_held(engine)
+
+
 def _triton_installed() -> bool:
     from inference_core.engine import triton_attention
 
@@ -172,9 +209,9 @@ def _triton_installed() -> bool:
                     reason="Triton's interpreter on a CPU where Triton is installed (it is not in the suite's torch)")
 def test_trees_verify_in_cudas_flat_step_as_plain_greedy_decodes(tiny, tiny_heads, monkeypatch):
     """CUDA's compiled engine (torch.compile, our Triton attention; here on the CPU under Triton's interpreter)
-    verifies EAGLE's draft trees in the flat step, the nodes at their depths' positions under the tree's mask: each
-    tree's logits are the eager forward's (run after it on the same tree), greedy ids are plain greedy's, and no
-    forward runs eager."""
+    verifies two requests' EAGLE draft trees in one flat step, the nodes at their depths' positions under their
+    tree's mask: each tree's logits and hidden states are the eager forward's (run after it on the same tree), greedy
+    ids are plain greedy's, and no forward runs eager."""
     from conftest import compile_as_on_cuda
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read where Triton's kernels are first defined
@@ -184,28 +221,35 @@ def test_trees_verify_in_cudas_flat_step_as_plain_greedy_decodes(tiny, tiny_head
     engine.load_draft_heads("eagle", tiny_heads["eagle"][0])
     assert engine.decoder.flat_trees
     runner, trees = engine.runner, []
-    run_tree = runner.run_tree
+    verify, run_tree = runner.verify, runner.run_tree
 
-    def and_eager(seq, depths, tree_mask):
-        logits, hidden = run_tree(seq, depths, tree_mask)
-        runner.decoder = None  # the same tree through the eager forward (its KV written to the same slots)
+    def and_eager(seqs, needed, drafted=None, return_hidden=True):
+        rows, hidden = verify(seqs, needed, drafted, return_hidden)
+        runner.decoder = None  # the same trees through the eager forward (their KV written to the same slots)
         try:
-            eager_logits, eager_hidden = run_tree(seq, depths, tree_mask)
+            for seq, tree, logits, states in zip(seqs, drafted or [None] * len(seqs), rows, hidden):
+                if tree is not None:
+                    eager_logits, eager_hidden = run_tree(seq, *tree)
+                    torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(states[-len(tree[0]):], eager_hidden, rtol=1e-4, atol=1e-4)
+                    trees.append((len(seqs), len(tree[0])))
         finally:
             runner.decoder = engine.decoder
-        torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(hidden, eager_hidden, rtol=1e-4, atol=1e-4)
-        trees.append(len(depths))
-        return logits, hidden
+        return rows, hidden
 
-    monkeypatch.setattr(runner, "run_tree", and_eager)
-    params, spec = SamplingParams(max_new_tokens=24, ignore_eos=True), SpecConfig("eagle", k=2, tree_width=2)
-    fast = engine.complete([1, 5, 9, 3], params, spec=spec)
-    assert trees and max(trees) == 5  # the last token and 2 levels of 2 (fewer near the end)
-    assert fast.token_ids == eager.complete([1, 5, 9, 3], params).token_ids
-    assert fast.stats.spec["accepted"] > 0 and fast.stats.spec["tree_width"] == 2
+    monkeypatch.setattr(runner, "verify", and_eager)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    spec = SpecConfig("eagle", k=2, tree_width=2, tree_prune=False)
+    prompts = ([1, 5, 9, 3], [7, 7, 4, 2])
+    requests = [engine.submit(ids, params, spec=spec) for ids in prompts]
+    run_to_end(engine)
+    assert max(nodes for _, nodes in trees) == 5  # the last token and 2 levels of 2 (fewer near the end)
+    assert any(count == 2 for count, _ in trees)  # both requests' trees in one step
+    assert [request.events[-1].token_ids for request in requests] == [eager.complete(ids, params).token_ids
+                                                                       for ids in prompts]
+    assert all(request.events[-1].stats.spec["accepted"] > 0 for request in requests)
     stats = engine.compile_stats()
-    assert stats["fallbacks"] == {} and stats["steps_by_bucket"]["flat"] >= fast.stats.spec["steps"]
+    assert stats["fallbacks"] == {} and stats["steps_by_bucket"]["flat"] > 0
     assert_nothing_held(engine)
 
 

@@ -572,7 +572,8 @@ class Engine:
         seqs = [request.seq for request in requests]
         firsts = [seq.num_computed_tokens for seq in seqs]
         needed = [1 if draft is None else draft.num_rows for draft in drafts]  # logits rows each reads
-        trees = [(draft.depths, draft.mask()) if isinstance(draft, TreeDraft) else None for draft in drafts]
+        trees = [(draft.tree.depths, draft.tree.mask()) if isinstance(draft, TreeDraft) else None
+                 for draft in drafts]
         logits, hidden = self.runner.verify(seqs, needed, trees, return_hidden=any(readers))
         steps = []
         for index, (request, draft, rows) in enumerate(zip(requests, drafts, logits)):

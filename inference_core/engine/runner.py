@@ -284,17 +284,12 @@ class ModelRunner:
         first, num_nodes = seq.num_computed_tokens, len(depths)
         root = len(seq) - num_nodes  # node 0's position (and slot)
         self.kv_cache.ensure_capacity(seq)
-        if self.decoder is not None and first == root:  # the tree alone is new: the compiled query step takes it
-            reason = self.decoder.refusal([seq], [num_nodes])
-            if reason is None:
-                logits, hidden = self.decoder.run_queries([seq], [num_nodes], num_logits=num_nodes,
-                                                          trees=[(depths, tree_mask.cpu())])
+        if self.decoder is not None and first == root:  # the tree alone is new: a compiled step may take it
+            step = self._tree_step([seq], [num_nodes])
+            if step is not None:
+                logits, hidden = step([seq], [num_nodes], num_nodes, trees=[(depths, tree_mask.cpu())])
                 return logits, hidden[0]
-            if self.decoder.flat_trees and self.decoder.flat_refusal([seq], [num_nodes]) is None:  # CUDA's flat step
-                logits, hidden = self.decoder.run_flat([seq], [num_nodes], num_logits=num_nodes,
-                                                       trees=[(depths, tree_mask.cpu())])
-                return logits, hidden[0]
-            self.count_fallback(reason)
+            self.count_fallback(self.decoder.refusal([seq], [num_nodes]))
         else:
             self.count_fallback("a draft tree's verification")
         batch = self.prepare([seq], [len(seq) - first], num_logits=num_nodes)
@@ -331,14 +326,8 @@ class ModelRunner:
             output = self.run(seqs, counts, num_logits=max(needed), return_hidden=return_hidden)
             logits, hidden = output if return_hidden else (output, None)
             return self._rows(logits, counts, needed, max(needed)), hidden
-        decoder = self.decoder
         alone = all(tree is None or len(tree[0]) == count for tree, count in zip(trees, counts))  # nothing before
-        step = None
-        if decoder is not None and alone:  # the query step (aoti), or CUDA's flat step
-            if decoder.refusal(seqs, counts) is None:
-                step = decoder.run_queries
-            elif decoder.flat_trees and decoder.flat_refusal(seqs, counts) is None:
-                step = decoder.run_flat
+        step = self._tree_step(seqs, counts) if self.decoder is not None and alone else None
         if step is not None:
             for seq, count in zip(seqs, counts):
                 self.kv_cache.ensure_capacity(seq, seq.num_computed_tokens + count)
@@ -362,6 +351,15 @@ class ModelRunner:
                 logits, hidden[index] = self.run_tree(seqs[index], *tree)
                 rows[index] = logits[len(logits) - needed[index]:]
         return rows, hidden if return_hidden else None
+
+    def _tree_step(self, seqs: list[Sequence], counts: list[int]):
+        """The compiled step that takes a verification of `counts[i]` new tokens a sequence with draft trees among
+        them (each tree alone new): the query step (aoti), or CUDA's flat step; None where neither does."""
+        if self.decoder.refusal(seqs, counts) is None:
+            return self.decoder.run_queries
+        if self.decoder.flat_trees and self.decoder.flat_refusal(seqs, counts) is None:
+            return self.decoder.run_flat
+        return None
 
     @staticmethod
     def _rows(logits: torch.Tensor, counts: list[int], needed: list[int], num_logits: int) -> list[torch.Tensor]:

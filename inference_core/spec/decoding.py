@@ -466,13 +466,6 @@ class TreeDraft:
         """Logits rows the verification reads: node 0's and every node's."""
         return len(self.tree.tokens) + 1
 
-    @property
-    def depths(self) -> list[int]:
-        return self.tree.depths
-
-    def mask(self) -> torch.Tensor:
-        return self.tree.mask()
-
 
 def draft_tree(seq: Sequence, drafter, depth: int, width: int, stats: SpecStats, eos_ids, shaping=None,
                prune: bool = False) -> TreeDraft | None:

@@ -268,6 +268,11 @@ def add_batch_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run each of our modes with every request speculating by this method")
     parser.add_argument("--spec-k", type=int, default=None,
                         help="draft length of --spec (default: the best measured for the source, `spec.defaults`)")
+    parser.add_argument("--spec-tree-width", type=int, default=None,
+                        help="candidates a draft position for Medusa and EAGLE (default: the best measured for the "
+                        "source, as the lane's; 1: a chain)")
+    parser.add_argument("--no-spec-tree-prune", dest="spec_tree_prune", action="store_false",
+                        help="verify every node of the tree, not only those the drafter is confident of")
     parser.add_argument("--kinds", help="only the prompt file's prompts of these kinds, comma-separated (e.g. "
                         "grounded)")
     parser.add_argument("--kv-cache-tokens", type=int,
@@ -297,7 +302,9 @@ def speculative_rows(modes: list[str], spec: SpecConfig | None) -> list[tuple[st
     for mode in modes:
         rows.append((mode, mode, None))
         if spec is not None:
-            rows.append((f"{mode} + {spec.method} k={spec.k}", mode, spec))
+            wide = f" {spec.tree_width} wide" + ("" if spec.tree_prune else ", every node") if spec.tree_width > 1 \
+                else ""
+            rows.append((f"{mode} + {spec.method} k={spec.k}{wide}", mode, spec))
     return rows
 
 
@@ -352,7 +359,8 @@ def run_batch_bench(args) -> int:
         rows = [row for row in rows if row["kind"] in kinds]
         if not rows:
             raise ConfigError(f"no prompts of kind {', '.join(kinds)} in {args.prompts or DEFAULT_PROMPTS}.")
-    spec = SpecConfig(method=args.spec, k=args.spec_k) if args.spec else None  # checked before the model loads
+    spec = SpecConfig(method=args.spec, k=args.spec_k, tree_width=args.spec_tree_width,
+                      tree_prune=args.spec_tree_prune) if args.spec else None  # checked before the model loads
     quant = QuantConfig(args.quant, args.quant_group, activations=args.quant_activations)
     loaded = quantize(load_model(args.model, args.device, args.dtype), quant)
     settings = {"arrival": args.arrival, "seed": args.seed, "prompts": str(args.prompts or DEFAULT_PROMPTS),

@@ -265,8 +265,9 @@ class CompileStats:
     steps_by_bucket: dict[str, int] = field(default_factory=dict)
     # Forwards of a compiled engine that ran eager, by the reason (`CompiledDecoder.refusal`).
     fallbacks: dict[str, int] = field(default_factory=dict)
-    # EAGLE's draft layer steps run through its packages (`spec.draft_heads.EagleDraftStep`), by token bucket
-    # ("2-token"); not forwards of the model, so not in the counts above.
+    # EAGLE's draft layer steps run through its packages (`spec.draft_heads.EagleDraftStep`), by bucket: "2-token"
+    # for one sequence, "4x2-token" for 4 sequences of up to 2 tokens; not forwards of the model, so not in the
+    # counts above.
     draft_steps: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -838,16 +839,16 @@ class CompiledDecoder:
             return self._call_package(bucket, args)
         return self._call_compiled(bucket, args)
 
-    def run_draft(self, graph: nn.Module, tokens: int, args: tuple):
-        """EAGLE's draft layer step of `tokens` tokens (a bucket of `spec.draft_heads.DRAFT_TOKENS`) through its
-        package (`graph`: an `EagleDraftStep`, whose heads' identity keys it: an engine may load other heads),
-        loaded or built on first use (AOTInductor only)."""
-        return self._call_package(("draft", tokens, graph.identity), args, graph)
+    def run_draft(self, graph: nn.Module, sequences: int, tokens: int, args: tuple):
+        """EAGLE's draft layer step of `sequences` sequences (a batch bucket) and `tokens` tokens (`sequences` times
+        one of `spec.draft_heads.DRAFT_TOKENS`) through its package (`graph`: an `EagleDraftStep`, whose heads'
+        identity keys it: an engine may load other heads), loaded or built on first use (AOTInductor only)."""
+        return self._call_package(("draft", sequences, tokens, graph.identity), args, graph)
 
     def _call_package(self, bucket, args: tuple, graph: nn.Module | None = None):
         """Call the package of `bucket` (a batch bucket of the decode step, ("queries", batch bucket, query bucket)
-        of `graph`, the query step, ("flat",) of the flat step or ("draft", tokens, heads) of EAGLE's draft step),
-        loading or building it on first use."""
+        of `graph`, the query step, ("flat",) of the flat step or ("draft", sequences, tokens, heads) of EAGLE's
+        draft step), loading or building it on first use."""
         # An exported program takes its inputs with the strides it was traced with (dense): the width views of the
         # bucket's buffers are not.
         args = tuple(arg.contiguous() for arg in args)
@@ -857,7 +858,7 @@ class CompiledDecoder:
             program = self._programs[bucket] = self._load_or_build(args, self.step if graph is None else graph)
             self.stats.warmup_s += time.perf_counter() - started
         elif isinstance(bucket, tuple) and bucket[0] == "draft" and bucket in self._ready_buckets:
-            name = f"{bucket[1]}-token"
+            name = f"{bucket[2]}-token" if bucket[1] == 1 else f"{bucket[1]}x{bucket[2] // bucket[1]}-token"
             self.stats.draft_steps[name] = self.stats.draft_steps.get(name, 0) + 1
         elif bucket in self._ready_buckets:
             self.stats.compiled_steps += 1
@@ -945,7 +946,7 @@ class CompiledDecoder:
         if any(dynamic):  # as the forward's signature nests them: its named inputs, then the pool's (`*pool`)
             dynamic = [sizes or None for sizes in dynamic]
             fixed = _fixed_inputs(graph)
-            dynamic = tuple(dynamic[:fixed]) + (tuple(dynamic[fixed:]),)
+            dynamic = tuple(dynamic[:fixed]) + ((tuple(dynamic[fixed:]),) if fixed < len(dynamic) else ())
         else:
             dynamic = None
         with torch.inference_mode(False), torch.no_grad():
@@ -979,8 +980,8 @@ class CompiledDecoder:
     def _dynamic_sizes(self, graph: nn.Module, count: int) -> list[dict]:
         """For each of the first `count` inputs of `graph`, its dynamic dimensions and their export sizes: the key
         width where the cache is 3 or more wide (blocks in the block table, input 2; positions in a key mask; up to the
-        cache's whole width less one, which export's shape reasoning treats as a special case), and the flat step's
-        token count. The buckets and the cache tensors are fixed."""
+        cache's whole width less one, which export's shape reasoning treats as a special case), the flat step's
+        token count, and the slots of EAGLE's draft pool. The buckets and the cache tensors are fixed."""
         sizes = [{} for _ in range(count)]
         if self.max_width >= 3:
             width = torch.export.Dim("width", min=2, max=self.max_width - 1)
@@ -994,6 +995,10 @@ class CompiledDecoder:
                     sizes[index][dim] = tokens
             if count > FlatGraph.KEEP:
                 sizes[FlatGraph.KEEP][0] = torch.export.Dim("keep", min=2)
+        if hasattr(graph, "slot_dims"):  # EAGLE's draft pool: its slots, however many requests an engine runs
+            slots = torch.export.Dim("slots", min=2)
+            for index, dim in graph.slot_dims().items():
+                sizes[index][dim] = slots
         if count - _fixed_inputs(graph) == INT4_POOL_INPUTS:  # an int4 pool: its tail's blocks, the blocks read
             first, tail, read = _fixed_inputs(graph), torch.export.Dim("tail", min=2), torch.export.Dim("read", min=2)
             sizes[first + 2][1] = sizes[first + 3][1] = tail

@@ -42,11 +42,12 @@ from inference_core.model.loader import LoadedModel, check_draft_model
 from inference_core.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from inference_core.roofline import run_points, weights_read_per_step
 from inference_core.sampling import SamplingParams, sample_batch
+from inference_core.sequence import Sequence
 from inference_core.spec.decoding import (HIDDEN_READERS, MAX_K, ChainDraft, DraftModelDrafter, EarlyExitDrafter,
                                           NgramDrafter, SpecConfig, TreeDraft, draft_chain, draft_tree, finish_chain,
                                           finish_tree, next_k)
 from inference_core.spec import defaults as spec_defaults
-from inference_core.spec.draft_heads import (DRAFT_TOKENS, DraftHeads, EagleDrafter, EagleDraftStep, MedusaDrafter,
+from inference_core.spec.draft_heads import (DraftHeads, EagleDrafter, EagleDraftPool, MedusaDrafter, draft_together,
                                              find_heads, load_heads)
 from inference_core.spec.pays import SpeculationPolicy
 from inference_core.structured import Grammars
@@ -133,7 +134,7 @@ class Engine:
         self.draft_model = draft_model
         self.draft_runner: ModelRunner | None = None  # the draft model's, built by its first request
         self.draft_heads: dict[str, DraftHeads] = {}  # trained heads by kind ("medusa", "eagle"), loaded when asked
-        self._draft_step: EagleDraftStep | None = None  # a compiled engine's EAGLE draft step (`_eagle_step`)
+        self._draft_pool: EagleDraftPool | None = None  # a compiled engine's EAGLE drafting (`_eagle_pool`)
         if draft_model is not None:
             check_draft_model(loaded, draft_model)
             if draft_model.config.max_position_embeddings < self.max_seq_len:
@@ -504,25 +505,31 @@ class Engine:
         compiled_before = self._compile_seconds()  # a query step's first use compiles (or loads) its package
         drafts: list[ChainDraft | TreeDraft | None] = []  # each request's (None: a plain token)
         try:
+            rooms, held = [], []  # each request's drafts (a tree's levels) and tree width (1: a chain); its blocks
             for request in requests:
-                seq = request.seq
                 if request.drafter is None:
                     request.drafter = self._drafter(request.spec)
-                k = 0 if plain_reason else self._draft_room(request, len(requests))
+                rooms.append((0, 1) if plain_reason else self._draft_room(request, len(requests)))
                 if plain_reason:
                     request.spec_stats.plain_steps += 1
                     request.spec_stats.plain_reason = plain_reason
-                shaping = request if request.reads_logits else None
+                # Its drafts' room, taken before the next request asks for its own.
+                held.append(len(getattr(request.seq, "block_table", ())))
+                self.kv_cache.ensure_capacity(request.seq, len(request.seq) + rooms[-1][0] * rooms[-1][1])
+            proposals, catch_up_s = self._draft_together(requests, rooms)
+            for index, (request, (k, width)) in enumerate(zip(requests, rooms)):
+                seq, shaping = request.seq, request if request.reads_logits else None
                 if k <= 0:
                     drafts.append(None)
-                elif request.spec.tree_width > 1:
-                    drafts.append(draft_tree(seq, request.drafter, k, request.spec.tree_width, request.spec_stats,
-                                             request.eos_ids, shaping, request.spec.tree_prune))
+                elif width > 1:
+                    drafts.append(draft_tree(seq, request.drafter, k, width, request.spec_stats, request.eos_ids,
+                                             shaping, request.spec.tree_prune, proposals.get(index)))
                 else:
                     drafts.append(draft_chain(seq, request.drafter, k, request.spec_stats, request.params,
                                               request.generator, request.eos_ids,
-                                              request.row_contexts if shaping is not None else None))
-                self.kv_cache.ensure_capacity(seq)  # its drafts' room, taken before the next request asks for its own
+                                              request.row_contexts if shaping is not None else None,
+                                              proposals.get(index)))
+                self._give_back_room(seq, held[index])
             steps = dict(enumerate(self._verify_drafts(requests, drafts)))
         except BaseException as error:
             for request, draft in zip(requests, drafts):
@@ -534,7 +541,9 @@ class Engine:
         step_s = time.perf_counter() - step_start
         compile_s = self._compile_seconds() - compiled_before
         if not compile_s:  # a step that compiled or loaded a package measures that, not the step
-            self.speculation.record(len(requests), plain_reason is None, sum(map(len, steps.values())), step_s)
+            # (nor the drafters' catch-up on what plain steps computed: a group that always drafts has none)
+            self.speculation.record(len(requests), plain_reason is None, sum(map(len, steps.values())),
+                                    step_s - catch_up_s)
         for index, request in enumerate(requests):
             tokens = steps[index]
             if request.spec.adaptive and tokens[0][1] is not None:  # a verification: its acceptance moves k
@@ -548,21 +557,33 @@ class Engine:
                 if request.finished:
                     break
 
-    def _draft_room(self, request: Request, group: int = 1) -> int:
-        """How many drafts `request` may propose this step, one of a `group` of speculating requests: its draft
-        length, shortened to the tokens it may still produce, to what the free KV blocks hold (a tree holds k * width
-        drafts while it is verified) and, in a group of several, to a verification whose rows all cost about one
-        row's (`drafts_that_fit`, which the request's stats count and explain)."""
+    def _draft_room(self, request: Request, group: int = 1) -> tuple[int, int]:
+        """How many drafts `request` may propose this step, one of a `group` of speculating requests, and its tree's
+        width (1: a chain): its draft length, shortened to the tokens it may still produce, to what the free KV
+        blocks hold (a tree holds k * width drafts while it is verified) and, in a group of several, to a
+        verification whose rows all cost about one row's (`drafts_that_fit`, which the request's stats count and
+        explain)."""
         wanted = min(request.draft_k, request.room() - 1)
-        k = self.drafts_that_fit(wanted, request.spec.tree_width, group)
-        if k < wanted:
+        k, width = self.drafts_that_fit(wanted, request.spec.tree_width, group)
+        if k < wanted or width < request.spec.tree_width:
             request.spec_stats.fitted_steps += 1
+            drafts = f"{k} draft{'s' if k > 1 else ''} each" + (" (a chain, not a tree)"
+                                                                   if width < request.spec.tree_width else "")
             request.spec_stats.fitted_reason = (
-                f"{group} speculating requests verified together, and {k} draft{'s' if k > 1 else ''} each kept "
-                f"their verification within the {self.verify_rows} rows that cost about one row's time here")
-        while k > 0 and not self.kv_cache.can_append(request.seq, len(request.seq) + k * request.spec.tree_width):
+                f"{group} speculating requests verified together, and {drafts} kept their verification within the "
+                f"{self.verify_rows} rows that cost about one row's time here")
+        while k > 0 and not self.kv_cache.can_append(request.seq, len(request.seq) + k * width):
             k -= 1
-        return k
+        return k, width
+
+    def _give_back_room(self, seq: Sequence, held: int) -> None:
+        """Paged: the blocks this step took for drafts that were not proposed go back to the pool (fresh ones at the
+        end of `seq`'s table, past what it held before and what its tokens now need): a request holds the blocks its
+        tokens need, and no more."""
+        if isinstance(self.kv_cache, PagedKVCache):
+            keep = max(held, self.kv_cache.manager.blocks_needed(len(seq)))
+            if len(seq.block_table) > keep:
+                self.kv_cache.rollback(seq, keep * self.kv_cache.block_size)
 
     def _verify_drafts(self, requests: list[Request],
                        drafts: list[ChainDraft | TreeDraft | None]) -> list[list[tuple]]:
@@ -648,7 +669,7 @@ class Engine:
             return MedusaDrafter(self.load_draft_heads("medusa"), self.loaded.model)
         if spec.method == "eagle":
             heads = self.load_draft_heads("eagle")
-            return EagleDrafter(heads, self.loaded.model, self.max_seq_len + 2 * MAX_K, self._eagle_step(heads))
+            return EagleDrafter(heads, self.loaded.model, self.max_seq_len + 2 * MAX_K, self._eagle_pool(heads))
         if self.draft_runner is None:
             draft_config = replace(self.config, max_seq_len=self.max_seq_len)
             self.draft_runner = ModelRunner(self.draft_model.model,
@@ -656,33 +677,59 @@ class Engine:
                                              self.draft_model.device)
         return DraftModelDrafter(self.draft_runner, self.loaded.config.vocab_size)
 
-    def _eagle_step(self, heads: DraftHeads):
-        """A compiled engine's EAGLE draft step for `heads`, as `compiled(tokens, inputs)` through its packages
-        (`EagleDraftStep`), or None where drafts run eager: an eager engine, CUDA's backend, quantized heads, or
-        without our attention op (the drafter also checks that the op takes its cache)."""
+    def _eagle_pool(self, heads: DraftHeads) -> EagleDraftPool | None:
+        """A compiled engine's EAGLE drafting with `heads`: its drafters' keys and values in one pool, a slot for
+        each request that can run at once, stepped by the draft step's packages (`EagleDraftPool`), or None where
+        drafts run eager: an eager engine, CUDA's backend, quantized heads, or without our attention op (the drafter
+        also checks that the op takes its cache)."""
         decoder = self.decoder
         if decoder is None or decoder.backend != "aoti" or heads.quant is not None \
                 or "attention_kernel" not in decoder.options:
             return None
-        if self._draft_step is None or self._draft_step.layer is not heads.network:
-            self._draft_step = EagleDraftStep(heads, self.loaded.model)
-        step = self._draft_step
-        return lambda tokens, inputs: decoder.run_draft(step, tokens, inputs)
+        if self._draft_pool is None or self._draft_pool.heads is not heads:  # (drafters keep the pool they have)
+            self._draft_pool = EagleDraftPool(heads, self.loaded.model, self.max_seq_len + 2 * MAX_K,
+                                              self.config.max_num_seqs + 1, decoder.buckets, decoder.run_draft)
+        return self._draft_pool
 
-    def _warm_up_drafts(self, spec: SpecConfig) -> None:
-        """Build (or load) the EAGLE draft step's packages that requests with `spec` run: one token, and the
-        catch-ups after a verification (up to k + 1 positions)."""
+    def _warm_up_drafts(self, spec: SpecConfig, batch_sizes: tuple[int, ...]) -> None:
+        """Build (or load) the EAGLE draft step's packages that requests with `spec` run in groups of up to the
+        largest of `batch_sizes`: every bucket of sequences up to that group's, each with every bucket of tokens (a
+        catch-up reads up to k + 1 positions after a verification, but any number after plain steps: a group the
+        engine keeps plain where that pays, a request with no room to draft). Left to a request's first use, a
+        package's build (about 10 s on a 2-core CPU) once landed in a batch's timed run and read as batched EAGLE at
+        0.40x plain batching."""
         drafter = self._drafter(spec)
         try:
-            if getattr(drafter, "compiled", None) is None:
+            pool = getattr(drafter, "pool", None)
+            if pool is None:
                 return
-            for tokens in DRAFT_TOKENS:
-                drafter.compiled(tokens, self._draft_step.example(tokens, drafter.cache,
-                                                                  self.loaded.model.embed_tokens.weight))
-                if tokens > spec.max_k:
+            for sequences in pool.buckets:
+                pool.warm_up(sequences)
+                if sequences >= max(batch_sizes):
                     return
         finally:
             drafter.close()
+
+    def _draft_together(self, requests: list[Request],
+                        rooms: list[tuple[int, int]]) -> tuple[dict[int, tuple | list], float]:
+        """The proposals of a step's speculating EAGLE requests whose drafters share the engine's pool, drafted
+        together (`draft_together`: each layer step one package call for all of them), by request index; each
+        request's stats are charged an equal share of the time. ({}, 0) where fewer than two would draft so. Also
+        the seconds spent catching up on positions past the packages' largest (after plain steps), which a step of
+        a group that drafts every step does not spend."""
+        jobs = {}
+        for index, (request, (k, width)) in enumerate(zip(requests, rooms)):
+            if k > 0 and getattr(request.drafter, "pool", None) is not None:
+                jobs[index] = (request.drafter.tree_job(request.seq, k, width, request.spec.tree_prune) if width > 1
+                               else request.drafter.chain_job(request.seq, k, request.params, request.generator))
+        if len(jobs) < 2:
+            return {}, 0.0
+        started = time.perf_counter()
+        proposals = draft_together(list(jobs.values()))
+        share_ms = (time.perf_counter() - started) * 1e3 / len(jobs)
+        for index in jobs:
+            requests[index].spec_stats.draft_ms += share_ms
+        return dict(zip(jobs, proposals)), sum(job.catch_up_s for job in jobs.values())
 
     # --- single-request use ---------------------------------------------------------------------------------------
 
@@ -755,14 +802,16 @@ class Engine:
             for queries in self.compiled_queries(spec, size):
                 self.decoder.warm_up_queries(size, queries)
         if spec is not None and spec.enabled and spec.method == "eagle":
-            self._warm_up_drafts(self.resolve_spec(spec))
+            self._warm_up_drafts(self.resolve_spec(spec), batch_sizes)
         return time.perf_counter() - started
 
     def compiled_queries(self, spec: SpecConfig | None, group: int = 1) -> tuple[int, ...]:
         """The query steps (tokens a sequence) a compiled engine runs for `group` requests with `spec`: a chain's
         longest verification, the last token and `max_k` drafts (fewer in a group: `drafts_that_fit`), or a tree's,
         the last token and k nodes a level for each of its `tree_width` candidates. Shorter ones run in the same
-        package, and so do trained heads' plain steps (one token, its hidden state read) and their short prompts.
+        package, and so do trained heads' short prompts and, alone, their plain steps (one token, its hidden state
+        read); in a group, those have a package of one query: in the verification's package, 4 EAGLE requests kept
+        plain where that paid took 14.3 ms a step against a decode step's 11.7.
         EAGLE's draft layer runs through packages of its own (`_eagle_step`); early exit's and a draft model's passes
         run eager. A pruned tree (`SpecConfig.tree_prune`) may be smaller than its most: it verifies in the least of
         a few packages that holds it (2, 3, 4, 5, 7, 9, 13 or 17 tokens, up to its most). CUDA's torch.compile
@@ -771,17 +820,24 @@ class Engine:
         if spec is None or not spec.enabled or self.decoder is None or self.decoder.backend != "aoti":
             return ()
         spec = self.resolve_spec(spec)
-        nodes = self.drafts_that_fit(spec.max_k, spec.tree_width, group) * spec.tree_width
-        if spec.tree_width > 1 and spec.tree_prune:
-            return tuple(sorted({1 + min(count, nodes) for count in (1, 2, 3, 4, 6, 8, 12, 16)}))
-        return (1 + nodes,)
+        k, width = self.drafts_that_fit(spec.max_k, spec.tree_width, group)
+        nodes = k * width
+        plain = (1,) if spec.method in HIDDEN_READERS and group > 1 else ()
+        if width > 1 and spec.tree_prune:
+            return plain + tuple(sorted({1 + min(count, nodes) for count in (1, 2, 3, 4, 6, 8, 12, 16)}))
+        return plain + (1 + nodes,)
 
-    def drafts_that_fit(self, k: int, tree_width: int, group: int) -> int:
-        """`k` drafts a request, shortened for a `group` of several speculating requests to what a verification of
-        at most `verify_rows` rows holds (at least 1 each; a tree's drafts take `tree_width` rows a level)."""
+    def drafts_that_fit(self, k: int, tree_width: int, group: int) -> tuple[int, int]:
+        """`k` drafts a request and its tree's `tree_width`, shortened for a `group` of several speculating requests
+        to what a verification of at most `verify_rows` rows holds (at least 1 draft each; a tree's drafts take
+        `tree_width` rows a level, and a tree without room for one level verifies a chain). 4 EAGLE requests at
+        once, compiled, 16 chat prompts (docs/benchmarks.md): 1 level of 2-wide trees (12 rows) 0.85-0.92x plain
+        continuous batching, chains of 1 (8 rows) 1.08x."""
         if group > 1 and self.verify_rows:
-            return min(k, max(1, (self.verify_rows // group - 1) // tree_width))
-        return k
+            room = self.verify_rows // group - 1  # draft rows a request
+            width = tree_width if room >= tree_width else 1
+            return min(k, max(1, room // width)), width
+        return k, tree_width
 
     def num_requests(self) -> int:
         """Requests queued or running (0 whenever nothing is generating)."""

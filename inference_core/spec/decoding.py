@@ -346,16 +346,17 @@ class ChainDraft:
 
 
 def draft_chain(seq: Sequence, drafter, max_drafts: int, stats: SpecStats, params: SamplingParams, generator,
-                eos_ids, contexts=None) -> ChainDraft | None:
+                eos_ids, contexts=None, proposal: tuple | None = None) -> ChainDraft | None:
     """A verification step's first half: propose up to `max_drafts` drafts and append the ones the target will
     verify to `seq`. None (and `seq` unchanged) when the drafter proposed nothing: the caller takes a plain step.
+    `proposal`: the drafter's `propose` output, where the caller had it drafted already (with other requests').
 
     `contexts(drafts)` (the request's `row_contexts`, for a request that shapes its logits or asks for
     log-probabilities) cuts the drafts at the first one its grammar forbids, before the target sees them, and gives
     each verified position its shaping context: position i is shaped as plain decoding would shape it after drafts
     0..i-1, so greedy ids equal plain greedy's under penalties and constraints too."""
     started = time.perf_counter()
-    proposed, draft_probs = drafter.propose(seq, max_drafts, params, generator)
+    proposed, draft_probs = proposal or drafter.propose(seq, max_drafts, params, generator)
     proposed = through_first_eos(proposed, eos_ids)
     drafted_at = time.perf_counter()
     stats.draft_ms += (drafted_at - started) * 1e3
@@ -468,16 +469,18 @@ class TreeDraft:
 
 
 def draft_tree(seq: Sequence, drafter, depth: int, width: int, stats: SpecStats, eos_ids, shaping=None,
-               prune: bool = False) -> TreeDraft | None:
+               prune: bool = False, candidates: list[list[int]] | None = None) -> TreeDraft | None:
     """A tree verification's first half: the drafter ranks `width` candidates at each of `depth` positions (with
     `prune`, fewer where its confidence is low: TREE_GO_ON, TREE_KEEP), laid out as a `DraftTree` and appended to
     `seq` in slot order. None (and `seq` unchanged) when the drafter proposed nothing: the caller takes a plain step.
 
     `shaping` (the request, for one that shapes its logits or asks for log-probabilities) first drops the candidates
     its grammar forbids (`legal_candidates`), then gives every node its shaping context (`tree_contexts`: the text
-    so far and the path down to the node), so greedy ids equal plain greedy's under penalties and constraints too."""
+    so far and the path down to the node), so greedy ids equal plain greedy's under penalties and constraints too.
+    `candidates`: the drafter's `propose_tree` output, where the caller had it drafted already."""
     started = time.perf_counter()
-    candidates = drafter.propose_tree(seq, depth, width, prune)
+    if candidates is None:
+        candidates = drafter.propose_tree(seq, depth, width, prune)
     if shaping is not None:
         candidates = shaping.legal_candidates(candidates)
     drafted_at = time.perf_counter()

@@ -33,6 +33,8 @@ import inspect
 import json
 import math
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +58,9 @@ from inference_core.spec.decoding import TREE_GO_ON, TREE_KEEP
 DRAFT_KINDS = ("medusa", "eagle")
 SHIPPED = DATA_DIR / "draft_heads"
 QUANT_ROWS = 8  # quantized scorer rows come in whole tiles of this many (`model.w4a8_kernel`'s)
-# A compiled engine's EAGLE draft steps, by their tokens padded up to one of these (a catch-up after a verification
-# of k drafts reads k + 1 positions at most; a longer one, after a prompt, runs eager): one package each.
+# A compiled engine's EAGLE draft steps, by their tokens a sequence padded up to one of these (a catch-up after a
+# verification of k drafts reads k + 1 positions at most; a longer one, after a prompt, runs eager), for each bucket
+# of sequences stepped together (`EagleDraftPool`): one package each.
 DRAFT_TOKENS = (1, 2, 4, 8)
 
 
@@ -134,7 +137,8 @@ class EagleLayer(nn.Module):
         cache_k[start:start + tokens] = k[0]
         cache_v[start:start + tokens] = v[0]
         if our_attention:
-            return self.finish_over_cache(x, q, k, v, cache, torch.zeros(1, 1, dtype=torch.int32),
+            return self.finish_over_cache(x, q, k, v, (cache_k[None], cache_v[None]),
+                                          torch.zeros(1, 1, dtype=torch.int32),
                                           torch.tensor([0, tokens], dtype=torch.int32),
                                           torch.tensor([start], dtype=torch.int32))
         keys = cache_k[:start + tokens].transpose(0, 1).unsqueeze(0)
@@ -143,14 +147,16 @@ class EagleLayer(nn.Module):
                                                   device=x.device).tril(diagonal=start)
         return self._finish(x, self._sdpa(q, keys, values, mask, False))
 
-    def finish_over_cache(self, x, q, k, v, cache, table, starts, cached) -> torch.Tensor:
-        """The rest of the layer (`_finish`) for one sequence's tokens (batch 1) attending through our flat op
-        (`attention_kernel.attend_flat`) to their own keys and to `cache`'s before them, the cache read in place as
-        one block (`table` int32 [1, 1]; `starts` int32 [0, tokens]; `cached` int32 [1], the first token's
-        position). The eager step's and the compiled step's (`EagleDraftStep`) attention."""
+    def finish_over_cache(self, x, q, k, v, pools, table, starts, cached) -> torch.Tensor:
+        """The rest of the layer (`_finish`) for the tokens of S sequences one after another (batch 1) attending
+        through our flat op (`attention_kernel.attend_flat`) to their own sequence's new keys and to its cached ones
+        before them, each sequence's cache one block of `pools` (keys, values [blocks, positions, kv_heads,
+        head_dim]) read in place (`table` int32 [S, 1]: its block; `starts` int32 [S + 1]: its tokens' rows;
+        `cached` int32 [S]: its first token's position). The eager step's and the compiled step's
+        (`EagleDraftStep`) attention."""
         attn = self.self_attn
-        attended = attention_kernel.attend_flat(q[0], k[0], v[0], cache[0][None], cache[1][None], table, starts,
-                                                cached, 0, attn.scale)
+        attended = attention_kernel.attend_flat(q[0], k[0], v[0], pools[0], pools[1], table, starts, cached, 0,
+                                                attn.scale)
         return self._finish(x, attended.to(x.dtype).view(1, q.shape[1], attn.q_size))
 
     def _sdpa(self, q, keys, values, mask, causal: bool) -> torch.Tensor:
@@ -212,11 +218,13 @@ class EagleLayer(nn.Module):
 
 class EagleDraftStep(nn.Module):
     """EAGLE's draft step as one graph for a compiled engine's package (`engine.compiled.CompiledDecoder.run_draft`,
-    AOTInductor): the layer over T positions (padded to a bucket of `DRAFT_TOKENS`) attending through our op to the
-    drafter's cache before them (`attention_kernel.attend_flat`), and the scoring of one of its rows. The eager
-    step ran about 30 ATen ops and six projections one by one from Python: on the bundled model, 1.4-1.7 ms a draft
-    inside a request (the weights cold after the target's forward), 0.87 ms with them hot. The cache is read, not
-    written: the step returns its keys and values, which the drafter stores."""
+    AOTInductor): the layer over the new positions of S sequences one after another (S padded to a batch bucket,
+    their T tokens to S times one of `DRAFT_TOKENS`), each attending through our op to its own drafter's keys and
+    values before them, a slot of the pool (`EagleDraftPool`), and the scoring of one row of each. The eager step ran
+    about 30 ATen ops and six projections one by one from Python: on the bundled model, 1.4-1.7 ms a draft inside a
+    request (the weights cold after the target's forward), 0.87 ms with them hot; a batch of speculating requests
+    drafts in one call a step rather than one each. The pool is read, not written: the step returns the new keys and
+    values, which the drafters store."""
 
     def __init__(self, heads: DraftHeads, model: CausalLM):
         super().__init__()
@@ -226,33 +234,113 @@ class EagleDraftStep(nn.Module):
         cos, sin = rope_tables(model, heads.dtype)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.register_buffer("table", torch.zeros(1, 1, dtype=torch.int32), persistent=False)  # the cache: 1 block
         self.identity = heads.identity()  # what the package's key adds to the model's
 
     def width_dims(self) -> dict[int, int]:
-        return {}  # no dynamic sizes: a package per token bucket, the cache passed whole
+        return {}  # a package per bucket, the pool passed whole
 
-    def forward(self, features, token_ids, bounds, cache_k, cache_v, embedding):
-        """features [T, hidden]: f_j at positions first.. first + T - 1; token_ids [T]: token j+1 at each, whose
-        embedding is looked up in `embedding` (the target's table [vocab, hidden], an input rather than a copy in the
-        package); bounds int32 [0, T, first, row]: the cache's keys before `first` are read, and output row `row`
-        is scored. Returns (outputs [T, hidden], new keys and values [T, kv_heads, head_dim], fp32 scores of the row
-        [1, draft vocab]). The inputs are two small tensors the drafter builds and the tensors it holds: the host's
-        part of a draft was a dozen small ops, each slow right after the target's forward has cycled the caches."""
+    def slot_dims(self) -> dict[int, int]:
+        """The pool's slots (dynamic in a package: one serves engines of any number of requests)."""
+        return {3: 0, 4: 0}
+
+    def forward(self, features, token_ids, index, pool_k, pool_v, embedding):
+        """features [T, hidden]: the rows of S sequences one after another, f_j at each row's position j;
+        token_ids [T]: token j+1 at each, whose embedding is looked up in `embedding` (the target's table [vocab,
+        hidden], an input rather than a copy in the package); index int32 [T + 4S + 1]: each row's position, the
+        sequences' row starts [S + 1], the position before which each reads its cached keys [S], its slot of the
+        pool [S] and the one row of it that is scored [S]; pool_k, pool_v [slots, positions, kv_heads, head_dim].
+        Returns (outputs [T, hidden], new keys and values [T, kv_heads, head_dim], fp32 scores of the scored rows
+        [S, draft vocab]). The inputs are three small tensors the drafters build and the tensors they hold: the
+        host's part of a draft was a dozen small ops, each slow right after the target's forward has cycled the
+        caches."""
         tokens = features.shape[0]
-        positions = (bounds[2] + torch.arange(tokens, device=features.device)).clamp(max=len(self.cos) - 1)
+        sequences = (index.shape[0] - tokens - 1) // 4
+        ends = (tokens, tokens + sequences + 1, tokens + 2 * sequences + 1, tokens + 3 * sequences + 1)
+        positions = index[:ends[0]].long().clamp(max=len(self.cos) - 1)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         embeddings = F.embedding(token_ids, embedding).to(features.dtype)
         x, q, k, v = self.layer._project(features[None], embeddings[None], cos, sin)
-        out = self.layer.finish_over_cache(x, q, k, v, (cache_k, cache_v), self.table, bounds[:2], bounds[2:3])[0]
-        row = out.index_select(0, bounds[3:].long())
-        return out, k[0], v[0], self.scorer(row)[:, :self.vocab].float()
+        out = self.layer.finish_over_cache(x, q, k, v, (pool_k, pool_v), index[ends[2]:ends[3]].view(sequences, 1),
+                                           index[ends[0]:ends[1]], index[ends[1]:ends[2]])[0]
+        rows = out.index_select(0, index[ends[3]:].long())
+        return out, k[0], v[0], self.scorer(rows)[:, :self.vocab].float()
 
-    def example(self, tokens: int, cache: tuple[torch.Tensor, torch.Tensor], embedding: torch.Tensor) -> tuple:
-        """Inputs of a `tokens`-token step over `cache` (a drafter's), for building its package before a request."""
+    def example(self, sequences: int, tokens: int, pool: EagleDraftPool, embedding: torch.Tensor) -> tuple:
+        """Inputs of a step of `sequences` and `tokens` over `pool`, for building its package before a request."""
         hidden = self.cos.new_zeros(tokens, len(self.layer.norm.weight))
-        return (hidden, torch.zeros(tokens, dtype=torch.long), torch.tensor([0, tokens, 0, 0], dtype=torch.int32),
-                *cache, embedding)
+        index = [0] * tokens + [0] + [tokens] * sequences + [0] * 3 * sequences
+        return (hidden, torch.zeros(tokens, dtype=torch.long), torch.tensor(index, dtype=torch.int32),
+                pool.keys, pool.values, embedding)
+
+
+class EagleDraftPool:
+    """A compiled engine's EAGLE drafting for all its requests: each drafter's keys and values in a slot of one pool
+    (`keys`, `values` [slots, positions, kv_heads, head_dim]), and the draft step's packages (`EagleDraftStep`, run as
+    `run(step, sequences, tokens, inputs)`), which step any of the pool's drafters at once: a step of the
+    speculating requests of a batch is one call rather than one a request. `buckets`: the numbers of sequences a
+    package steps (the engine's batch buckets)."""
+
+    def __init__(self, heads: DraftHeads, model: CausalLM, positions: int, slots: int, buckets: list[int], run):
+        attn = heads.network.self_attn
+        positions = min(positions, len(model.rope_tables(model.embed_tokens.weight.dtype)[0]))
+        shape = (slots, positions, attn.num_kv_heads, attn.head_dim)
+        self.keys = torch.zeros(shape, device=heads.vocab_ids.device, dtype=heads.dtype)
+        self.values = torch.zeros_like(self.keys)
+        self.heads, self.buckets, self.run = heads, buckets, run
+        self.graph = EagleDraftStep(heads, model)
+        self.embedding = model.embed_tokens.weight
+        self.free = list(range(slots - 1, -1, -1))
+
+    @property
+    def positions(self) -> int:
+        return self.keys.shape[1]
+
+    def take(self) -> int | None:
+        """A free slot for a new drafter (None: every slot is held, and the drafter keeps a cache of its own)."""
+        return self.free.pop() if self.free else None
+
+    def give_back(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def warm_up(self, sequences: int) -> None:
+        """Build (or load) the packages of a bucket of `sequences`, each of its token buckets."""
+        for size in DRAFT_TOKENS:
+            self.run(self.graph, sequences, sequences * size,
+                     self.graph.example(sequences, sequences * size, self, self.embedding))
+
+    def step(self, items: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One package call for `items`, each (drafter with a slot here, features [n, hidden] at positions start..,
+        the n next token ids, start), n at most DRAFT_TOKENS[-1]: the sequences padded with empty ones to a bucket,
+        their rows (after the last sequence's real ones) to a bucket of tokens. Stores each one's new keys and
+        values in its slot; returns each one's last output [hidden] and its fp32 scores [draft vocab]."""
+        count = len(items)
+        sequences = next(bucket for bucket in self.buckets if bucket >= count)
+        total = sum(len(token_ids) for _, _, token_ids, _ in items)
+        tokens = next(sequences * size for size in DRAFT_TOKENS if sequences * size >= total)
+        features = [features for _, features, _, _ in items]
+        token_ids, positions, starts, cached, slots = [], [], [0], [], []
+        for drafter, _, ids, start in items:
+            token_ids += ids
+            positions += range(start, start + len(ids))
+            starts.append(starts[-1] + len(ids))
+            cached.append(start)
+            slots.append(drafter.slot)
+        rows = [end - 1 for end in starts[1:]]
+        if tokens > total:  # padding rows after the last sequence's, attending only to what is before them
+            features.append(features[-1][-1:].expand(tokens - total, -1))
+            token_ids += token_ids[-1:] * (tokens - total)
+            positions += [positions[-1] + 1] * (tokens - total)
+        starts[-1] = tokens
+        empty = sequences - count  # padding sequences: no rows, no cached keys, scoring row 0
+        index = positions + starts + [tokens] * empty + cached + [0] * empty + slots + [0] * empty + rows + [0] * empty
+        out, keys, values, scores = self.run(self.graph, sequences, tokens, (
+            torch.cat(features), torch.tensor(token_ids), torch.tensor(index, dtype=torch.int32), self.keys,
+            self.values, self.embedding))
+        where = (torch.tensor([slot for slot, (_, _, ids, _) in zip(slots, items) for _ in ids]),
+                 torch.tensor(positions[:total]))
+        self.keys[where] = keys[:total]
+        self.values[where] = values[:total]
+        return [(out[end - 1], scores[index_]) for index_, end in enumerate(starts[1:count] + [total])]
 
 
 def rope_tables(model: CausalLM, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -508,28 +596,34 @@ class EagleDrafter(_HeadScorer):
     it has read with true hidden states; each proposal first catches up on the positions verified since, then drafts
     (its keys and values at draft positions are overwritten by the next catch-up). Positions the target never
     forwarded for this request (a prompt prefix served from the prefix cache) have no hidden state: the layer then
-    attends only from the first position it saw."""
+    attends only from the first position it saw. On a compiled engine its keys and values are a slot of the engine's
+    pool (`EagleDraftPool`), whose packages step it, alone or beside the other requests' drafters
+    (`draft_together`)."""
 
     wants_hidden = True
 
-    def __init__(self, heads: DraftHeads, model: CausalLM, max_positions: int, compiled=None):
+    def __init__(self, heads: DraftHeads, model: CausalLM, max_positions: int, pool: EagleDraftPool | None = None):
         super().__init__(heads, model)
         self.model = model
         config, device, dtype = model.config, heads.vocab_ids.device, heads.dtype
         attn = heads.network.self_attn
         self.rope = rope_tables(model, dtype)
         max_positions = min(max_positions, len(self.rope[0]))
-        self.features = torch.zeros(max_positions, config.hidden_size, device=device, dtype=dtype)
-        self.cache = (torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device, dtype=dtype),
-                      torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device, dtype=dtype))
-        self.first = self.known = self.cached = 0  # features for [first, known); draft KV for [first, cached)
         # Our attention op where the heads' projections take ours (the extension built and running here)
-        takes = attention_kernel.takes_flat(torch.empty(1, attn.num_heads, attn.head_dim), self.cache[0][:1],
-                                            self.cache[0][None])
+        takes = attention_kernel.takes_flat(torch.empty(1, attn.num_heads, attn.head_dim),
+                                            torch.empty(1, attn.num_kv_heads, attn.head_dim),
+                                            torch.empty(1, 1, attn.num_kv_heads, attn.head_dim, dtype=dtype))
         self.our_attention = heads.row_kernel and takes
-        # A compiled engine's draft step, `compiled(tokens, inputs)` -> `EagleDraftStep`'s outputs (steps of up to
-        # DRAFT_TOKENS[-1] tokens), or None: eager.
-        self.compiled = compiled if takes else None
+        # A compiled engine's pool, where it has a slot for this drafter (None: eager steps, a cache of its own).
+        self.slot = pool.take() if pool is not None and takes and pool.positions >= max_positions else None
+        self.pool = pool if self.slot is not None else None
+        if self.pool is not None:
+            self.cache = (pool.keys[self.slot], pool.values[self.slot])
+        else:
+            self.cache = (torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device, dtype=dtype),
+                          torch.zeros(max_positions, attn.num_kv_heads, attn.head_dim, device=device, dtype=dtype))
+        self.features = torch.zeros(max_positions, config.hidden_size, device=device, dtype=dtype)
+        self.first = self.known = self.cached = 0  # features for [first, known); draft KV for [first, cached)
 
     def observe(self, first_position: int, hidden: torch.Tensor) -> None:
         end = first_position + len(hidden)
@@ -545,62 +639,38 @@ class EagleDrafter(_HeadScorer):
 
     def _step(self, features: torch.Tensor, token_ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft layer over positions start.. (features there, the next tokens' embeddings), its keys and values
-        stored in the cache; returns its last output [hidden] and that output's fp32 scores [draft vocab]."""
+        stored in the cache; returns its last output [hidden] and that output's fp32 scores [draft vocab]. Through
+        the pool's package where it has one that long; else eager."""
+        if self.pool is not None and len(token_ids) <= DRAFT_TOKENS[-1]:
+            return self.pool.step([(self, features, token_ids, start)])[0]
         tokens = len(token_ids)
-        bucket = next((size for size in DRAFT_TOKENS if size >= tokens), None) if self.compiled else None
-        if bucket is None:
-            ids = torch.tensor(token_ids, device=features.device)
-            embeddings = self.model.embed_tokens.weight[ids].to(self.heads.dtype)
-            cos, sin = (table[start:start + tokens].unsqueeze(1) for table in self.rope)
-            out = self.heads.network(features[None], embeddings[None], cos, sin, self.cache, start,
-                                     self.our_attention)[0][-1]
-            return out, self.scores(out[None])[0]
-        if bucket > tokens:  # padding rows after the real ones, which attend only to what is before them
-            features = F.pad(features, (0, 0, 0, bucket - tokens))
-            token_ids = token_ids + token_ids[-1:] * (bucket - tokens)
-        out, keys, values, scores = self.compiled(bucket, (
-            features, torch.tensor(token_ids), torch.tensor([0, bucket, start, tokens - 1], dtype=torch.int32),
-            *self.cache, self.model.embed_tokens.weight))
-        self.cache[0][start:start + tokens] = keys[:tokens]
-        self.cache[1][start:start + tokens] = values[:tokens]
-        return out[tokens - 1], scores[0]
+        ids = torch.tensor(token_ids, device=features.device)
+        embeddings = self.model.embed_tokens.weight[ids].to(self.heads.dtype)
+        cos, sin = (table[start:start + tokens].unsqueeze(1) for table in self.rope)
+        out = self.heads.network(features[None], embeddings[None], cos, sin, self.cache, start,
+                                 self.our_attention)[0][-1]
+        return out, self.scores(out[None])[0]
 
-    def _drafts(self, seq: Sequence, max_drafts: int, choose):
-        """Step the layer up to `max_drafts` times from the sequence's last position; `choose(scores)` turns each
-        step's scores [draft vocab] into (the token the next step reads, what to collect, whether to step on). The
-        collected values, or None while the hidden states do not reach the last position."""
-        last = len(seq) - 1  # the last token's position; the target's hidden state before it predicted it
-        if self.known != last or last <= self.first or last + max_drafts > len(self.features):
-            return None
-        collected = []
-        with torch.inference_mode():
-            # Catch up: the pairs (f_j, x_{j+1}) for j in [cached, last), at least the last one (its output drafts).
-            start = min(self.cached, last - 1)
-            out, scores = self._step(self.features[start:last], seq.token_ids[start + 1:last + 1], start)
-            self.cached = last
-            for index in range(max_drafts):
-                token, value, step_on = choose(scores)
-                collected.append(value)
-                if index + 1 == max_drafts or not step_on:
-                    break
-                out, scores = self._step(out[None], [token], last + index)
-        return collected
-
-    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+    def chain_job(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator) -> DraftJob:
+        """A chain's proposal (`propose`) as a job for `draft_together`: its `result` is (drafts, their draft
+        distributions [drafts, vocab] when sampling, else None)."""
         def choose(scores):
             token, q = self.draft(scores, params, generator)
             return token, (token, q), True
 
-        drafted = self._drafts(seq, max_drafts, choose)
-        if drafted is None:
-            return [], None
-        return [token for token, _ in drafted], None if params.greedy else torch.stack([q for _, q in drafted])
+        def result(drafted):
+            if drafted is None:
+                return [], None
+            return [token for token, _ in drafted], None if params.greedy else torch.stack([q for _, q in drafted])
 
-    def propose_tree(self, seq: Sequence, depth: int, width: int, prune: bool = False) -> list[list[int]]:
-        """Greedy tree candidates: per position, the `width` best tokens, best first; the layer steps along the best
-        ones (the chain), so the others are alternatives at their position after the chain's tokens before it. With
-        `prune`, the layer steps on only while the chain's reach holds (TREE_GO_ON: a draft step saved where the
-        next draft would rarely be reached) and keeps the likely alternatives only (`tree_level`)."""
+        return DraftJob(self, seq, max_drafts, choose, result)
+
+    def tree_job(self, seq: Sequence, depth: int, width: int, prune: bool = False) -> DraftJob:
+        """A tree's candidates (`propose_tree`) as a job for `draft_together`: per position, the `width` best tokens,
+        best first; the layer steps along the best ones (the chain), so the others are alternatives at their
+        position after the chain's tokens before it. With `prune`, the layer steps on only while the chain's reach
+        holds (TREE_GO_ON: a draft step saved where the next draft would rarely be reached) and keeps the likely
+        alternatives only (`tree_level`)."""
         reach = 1.0
 
         def choose(scores):
@@ -608,7 +678,89 @@ class EagleDrafter(_HeadScorer):
             candidates, reach = self.tree_level(scores, width, reach, prune)
             return candidates[0], candidates, not prune or reach >= TREE_GO_ON
 
-        return self._drafts(seq, depth, choose) or []
+        return DraftJob(self, seq, depth, choose, lambda drafted: drafted or [])
+
+    def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
+        return draft_together([self.chain_job(seq, max_drafts, params, generator)])[0]
+
+    def propose_tree(self, seq: Sequence, depth: int, width: int, prune: bool = False) -> list[list[int]]:
+        return draft_together([self.tree_job(seq, depth, width, prune)])[0]
 
     def close(self) -> None:
-        self.features = self.cache = None
+        if self.pool is not None:
+            self.pool.give_back(self.slot)
+        self.features = self.cache = self.pool = None
+
+
+@dataclass
+class DraftJob:
+    """One EAGLE drafter's proposal for `draft_together`: step the layer up to `max_drafts` times from the sequence's
+    last position; `choose(scores)` turns each step's scores [draft vocab] into (the token the next step reads, what
+    to collect, whether to step on); `result(collected)` turns what was collected (None while the hidden states do
+    not reach the last position) into the proposal. `catch_up_s`: its share of the time the parts of long catch-ups
+    took (`draft_together`)."""
+
+    drafter: EagleDrafter
+    seq: Sequence
+    max_drafts: int
+    choose: Callable
+    result: Callable
+    catch_up_s: float = 0.0
+
+
+def draft_together(jobs: list[DraftJob]) -> list:
+    """The proposals of several EAGLE drafters (each job's `result`), their layer steps taken together: first each
+    one's catch-up on the positions verified since its last proposal, then each draft step of those still drafting.
+    The drafters in one compiled engine's pool step in one package call each time (`EagleDraftPool.step`), a
+    catch-up longer than the packages take in parts; the others step alone. Each drafter's steps, and so its
+    drafts, are those it takes alone."""
+    collected: list[list | None] = [None] * len(jobs)
+    starts = {}  # job index -> the first position its catch-up steps
+    for index, job in enumerate(jobs):
+        drafter, last = job.drafter, len(job.seq) - 1  # the last token's position: the hidden state that predicts
+        if drafter.known != last or last <= drafter.first or last + job.max_drafts > len(drafter.features):
+            continue
+        # Catch up: the pairs (f_j, x_{j+1}) for j in [cached, last), at least the last one (its output drafts).
+        starts[index] = min(drafter.cached, last - 1)
+        drafter.cached = last
+        collected[index] = []
+    chunk = DRAFT_TOKENS[-1]
+    with torch.inference_mode():
+        # A pooled drafter's catch-up past the largest package (after a prompt, or after plain steps: a group kept
+        # plain where that paid) steps through it in parts, their outputs unread: eager, 32 positions took 4 ms.
+        while long := [index for index, start in starts.items() if jobs[index].drafter.pool is not None
+                       and len(jobs[index].seq) - 1 - start > chunk]:
+            started = time.perf_counter()
+            _step_each([(jobs[index].drafter, jobs[index].drafter.features[starts[index]:starts[index] + chunk],
+                         jobs[index].seq.token_ids[starts[index] + 1:starts[index] + chunk + 1], starts[index])
+                        for index in long])
+            for index in long:
+                starts[index] += chunk
+                jobs[index].catch_up_s += (time.perf_counter() - started) / len(long)
+        steps = [(index, jobs[index].drafter.features[start:len(jobs[index].seq) - 1],
+                  jobs[index].seq.token_ids[start + 1:], start) for index, start in starts.items()]
+        while steps:
+            outputs = _step_each([(jobs[index].drafter, *inputs) for index, *inputs in steps])
+            going_on = []
+            for (index, *_), (out, scores) in zip(steps, outputs):
+                job = jobs[index]
+                token, value, step_on = job.choose(scores)
+                collected[index].append(value)
+                if len(collected[index]) < job.max_drafts and step_on:
+                    going_on.append((index, out[None], [token], len(job.seq) - 2 + len(collected[index])))
+            steps = going_on
+    return [job.result(drafted) for job, drafted in zip(jobs, collected)]
+
+
+def _step_each(items: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each (drafter, features, token ids, start)'s layer step (`EagleDrafter._step`): those of one pool that its
+    packages take in one call where there are several, the rest one by one."""
+    pool = next((drafter.pool for drafter, *_ in items if drafter.pool is not None), None)
+    pooled = [index for index, (drafter, _, token_ids, _) in enumerate(items)
+              if pool is not None and drafter.pool is pool and len(token_ids) <= DRAFT_TOKENS[-1]]
+    pooled = pooled[:pool.buckets[-1]] if pool is not None else []  # (the most a package steps)
+    outputs: list = [None] * len(items)
+    if len(pooled) > 1:
+        for index, output in zip(pooled, pool.step([items[index] for index in pooled])):
+            outputs[index] = output
+    return [output if output is not None else item[0]._step(*item[1:]) for output, item in zip(outputs, items)]

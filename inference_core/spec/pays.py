@@ -17,7 +17,10 @@ step), and a group drafts in a step unless its plain steps' rate is higher than 
   user asked for it (one verification that happened to accept nothing once turned speculation off until the next
   try, 31 steps later).
 - The losing kind runs again every `EXPLORE_EVERY` steps, so that a batch whose prompts or lengths change can win
-  back what it lost. Steps that compiled or loaded a package are not measured.
+  back what it lost. Steps that compiled or loaded a package are not measured, and a speculative step's time leaves
+  out its EAGLE drafters' catch-up on the positions plain steps computed (past the draft packages' largest): a
+  group that drafts every step never spends it, and charged to the step that returns to drafting after 32 plain
+  ones, it kept 4 EAGLE requests plain for good where drafting every step ran 1.08x plain.
 
 Only groups of at least `MIN_BATCH` greedy requests are decided so. Greedy speculation yields exactly plain greedy's
 tokens, so the choice changes speed alone; a group with a sampling request always drafts, so that its seeded draws

@@ -16,7 +16,8 @@ import torch
 from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core import load_model
 from inference_core.engine.compiled import compile_unavailable
-from inference_core.spec.draft_heads import EagleDrafter, MedusaDrafter, find_heads, lm_head_rows, load_heads
+from inference_core.spec.draft_heads import (EagleDrafter, EagleDraftPool, MedusaDrafter, draft_together, find_heads,
+                                             lm_head_rows, load_heads)
 from inference_core.model import w4a8_kernel
 from inference_core.model.llama import Linear, packed_bf16_available
 from inference_core.quant.linear import QuantConfig, QuantLinear
@@ -163,9 +164,10 @@ def test_greedy_with_trained_heads_compiled_is_lossless_and_never_eager(tiny, ti
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_tree_and_a_chain_of_two_requests_verify_in_one_forward(tiny, tiny_heads, compiled):
-    """Two EAGLE requests at once, one drafting a tree (2 wide, one level, every node) and one a chain of 2, verify
-    in one forward a step on a compiled engine (the query step: 2 sequences of 3 tokens, the tree under its mask, its
-    KV committed only for the path kept); eager, the tree takes a forward of its own beside one for the chain. Each
+    """Two EAGLE requests at once, one drafting a tree (2 wide, one level, every node) and one a chain of 2, draft
+    together and verify in one forward a step on a compiled engine (the draft step's packages of 2 sequences; the
+    query step: 2 sequences of 3 tokens, the tree under its mask, its KV committed only for the path kept); eager,
+    each drafts alone and the tree takes a forward of its own beside one for the chain. Each
     answer is its solo plain greedy one; the same prompts again, served from the prefix cache, still are (a tree's
     nodes committed in slot order would have cached blocks whose keys are not their tokens'); the pool ends empty."""
     if compiled and compile_unavailable(torch.device("cpu")) is not None:
@@ -192,6 +194,7 @@ def test_a_tree_and_a_chain_of_two_requests_verify_in_one_forward(tiny, tiny_hea
     if compiled:
         stats = engine.compile_stats()
         assert stats["fallbacks"] == {} and stats["steps_by_bucket"]["2x3 query"] > 0
+        assert stats["draft_steps"]["2x1-token"] > 0 and stats["draft_steps"]["2x2-token"] > 0, stats["draft_steps"]
     assert [engine.complete(ids + answer[:12], params).token_ids for ids, answer in zip(prompts, want)] == \
         [Engine(tiny, EngineConfig(kv_mode="paged", block_size=4)).complete(ids + answer[:12], params).token_ids
          for ids, answer in zip(prompts, want)]
@@ -256,19 +259,21 @@ def test_trees_verify_in_cudas_flat_step_as_plain_greedy_decodes(tiny, tiny_head
 @pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
 def test_a_compiled_engines_eagle_drafts_step_through_its_packages_as_eager_ones_do(tiny, tiny_heads, tiny_answers):
     """A compiled engine's EAGLE drafter steps its layer through the draft step's packages (`EagleDraftStep`, one a
-    token bucket, built by the warm-up): a catch-up of 1, 2 or 3 positions (padded to 4) and each draft after it give
-    the eager drafter's distributions and drafts; a catch-up past the largest bucket (after a prompt) runs eager."""
+    bucket of sequences and of tokens, built by the warm-up), its keys and values a slot of the engine's pool: a
+    catch-up of 1, 2 or 3 positions (padded to 4) and each draft after it give the eager drafter's distributions and
+    drafts, and so does a catch-up past the largest bucket (after a prompt), in parts (8 positions, then 4). Its slot
+    goes back to the pool."""
     engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4, compile=True))
     engine.load_draft_heads("eagle", tiny_heads["eagle"][0])
     spec = engine.resolve_spec(SpecConfig("eagle", k=3))
     engine.warm_up_compiled((1,), spec)
     compiled, eager = engine._drafter(spec), engine._drafter(spec)
-    assert compiled.compiled is not None
-    eager.compiled = None
+    assert compiled.pool is engine._draft_pool
+    eager.pool = None
     ids = tiny_answers[0][:24]
     features = model_targets(tiny, [ids], progress=False)[0][0]
     observed = 0
-    for last in (12, 13, 15, 18):  # catch up over 12 positions (eager), then 1, 2 and 3; each time draft three
+    for last in (12, 13, 15, 18):  # catch up over 12 positions (8 + 4), then 1, 2 and 3; each time draft three
         proposals = []
         for drafter in (compiled, eager):
             drafter.observe(observed, features[observed:last])
@@ -277,12 +282,62 @@ def test_a_compiled_engines_eagle_drafts_step_through_its_packages_as_eager_ones
         observed = last
         assert proposals[0][0] == proposals[1][0], last
         torch.testing.assert_close(proposals[0][1], proposals[1][1], atol=1e-5, rtol=0, msg=str(last))
-    assert engine.compile_stats()["draft_steps"] == {"1-token": 9, "2-token": 1, "4-token": 1}
+    assert engine.compile_stats()["draft_steps"] == {"1-token": 9, "2-token": 1, "4-token": 2, "8-token": 1}
+    free = len(engine._draft_pool.free)
+    compiled.close()
+    assert len(engine._draft_pool.free) == free + 1
     # The packages are keyed by the heads' weights (an engine may load other heads): the same file, the same key.
     first, second = (load_heads(tiny_heads["eagle"][0], tiny.config) for _ in range(2))
     assert first.identity() == second.identity()
     second.network.fc.bias.data.add_(1.0)
     assert first.identity() != second.identity()
+
+
+def test_eagle_drafters_of_one_pool_draft_together_as_each_alone(tiny, tiny_heads, tiny_answers, our_ops):
+    """Three EAGLE drafters with slots in one pool (`EagleDraftPool`, its draft step run eagerly here: the packages'
+    graph) draft together (`draft_together`: each layer step one call, padded to 4 sequences, one of them empty, and
+    to a bucket of tokens) exactly what each drafts alone with a cache of its own, in two rounds: a sampled chain, a
+    pruned tree and a greedy chain; the first round's catch-up of 12 positions steps its first 8 alone. A fourth
+    drafter finds no slot; closed drafters give their slots back."""
+    heads = load_heads(tiny_heads["eagle"][0], tiny.config)
+    calls = []
+
+    def run(graph, sequences, tokens, inputs):
+        calls.append((sequences, tokens))
+        assert inputs[0].shape[0] == tokens and inputs[2].shape[0] == tokens + 4 * sequences + 1
+        return graph(*inputs)
+
+    pool = EagleDraftPool(heads, tiny.model, 64, 3, [1, 2, 4, 8], run)
+    together = [EagleDrafter(heads, tiny.model, 64, pool) for _ in range(3)]
+    alone = [EagleDrafter(heads, tiny.model, 64) for _ in range(3)]
+    extra = EagleDrafter(heads, tiny.model, 64, pool)
+    assert [drafter.slot for drafter in together] == [0, 1, 2] and all(d.pool is None for d in alone + [extra])
+    texts = [tiny_answers[index][:24] for index in (1, 2, 3)]
+    hidden = [model_targets(tiny, [text], progress=False)[0][0] for text in texts]
+    seen = [0, 0, 0]
+    for lasts in ((12, 6, 4), (13, 8, 7)):  # catch-ups of 12 (8 alone, then 4), 6 and 4; then of 1, 2 and 3
+        proposals, calls[:] = [], []
+        for drafters in (together, alone):
+            for drafter, first, last, states in zip(drafters, seen, lasts, hidden):
+                drafter.observe(first, states[first:last])
+            jobs = [drafters[0].chain_job(Sequence(texts[0][:lasts[0] + 1]), 3, SamplingParams(temperature=1.0),
+                                          torch.Generator().manual_seed(lasts[0])),
+                    drafters[1].tree_job(Sequence(texts[1][:lasts[1] + 1]), 3, 2, prune=True),
+                    drafters[2].chain_job(Sequence(texts[2][:lasts[2] + 1]), 2, SamplingParams(), None)]
+            proposals.append(draft_together(jobs))
+        seen = list(lasts)
+        (chain, probs), tree, (greedy, _) = proposals[0]
+        assert chain == proposals[1][0][0] and len(chain) == 3, lasts
+        torch.testing.assert_close(probs, proposals[1][0][1], atol=1e-5, rtol=0, msg=str(lasts))
+        assert tree == proposals[1][1] and tree, lasts
+        assert greedy == proposals[1][2][0] and len(greedy) == 2, lasts
+        # The catch-ups (8 positions alone, then 4 + 6 + 4: 4 sequences of up to 4; then 1 + 2 + 3: 4 of up to
+        # 2), then the drafts.
+        catch_ups = [(1, 8), (4, 16)] if lasts[0] == 12 else [(4, 8)]
+        assert calls[:len(catch_ups) + 1] == catch_ups + [(4, 4)], calls
+    for drafter in together + alone + [extra]:
+        drafter.close()
+    assert sorted(pool.free) == [0, 1, 2]
 
 
 @pytest.mark.skipif(not packed_bf16_available(), reason="bf16 heads run packed only on a CPU with native bf16 math")

@@ -101,8 +101,10 @@ def test_a_group_of_speculating_requests_drafts_what_a_verification_of_few_rows_
         assert engine.verify_rows is None  # fp32, eager: no measured row count, every request drafts its k
         engine.verify_rows = rows
         if rows:
-            assert [engine.drafts_that_fit(3, 1, group) for group in (1, 2, 3, 4, 8)] == [3, 3, 1, 1, 1]
-            assert [engine.drafts_that_fit(2, 3, group) for group in (1, 2)] == [2, 1]
+            assert [engine.drafts_that_fit(3, 1, group) for group in (1, 2, 3, 4, 8)] == [(3, 1), (3, 1), (1, 1),
+                                                                                            (1, 1), (1, 1)]
+            # a tree's levels, then no room for one: a chain
+            assert [engine.drafts_that_fit(2, 3, group) for group in (1, 2, 3)] == [(2, 3), (1, 3), (1, 1)]
             assert engine.compiled_queries(spec, 4) == ()  # eager: no query step to compile
         want = [engine.complete(ids, params).token_ids for ids in prompts]
         requests = [engine.submit(ids, params, spec=spec) for ids in prompts]

@@ -134,6 +134,7 @@ def test_generate_streams_text(bundled, capsys):
     (["batch-bench", "--rates", "1,2", "--arrival", "poisson:2"], "--rates sets the arrivals"),
     (["batch-bench", "--slo-tpot-ms", "-1"], "the TPOT target must be a number of milliseconds above 0"),
     (["batch-bench", "--quant-activations", "int8"], "int8 activations go with quantized weights"),
+    (["batch-bench", "--spec", "eagle", "--spec-tree-width", "0"], "tree width must be an integer from 1 to"),
     (["bench", "--repeats", "0", "--no-hf"], "--repeats >= 1"),
     (["bench", "--prompts", "no-such-prompts.jsonl", "--no-hf"], "prompt file no-such-prompts.jsonl does not exist"),
 ])

@@ -340,7 +340,7 @@ class EagleDraftPool:
                  torch.tensor(positions[:total]))
         self.keys[where] = keys[:total]
         self.values[where] = values[:total]
-        return [(out[end - 1], scores[index_]) for index_, end in enumerate(starts[1:count] + [total])]
+        return [(out[end - 1], scores[row]) for row, end in enumerate(starts[1:count] + [total])]
 
 
 def rope_tables(model: CausalLM, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

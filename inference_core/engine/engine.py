@@ -48,7 +48,7 @@ from inference_core.spec.decoding import (HIDDEN_READERS, MAX_K, ChainDraft, Dra
                                           finish_tree, next_k)
 from inference_core.spec import defaults as spec_defaults
 from inference_core.spec.draft_heads import (DraftHeads, EagleDrafter, EagleDraftPool, MedusaDrafter, draft_together,
-                                             find_heads, load_heads)
+                                             find_heads, load_heads, medusa_together)
 from inference_core.spec.pays import SpeculationPolicy
 from inference_core.structured import Grammars
 
@@ -712,24 +712,33 @@ class Engine:
 
     def _draft_together(self, requests: list[Request],
                         rooms: list[tuple[int, int]]) -> tuple[dict[int, tuple | list], float]:
-        """The proposals of a step's speculating EAGLE requests whose drafters share the engine's pool, drafted
-        together (`draft_together`: each layer step one package call for all of them), by request index; each
-        request's stats are charged an equal share of the time. ({}, 0) where fewer than two would draft so. Also
-        the seconds spent catching up on positions past the packages' largest (after plain steps), which a step of
-        a group that drafts every step does not spend."""
-        jobs = {}
+        """The proposals of a step's speculating requests whose drafters are trained heads, drafted together by
+        request index: EAGLE's drafters in the engine's pool (`draft_together`: each layer step one package call for
+        all of them), Medusa's of the same heads (`medusa_together`: one pass of the heads and one of the scoring
+        rows); each request's stats are charged an equal share of the time. A kind with fewer than two such
+        requests drafts request by request. Also the seconds spent catching up on positions past EAGLE's largest
+        package (after plain steps), which a step of a group that drafts every step does not spend."""
+        eagle, medusa = {}, {}
         for index, (request, (k, width)) in enumerate(zip(requests, rooms)):
-            if k > 0 and getattr(request.drafter, "pool", None) is not None:
-                jobs[index] = (request.drafter.tree_job(request.seq, k, width, request.spec.tree_prune) if width > 1
-                               else request.drafter.chain_job(request.seq, k, request.params, request.generator))
-        if len(jobs) < 2:
-            return {}, 0.0
-        started = time.perf_counter()
-        proposals = draft_together(list(jobs.values()))
-        share_ms = (time.perf_counter() - started) * 1e3 / len(jobs)
-        for index in jobs:
-            requests[index].spec_stats.draft_ms += share_ms
-        return dict(zip(jobs, proposals)), sum(job.catch_up_s for job in jobs.values())
+            drafter = request.drafter
+            if k > 0 and (getattr(drafter, "pool", None) is not None or isinstance(drafter, MedusaDrafter)):
+                jobs = medusa if isinstance(drafter, MedusaDrafter) else eagle
+                jobs[index] = (drafter.tree_job(request.seq, k, width, request.spec.tree_prune) if width > 1
+                               else drafter.chain_job(request.seq, k, request.params, request.generator))
+        if medusa:  # (heads loaded again since a request began: that request drafts alone)
+            heads = next(iter(medusa.values())).drafter.heads
+            medusa = {index: job for index, job in medusa.items() if job.drafter.heads is heads}
+        proposals, catch_up_s = {}, 0.0
+        for jobs, together in ((eagle, draft_together), (medusa, medusa_together)):
+            if len(jobs) < 2:
+                continue
+            started = time.perf_counter()
+            proposals.update(zip(jobs, together(list(jobs.values()))))
+            share_ms = (time.perf_counter() - started) * 1e3 / len(jobs)
+            for index in jobs:
+                requests[index].spec_stats.draft_ms += share_ms
+            catch_up_s += sum(getattr(job, "catch_up_s", 0.0) for job in jobs.values())
+        return proposals, catch_up_s
 
     # --- single-request use ---------------------------------------------------------------------------------------
 

@@ -555,39 +555,75 @@ class MedusaDrafter(_HeadScorer):
         """The target's hidden states at positions first_position.. (a forward's tokens, accepted ones only)."""
         self.feature, self.position = hidden[-1].to(self.heads.dtype), first_position + len(hidden) - 1
 
-    def _head_scores(self, seq: Sequence, max_drafts: int) -> torch.Tensor | None:
-        """[heads, draft vocab]: every head's scores (one pass over the scoring rows), or None while there is no
-        hidden state for this position yet (the caller takes a plain step)."""
-        if self.feature is None or self.position != len(seq) - 2:
-            return None
-        with torch.inference_mode():
-            return self.scores(self.heads.network(self.feature)[:max_drafts])
+    def ready(self, seq: Sequence) -> bool:
+        """Whether it holds the hidden state that predicted the sequence's last token (else the caller takes a plain
+        step)."""
+        return self.feature is not None and self.position == len(seq) - 2
+
+    def chain_job(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator) -> MedusaJob:
+        """A chain's proposal (`propose`) as a job for `medusa_together`."""
+        def result(head_scores):
+            if head_scores is None:
+                return [], None
+            drafts, probs = [], []
+            for scores in head_scores:
+                token, q = self.draft(scores, params, generator)
+                drafts.append(token)
+                probs.append(q)
+            return drafts, None if params.greedy else torch.stack(probs)
+
+        return MedusaJob(self, seq, max_drafts, result)
+
+    def tree_job(self, seq: Sequence, depth: int, width: int, prune: bool = False) -> MedusaJob:
+        """Greedy tree candidates (`propose_tree`) as a job for `medusa_together`: per position, the `width` best
+        tokens of its head, best first; with `prune`, fewer positions and candidates where the heads are unsure
+        (`tree_level`, TREE_GO_ON)."""
+        def result(head_scores):
+            levels, reach = [], 1.0
+            for scores in [] if head_scores is None else head_scores:
+                candidates, reach = self.tree_level(scores, width, reach, prune)
+                levels.append(candidates)
+                if prune and reach < TREE_GO_ON:
+                    break
+            return levels
+
+        return MedusaJob(self, seq, depth, result)
 
     def propose(self, seq: Sequence, max_drafts: int, params: SamplingParams, generator):
-        head_scores = self._head_scores(seq, max_drafts)
-        if head_scores is None:
-            return [], None
-        drafts, probs = [], []
-        for scores in head_scores:
-            token, q = self.draft(scores, params, generator)
-            drafts.append(token)
-            probs.append(q)
-        return drafts, None if params.greedy else torch.stack(probs)
+        return medusa_together([self.chain_job(seq, max_drafts, params, generator)])[0]
 
     def propose_tree(self, seq: Sequence, depth: int, width: int, prune: bool = False) -> list[list[int]]:
-        """Greedy tree candidates: per position, the `width` best tokens of its head, best first ([] as propose);
-        with `prune`, fewer positions and candidates where the heads are unsure (`tree_level`, TREE_GO_ON)."""
-        head_scores = self._head_scores(seq, depth)
-        levels, reach = [], 1.0
-        for scores in [] if head_scores is None else head_scores:
-            candidates, reach = self.tree_level(scores, width, reach, prune)
-            levels.append(candidates)
-            if prune and reach < TREE_GO_ON:
-                break
-        return levels
+        return medusa_together([self.tree_job(seq, depth, width, prune)])[0]
 
     def close(self) -> None:
         self.feature = None
+
+
+@dataclass
+class MedusaJob:
+    """One Medusa drafter's proposal for `medusa_together`: `result(head_scores)` turns its first `max_drafts`
+    heads' scores [heads, draft vocab] (None without the hidden state it needs) into the proposal."""
+
+    drafter: MedusaDrafter
+    seq: Sequence
+    max_drafts: int
+    result: Callable
+
+
+def medusa_together(jobs: list[MedusaJob]) -> list:
+    """The proposals of several Medusa drafters of the same heads (each job's `result`): every head over every
+    ready drafter's hidden state, and their scoring, in one pass each."""
+    ready = [index for index, job in enumerate(jobs) if job.drafter.ready(job.seq)]
+    scores: list = [None] * len(jobs)
+    if ready:
+        drafter, most = jobs[ready[0]].drafter, max(jobs[index].max_drafts for index in ready)
+        with torch.inference_mode():
+            features = torch.stack([jobs[index].drafter.feature for index in ready])  # [requests, hidden]
+            heads = drafter.heads.network(features)[:, :most]  # [requests, heads, hidden]
+            rows = drafter.scores(heads.reshape(-1, heads.shape[-1])).view(len(ready), heads.shape[1], -1)
+        for row, index in enumerate(ready):
+            scores[index] = rows[row, :jobs[index].max_drafts]
+    return [job.result(head_scores) for job, head_scores in zip(jobs, scores)]
 
 
 class EagleDrafter(_HeadScorer):

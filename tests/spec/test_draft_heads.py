@@ -17,7 +17,8 @@ from inference_core import ConfigError, Engine, EngineConfig, SamplingParams
 from inference_core import load_model
 from inference_core.engine.compiled import compile_unavailable
 from inference_core.spec.draft_heads import (EagleDrafter, EagleDraftPool, MedusaDrafter, draft_together, find_heads,
-                                             lm_head_rows, load_heads)
+                                             lm_head_rows, load_heads, medusa_together)
+from inference_core.engine import engine as engine_module
 from inference_core.model import w4a8_kernel
 from inference_core.model.llama import Linear, packed_bf16_available
 from inference_core.quant.linear import QuantConfig, QuantLinear
@@ -338,6 +339,47 @@ def test_eagle_drafters_of_one_pool_draft_together_as_each_alone(tiny, tiny_head
     for drafter in together + alone + [extra]:
         drafter.close()
     assert sorted(pool.free) == [0, 1, 2]
+
+
+def test_medusa_drafters_draft_together_as_each_alone(tiny, tiny_heads, tiny_answers, monkeypatch):
+    """Medusa drafters of the same heads draft together (`medusa_together`: the heads and the scoring rows in one
+    pass over every ready drafter's hidden state) what each drafts alone: a sampled chain, a pruned tree, a greedy
+    chain, and nothing for a drafter without the hidden state it needs. In an engine, two Medusa requests at once
+    draft so, and each answer is its plain greedy one."""
+    heads = load_heads(tiny_heads["medusa"][0], tiny.config)
+    texts = [tiny_answers[index][:20] for index in (1, 2, 3, 4)]
+    features = [model_targets(tiny, [text], progress=False)[0][0] for text in texts]
+    proposals = []
+    for together in (True, False):
+        drafters = [MedusaDrafter(heads, tiny.model) for _ in texts]
+        for drafter, states, last in zip(drafters, features, (12, 9, 15, 10)):
+            drafter.observe(0, states[:last])  # the hidden state that predicted token `last`
+        seqs = [Sequence(text[:last + 1]) for text, last in zip(texts, (12, 9, 15, 11))]  # the last one: a gap
+        jobs = [drafters[0].chain_job(seqs[0], 3, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0)),
+                drafters[1].tree_job(seqs[1], 3, 2, prune=True),
+                drafters[2].chain_job(seqs[2], 2, SamplingParams(), None),
+                drafters[3].chain_job(seqs[3], 2, SamplingParams(), None)]
+        proposals.append(medusa_together(jobs) if together else [medusa_together([job])[0] for job in jobs])
+    (chain, probs), tree, (greedy, _), nothing = proposals[0]
+    assert chain == proposals[1][0][0] and len(chain) == 3
+    torch.testing.assert_close(probs, proposals[1][0][1], atol=1e-5, rtol=0)
+    assert tree == proposals[1][1] and tree and greedy == proposals[1][2][0] and len(greedy) == 2
+    assert nothing == ([], None)
+
+    calls = []
+    together = engine_module.medusa_together
+    monkeypatch.setattr(engine_module, "medusa_together", lambda jobs: calls.append(len(jobs)) or together(jobs))
+    engine = Engine(tiny, EngineConfig(kv_mode="paged", block_size=4, max_num_seqs=2, speculate_when_it_pays=False))
+    engine.load_draft_heads("medusa", tiny_heads["medusa"][0])
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts, specs = ([1, 5, 9, 3], [7, 7, 4, 2]), (SpecConfig("medusa", k=2, tree_width=2), SpecConfig("medusa", k=2))
+    want = [Engine(tiny, EngineConfig(kv_mode="paged", block_size=4)).complete(ids, params).token_ids
+            for ids in prompts]
+    requests = [engine.submit(ids, params, spec=spec) for ids, spec in zip(prompts, specs)]
+    run_to_end(engine)
+    assert [request.events[-1].token_ids for request in requests] == want
+    assert 2 in calls
+    assert_nothing_held(engine)
 
 
 @pytest.mark.skipif(not packed_bf16_available(), reason="bf16 heads run packed only on a CPU with native bf16 math")

@@ -196,6 +196,7 @@ def test_a_tree_and_a_chain_of_two_requests_verify_in_one_forward(tiny, tiny_hea
         stats = engine.compile_stats()
         assert stats["fallbacks"] == {} and stats["steps_by_bucket"]["2x3 query"] > 0
         assert stats["draft_steps"]["2x1-token"] > 0 and stats["draft_steps"]["2x2-token"] > 0, stats["draft_steps"]
+        assert sorted(engine._draft_pool.free) == [0, 1, 2]  # every finished request's slot back in the pool
     assert [engine.complete(ids + answer[:12], params).token_ids for ids, answer in zip(prompts, want)] == \
         [Engine(tiny, EngineConfig(kv_mode="paged", block_size=4)).complete(ids + answer[:12], params).token_ids
          for ids, answer in zip(prompts, want)]

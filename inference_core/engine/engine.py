@@ -821,7 +821,7 @@ class Engine:
         package, and so do trained heads' short prompts and, alone, their plain steps (one token, its hidden state
         read); in a group, those have a package of one query: in the verification's package, 4 EAGLE requests kept
         plain where that paid took 14.3 ms a step against a decode step's 11.7.
-        EAGLE's draft layer runs through packages of its own (`_eagle_step`); early exit's and a draft model's passes
+        EAGLE's draft layer runs through packages of its own (`_eagle_pool`); early exit's and a draft model's passes
         run eager. A pruned tree (`SpecConfig.tree_prune`) may be smaller than its most: it verifies in the least of
         a few packages that holds it (2, 3, 4, 5, 7, 9, 13 or 17 tokens, up to its most). CUDA's torch.compile
         backend has no query step: its verifications (chains and trees) and hidden-state steps run in the flat step

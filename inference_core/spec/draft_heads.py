@@ -265,12 +265,12 @@ class EagleDraftStep(nn.Module):
         rows = out.index_select(0, index[ends[3]:].long())
         return out, k[0], v[0], self.scorer(rows)[:, :self.vocab].float()
 
-    def example(self, sequences: int, tokens: int, pool: EagleDraftPool, embedding: torch.Tensor) -> tuple:
+    def example(self, sequences: int, tokens: int, pool: EagleDraftPool) -> tuple:
         """Inputs of a step of `sequences` and `tokens` over `pool`, for building its package before a request."""
         hidden = self.cos.new_zeros(tokens, len(self.layer.norm.weight))
         index = [0] * tokens + [0] + [tokens] * sequences + [0] * 3 * sequences
         return (hidden, torch.zeros(tokens, dtype=torch.long), torch.tensor(index, dtype=torch.int32),
-                pool.keys, pool.values, embedding)
+                pool.keys, pool.values, pool.embedding)
 
 
 class EagleDraftPool:
@@ -306,7 +306,7 @@ class EagleDraftPool:
         """Build (or load) the packages of a bucket of `sequences`, each of its token buckets."""
         for size in DRAFT_TOKENS:
             self.run(self.graph, sequences, sequences * size,
-                     self.graph.example(sequences, sequences * size, self, self.embedding))
+                     self.graph.example(sequences, sequences * size, self))
 
     def step(self, items: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One package call for `items`, each (drafter with a slot here, features [n, hidden] at positions start..,
@@ -318,13 +318,14 @@ class EagleDraftPool:
         total = sum(len(token_ids) for _, _, token_ids, _ in items)
         tokens = next(sequences * size for size in DRAFT_TOKENS if sequences * size >= total)
         features = [features for _, features, _, _ in items]
-        token_ids, positions, starts, cached, slots = [], [], [0], [], []
+        token_ids, positions, starts, cached, slots, token_slots = [], [], [0], [], [], []
         for drafter, _, ids, start in items:
             token_ids += ids
             positions += range(start, start + len(ids))
             starts.append(starts[-1] + len(ids))
             cached.append(start)
             slots.append(drafter.slot)
+            token_slots += [drafter.slot] * len(ids)
         rows = [end - 1 for end in starts[1:]]
         if tokens > total:  # padding rows after the last sequence's, attending only to what is before them
             features.append(features[-1][-1:].expand(tokens - total, -1))
@@ -336,8 +337,7 @@ class EagleDraftPool:
         out, keys, values, scores = self.run(self.graph, sequences, tokens, (
             torch.cat(features), torch.tensor(token_ids), torch.tensor(index, dtype=torch.int32), self.keys,
             self.values, self.embedding))
-        where = (torch.tensor([slot for slot, (_, _, ids, _) in zip(slots, items) for _ in ids]),
-                 torch.tensor(positions[:total]))
+        where = (torch.tensor(token_slots), torch.tensor(positions[:total]))
         self.keys[where] = keys[:total]
         self.values[where] = values[:total]
         return [(out[end - 1], scores[row]) for row, end in enumerate(starts[1:count] + [total])]
